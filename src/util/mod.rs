@@ -1,0 +1,3 @@
+//! Small shared helpers: atomic file output.
+
+pub mod fs;

@@ -1,0 +1,37 @@
+//! Locations of the data the integration tests read: the real models
+//! (`INFERNIX_MODELS`, else `models/`, filled by `scripts/fetch-models.sh`),
+//! the corpora (`INFERNIX_DATA`, else `../shared/corpora`) and the reference
+//! figures (`INFERNIX_REFERENCE`, else `../shared/reference`). A missing
+//! location fails the test with the variable to set: nothing is skipped.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+fn located(var: &str, default: &str, what: &str) -> PathBuf {
+    let p = std::env::var_os(var)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(default));
+    assert!(p.exists(), "{what} not found at {} (set {var}, or run scripts/fetch-models.sh)", p.display());
+    p
+}
+
+pub fn models_dir() -> PathBuf {
+    located("INFERNIX_MODELS", "models", "model folder")
+}
+
+pub fn data_root() -> PathBuf {
+    located("INFERNIX_DATA", "../shared/corpora", "corpus data root")
+}
+
+pub fn reference_dir() -> PathBuf {
+    located("INFERNIX_REFERENCE", "../shared/reference", "reference folder")
+}
+
+pub const SMOLLM2_GGUF: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+pub const GEMMA3_GGUF: &str = "gemma-3-270m-q4_k_m.gguf";
+
+pub fn model(file: &str) -> PathBuf {
+    let p = models_dir().join(file);
+    assert!(p.exists(), "{} missing: run scripts/fetch-models.sh", p.display());
+    p
+}
