@@ -8,5 +8,7 @@
 //! `score` (NLL statistics) and `report` (report.json and the table).
 
 pub mod artifact;
+pub mod cli;
+
 pub mod convert;
 pub mod util;
