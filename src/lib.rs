@@ -9,4 +9,7 @@
 
 pub mod artifact;
 pub mod convert;
+pub mod plan;
+pub mod score;
+pub mod text;
 pub mod util;
