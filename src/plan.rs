@@ -193,7 +193,7 @@ fn plan_chunks(n_tokens: usize, context: usize, add_bos: bool, limit: usize) -> 
     if context < 3 {
         bail!("--context {context} is too small for the chunks method: at least 3 (a chunk scores context - context/2 - 1 tokens)");
     }
-    let n_min = context.checked_mul(2).unwrap_or(usize::MAX);
+    let n_min = context.saturating_mul(2);
     if n_tokens < n_min {
         bail!(
             "chunks method: the stream has {n_tokens} tokens, fewer than two chunks of --context {context} \
@@ -336,8 +336,8 @@ mod tests {
                 prop_assert!(win.end <= n);
                 prop_assert!(win.scored() >= 1);
                 prop_assert!(!win.replace_first_with_bos);
-                for t in win.first_target..win.end {
-                    hits[t] += 1;
+                for h in &mut hits[win.first_target..win.end] {
+                    *h += 1;
                 }
             }
             prop_assert_eq!(hits[0], 0);

@@ -15,12 +15,13 @@
 //!                  "path": "wikitext-2-raw/wiki.test.raw", "bytes": 1290590,
 //!                  "sha256": "173c...", "url": "https://raw.githubusercontent.com/...",
 //!                  "license": "...", "source": "owner/repo@commit:path",
-//!                  "source_encoding": "ISO-8859-1" } ] }
+//!                  "source_encoding": "ISO-8859-1", "source_sha256": "e3fb..." } ] }
 //! ```
 //! `path` is relative to the data root; `source_encoding` (optional) says the
 //! file at `url` is in that encoding and the stream is its UTF-8 conversion
-//! (`scripts/download-corpus.py` applies it); `bytes` and `sha256` are always
-//! of the stream as stored (UTF-8).
+//! (`scripts/download-corpus.py` applies it) and `source_sha256` (optional)
+//! pins the downloaded bytes before conversion; `bytes` and `sha256` are
+//! always of the stream as stored (UTF-8).
 
 use std::collections::HashSet;
 use std::path::{Component, Path, PathBuf};
@@ -58,6 +59,9 @@ pub struct StreamSpec {
     /// Encoding of the file at `url` when it is not UTF-8 (the stream is its conversion).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source_encoding: Option<String>,
+    /// SHA-256 of the file at `url` before conversion (with `source_encoding`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_sha256: Option<String>,
 }
 
 /// A parsed and validated corpus manifest.
@@ -128,8 +132,11 @@ fn validate(m: &Manifest) -> Result<()> {
         if s.path.is_empty() || !p.components().all(|c| matches!(c, Component::Normal(_))) {
             bail!("stream {}: field `path` {:?} must be a relative path without `..`", s.id, s.path);
         }
-        if s.sha256.len() != 64 || !s.sha256.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+        if !is_sha256_hex(&s.sha256) {
             bail!("stream {}: field `sha256` {:?} is not 64 lowercase hex digits", s.id, s.sha256);
+        }
+        if let Some(h) = s.source_sha256.as_deref().filter(|h| !is_sha256_hex(h)) {
+            bail!("stream {}: field `source_sha256` {h:?} is not 64 lowercase hex digits", s.id);
         }
         if let Some(enc) = &s.source_encoding {
             if enc != SOURCE_ENCODING_LATIN1 {
@@ -138,6 +145,10 @@ fn validate(m: &Manifest) -> Result<()> {
         }
     }
     Ok(())
+}
+
+fn is_sha256_hex(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 /// The streams to score: with `quick`, the first stream of each domain (in
