@@ -11,4 +11,7 @@ pub mod artifact;
 pub mod cli;
 
 pub mod convert;
+pub mod plan;
+pub mod score;
+pub mod text;
 pub mod util;

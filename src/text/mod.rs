@@ -1,0 +1,3 @@
+//! Text input: corpus manifests and the tokenizer.
+
+pub mod corpus;
