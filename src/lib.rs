@@ -9,7 +9,7 @@
 
 pub mod artifact;
 pub mod cli;
-
+pub mod config;
 pub mod convert;
 pub mod plan;
 pub mod score;
