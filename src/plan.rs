@@ -155,12 +155,16 @@ pub fn plan_windows(
     }
     let limit = max_windows.unwrap_or(usize::MAX);
     match *method {
-        Method::Sliding { context, stride } => plan_sliding(n_tokens, context, stride, limit),
+        Method::Sliding { context, stride } => plan_sliding(n_tokens, context, stride, bos.is_some(), limit),
         Method::Chunks { context } => plan_chunks(n_tokens, context, bos.is_some(), limit),
     }
 }
 
-fn plan_sliding(n_tokens: usize, context: usize, stride: usize, limit: usize) -> Result<Vec<Window>> {
+/// Windows after the first start mid-stream; when the vocabulary adds BOS,
+/// their first input token (context, never a target, since `context > stride`)
+/// is replaced by BOS, as llama.cpp does for its chunks, so every window sees
+/// the start-of-sequence state the model was trained with.
+fn plan_sliding(n_tokens: usize, context: usize, stride: usize, add_bos: bool, limit: usize) -> Result<Vec<Window>> {
     if stride == 0 {
         bail!("--stride is 0: it must be at least 1");
     }
@@ -182,7 +186,7 @@ fn plan_sliding(n_tokens: usize, context: usize, stride: usize, limit: usize) ->
             begin: first_target - n_history,
             end,
             first_target,
-            replace_first_with_bos: false,
+            replace_first_with_bos: add_bos,
         });
         first_target = end;
     }
@@ -323,6 +327,15 @@ mod tests {
 
     fn sliding_params() -> impl Strategy<Value = (usize, usize, usize)> {
         (2usize..64).prop_flat_map(|context| (Just(context), 1..context, 2usize..2000))
+    }
+
+    #[test]
+    fn sliding_later_windows_start_with_bos_when_the_vocabulary_adds_it() {
+        let w = plan_windows(10_000, &Method::Sliding { context: 4096, stride: 2048 }, Some(2), None).unwrap();
+        assert!(!w[0].replace_first_with_bos);
+        assert!(w[1..].iter().all(|w| w.replace_first_with_bos && w.begin < w.first_target));
+        let w = plan_windows(10_000, &Method::Sliding { context: 4096, stride: 2048 }, None, None).unwrap();
+        assert!(w.iter().all(|w| !w.replace_first_with_bos));
     }
 
     proptest! {
