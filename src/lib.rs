@@ -9,4 +9,5 @@
 
 pub mod artifact;
 pub mod convert;
+pub mod text;
 pub mod util;

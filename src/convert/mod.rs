@@ -2,3 +2,4 @@
 //! geometries) into `.ninfer` v3 artifacts without requantization.
 
 pub mod gguf;
+pub mod tokenizer;
