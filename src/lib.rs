@@ -12,6 +12,7 @@ pub mod cli;
 pub mod config;
 pub mod convert;
 pub mod plan;
+pub mod report;
 pub mod score;
 pub mod text;
 pub mod util;
