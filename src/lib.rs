@@ -8,6 +8,7 @@
 //! `score` (NLL statistics) and `report` (report.json and the table).
 
 pub mod artifact;
+pub mod backend;
 pub mod cli;
 pub mod config;
 pub mod convert;

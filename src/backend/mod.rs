@@ -1,0 +1,3 @@
+//! Compute backends for the forward pass. `cpu` is the reference (the oracle).
+
+pub mod cpu;
