@@ -10,4 +10,5 @@
 pub mod artifact;
 pub mod backend;
 pub mod convert;
+pub mod model;
 pub mod util;
