@@ -12,6 +12,7 @@ pub mod backend;
 pub mod cli;
 pub mod config;
 pub mod convert;
+pub mod model;
 pub mod plan;
 pub mod report;
 pub mod score;
