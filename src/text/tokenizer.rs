@@ -128,7 +128,7 @@ mod tests {
 
     /// A tiny SentencePiece vocabulary in the style of Gemma-3: control
     /// tokens, user-defined newline/space runs, byte tokens, scored pieces.
-    fn spm(dir: &std::path::Path) -> (TextTokenizer, Vec<String>) {
+    fn spm(dir: &std::path::Path, add_space_prefix: bool) -> (TextTokenizer, Vec<String>) {
         let mut tokens: Vec<String> = ["<pad>", "<eos>", "<bos>", "<unk>"].map(String::from).to_vec();
         let mut types = vec![3, 3, 3, 2];
         for (t, ty) in [("\n", 4), ("\n\n", 4), ("  ", 4)] {
@@ -158,7 +158,7 @@ mod tests {
                 ),
                 ("tokenizer.ggml.bos_token_id", GgufValue::U32(2)),
                 ("tokenizer.ggml.add_bos_token", GgufValue::Bool(true)),
-                ("tokenizer.ggml.add_space_prefix", GgufValue::Bool(false)),
+                ("tokenizer.ggml.add_space_prefix", GgufValue::Bool(add_space_prefix)),
             ],
         );
         (tk, tokens)
@@ -171,7 +171,7 @@ mod tests {
     #[test]
     fn spm_bos_spaces_added_tokens_crlf_and_byte_fallback() {
         let dir = tempfile::tempdir().unwrap();
-        let (tk, tokens) = spm(dir.path());
+        let (tk, tokens) = spm(dir.path(), false);
         let enc = |s: &str| pieces(&tokens, &tk.encode(s).unwrap());
         // BOS first; "▁ab" is preferred over "▁a"+"b" because merge "▁a"+"b" exists.
         assert_eq!(enc("ab ab"), ["<bos>", "ab", "▁ab"]);
@@ -186,6 +186,16 @@ mod tests {
         let ids = tk.encode("<bos>").unwrap();
         assert_eq!(ids.iter().filter(|&&i| i == 2).count(), 1, "{:?}", pieces(&tokens, &ids));
         assert_eq!(tk.decode(&tk.encode("ab ab\né").unwrap()[1..]), "ab ab\né");
+    }
+
+    #[test]
+    fn spm_space_prefix_goes_before_every_raw_text_fragment() {
+        let dir = tempfile::tempdir().unwrap();
+        let (tk, tokens) = spm(dir.path(), true);
+        let ids = tk.encode("ab\nab").unwrap();
+        // llama.cpp prefixes a space to each fragment after the start or a user-defined token.
+        assert_eq!(pieces(&tokens, &ids), ["<bos>", "▁ab", "\n", "▁ab"]);
+        assert_eq!(tk.decode(&ids[1..2]), "ab");
     }
 
     fn byte_chars() -> Vec<char> {
@@ -253,7 +263,7 @@ mod tests {
     #[test]
     fn parallel_encode_equals_the_crate_encode() {
         let dir = tempfile::tempdir().unwrap();
-        let (spm_tk, _) = spm(dir.path());
+        let (spm_tk, _) = spm(dir.path(), false);
         let dir2 = tempfile::tempdir().unwrap();
         let (gpt_tk, _) = gpt2(dir2.path(), "smollm");
         let text = "ab ab\r\n\n  a  b 12 é\u{feff}<bos> \t\n".repeat(500);
