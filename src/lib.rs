@@ -7,6 +7,7 @@
 //! tokenizer), `plan` (windows), `model` + `backend` (the forward pass),
 //! `score` (NLL statistics) and `report` (report.json and the table).
 
+pub mod app;
 pub mod artifact;
 pub mod backend;
 pub mod cli;

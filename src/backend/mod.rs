@@ -205,3 +205,8 @@ impl BackendKind {
         }
     }
 }
+
+/// Whether `--backend auto` picks CUDA: a driver and at least one device.
+pub fn cuda_available() -> bool {
+    false
+}
