@@ -7,4 +7,4 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 bash scripts/fetch-models.sh
 export INFERNIX_MODELS=${INFERNIX_MODELS:-$root/models}
-cargo test --release "$@"
+cargo test "$@"
