@@ -60,9 +60,10 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         artifact.verify()?;
         info!("verified every tensor's SHA-256");
     }
+    let open_ms = started.elapsed().as_secs_f64() * 1e3;
     let meta = &artifact.meta;
     info!(
-        "artifact {} ({}, {} layers, d_model {}, vocabulary {})",
+        "artifact {} opened in {open_ms:.1} ms ({}, {} layers, d_model {}, vocabulary {})",
         artifact.path.display(),
         meta.architecture.name(),
         meta.hparams.n_layers,
