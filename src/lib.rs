@@ -8,5 +8,6 @@
 //! `score` (NLL statistics) and `report` (report.json and the table).
 
 pub mod artifact;
+pub mod backend;
 pub mod convert;
 pub mod util;
