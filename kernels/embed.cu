@@ -3,8 +3,8 @@
 // Algorithm: out[t, :] = dequant(table[ids[t], :]) * scale for every stored
 // format (F32, F16, BF16, Q4_0 ... IQ4_NL). `scale` is gemma's sqrt(d_model)
 // (1 for llama); the product is one rounded f32 multiply. An id outside
-// [0, n_vocab) writes NaN for the whole row (the launcher validates ids
-// first; the NaN makes a missed check visible instead of reading out of bounds).
+// [0, n_vocab) writes NaN for the whole row (callers validate ids on the host;
+// the NaN makes a missed check visible instead of reading out of bounds).
 //
 // Launch: grid (n_tokens), block 128; each thread dequantizes groups of 8
 // consecutive elements (dequant8) and writes two float4. d_model % 32 == 0.

@@ -166,20 +166,26 @@ impl CudaDevice {
             .map_err(|e| anyhow!("copying {} x {} to the GPU: {e}", host.len(), T::NAME))
     }
 
-    /// Copies a whole buffer back (waits for queued work first).
+    /// Copies a whole buffer back (waits for queued work first and surfaces its errors).
     pub fn download<T: Elem>(&self, buf: &DeviceBuffer<T>) -> Result<Vec<T>> {
-        self.stream()
+        let host = self
+            .stream()
             .clone_dtoh(&buf.slice)
-            .map_err(|e| anyhow!("copying {} x {} from the GPU: {e}", buf.len(), T::NAME))
+            .map_err(|e| anyhow!("copying {} x {} from the GPU: {e}", buf.len(), T::NAME))?;
+        self.synchronize()?;
+        Ok(host)
     }
 
     /// Copies `range` of a buffer back (waits for queued work first).
     pub fn download_range<T: Elem>(&self, buf: &DeviceBuffer<T>, range: Range<usize>) -> Result<Vec<T>> {
         check_range(&range, buf.len())?;
         let view = buf.slice.slice(range.clone());
-        self.stream()
+        let host = self
+            .stream()
             .clone_dtoh(&view)
-            .map_err(|e| anyhow!("copying {}..{} of {} x {} from the GPU: {e}", range.start, range.end, buf.len(), T::NAME))
+            .map_err(|e| anyhow!("copying {}..{} of {} x {} from the GPU: {e}", range.start, range.end, buf.len(), T::NAME))?;
+        self.synchronize()?;
+        Ok(host)
     }
 }
 
