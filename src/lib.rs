@@ -11,4 +11,5 @@ pub mod artifact;
 pub mod backend;
 pub mod convert;
 pub mod model;
+pub mod text;
 pub mod util;
