@@ -7,20 +7,26 @@
 //! by BOS when the vocabulary adds one (Gemma-3: id 2; SmolLM2 adds none),
 //! targets are chunk positions 257..=511 (255 per chunk).
 //!
-//! The quick tests run the first 4 chunks of each model. The full check
-//! (40 chunks, overall perplexity within 0.01 %) is ignored by default; run it
-//! with
-//! `cargo test --release --test cpu_reference -- --ignored --nocapture`.
+//! Token ids come from the artifact's own tokenizer and are checked against
+//! llama.cpp's (count and SHA-256 in `llama-cpp-token-ids.txt`) first.
+//!
+//! The quick tests run the first 4 chunks of each model, and check that two
+//! runs are bit-identical and that prefilling a window in passes gives the
+//! same scores. The full check (40 chunks, overall perplexity within 0.01 %)
+//! is ignored by default; run it with
+//! `cargo test --release --test cpu_reference -- --ignored --nocapture`
+//! (about 5 minutes on 2 cores).
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::path::PathBuf;
+use std::sync::{Mutex, OnceLock};
 
 use infernix_perplexity::artifact::Artifact;
 use infernix_perplexity::backend::cpu::CpuBackend;
 use infernix_perplexity::convert::{self, ConvertOptions};
 use infernix_perplexity::model::{ScoreOptions, Transformer};
+use infernix_perplexity::text::tokenizer::{token_ids_sha256, TextTokenizer};
 
 const CTX: usize = 512;
 const FIRST_TARGET: usize = CTX / 2 + 1;
@@ -50,8 +56,10 @@ const GEMMA3: Case = Case {
 
 /// Converts the GGUF once per test process into a temporary artifact.
 fn artifact(gguf: &str) -> Artifact {
-    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    let dir = DIR.get_or_init(|| tempfile::tempdir().expect("temp dir"));
+    static DIR: OnceLock<Mutex<tempfile::TempDir>> = OnceLock::new();
+    let dir = DIR.get_or_init(|| Mutex::new(tempfile::tempdir().expect("temp dir")));
+    // Held while converting, so parallel tests convert each model once.
+    let dir = dir.lock().unwrap_or_else(|e| e.into_inner());
     let out = dir.path().join(format!("{gguf}.ninfer"));
     if !out.exists() {
         convert::convert(&common::model(gguf), &out, &ConvertOptions::default()).expect("convert");
@@ -59,12 +67,33 @@ fn artifact(gguf: &str) -> Artifact {
     Artifact::open(&out).expect("open artifact")
 }
 
-/// llama.cpp's token ids of wiki.test.raw for this model.
-fn wiki_tokens(case: &Case) -> Vec<u32> {
-    let path = std::env::var_os(format!("SCRATCH_IDS_{}", if case.bos.is_some() { "GEMMA3" } else { "SMOLLM2" }))
-        .map(PathBuf::from)
-        .expect("scratch ids");
-    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+/// llama.cpp's token ids of wiki.test.raw for this model, from the
+/// artifact's tokenizer, checked against `llama-cpp-token-ids.txt`.
+fn wiki_tokens(case: &Case, art: &Artifact) -> Vec<u32> {
+    let text_path = common::data_root().join("wikitext-2-raw/wiki.test.raw");
+    let bytes = std::fs::read(&text_path).unwrap_or_else(|e| panic!("{}: {e}", text_path.display()));
+    let text = String::from_utf8(bytes).expect("wiki.test.raw is UTF-8");
+    let tok = TextTokenizer::from_json(art.tokenizer_json(), &art.meta.tokenizer).expect("tokenizer");
+    let ids = tok.encode(&text).expect("encode");
+    let ref_path = common::reference_dir().join("llama-cpp-token-ids.txt");
+    let refs = std::fs::read_to_string(&ref_path).unwrap_or_else(|e| panic!("{}: {e}", ref_path.display()));
+    let line = refs
+        .lines()
+        .find(|l| l.starts_with(case.gguf) && l.contains("wikitext-2-raw/wiki.test.raw"))
+        .unwrap_or_else(|| panic!("{}: no line for {}", ref_path.display(), case.gguf));
+    let f: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(ids.len().to_string(), f[2], "{}: token count differs from llama.cpp", case.gguf);
+    assert_eq!(token_ids_sha256(&ids), f[3], "{}: token ids differ from llama.cpp", case.gguf);
+    ids
+}
+
+/// Chunk `k` of the stream, BOS in front when the vocabulary adds one.
+fn chunk(case: &Case, tokens: &[u32], k: usize) -> Vec<u32> {
+    let mut c = tokens[k * CTX..(k + 1) * CTX].to_vec();
+    if let Some(bos) = case.bos {
+        c[0] = bos;
+    }
+    c
 }
 
 /// (chunk, mean NLL) from a reference file: `chunk nll_sum mean_nll` lines.
@@ -85,16 +114,13 @@ fn reference(case: &Case) -> Vec<f64> {
 /// Mean NLL of each of the first `n_chunks` chunks.
 fn chunk_nlls(case: &Case, n_chunks: usize, opts: &ScoreOptions) -> Vec<f64> {
     let art = artifact(case.gguf);
+    assert_eq!(art.meta.tokenizer.add_bos, case.bos.is_some(), "{}: BOS policy", case.gguf);
+    let tokens = wiki_tokens(case, &art);
     let mut model = Transformer::load(CpuBackend, &art).expect("load");
-    let tokens = wiki_tokens(case);
     (0..n_chunks)
         .map(|k| {
-            let mut chunk = tokens[k * CTX..(k + 1) * CTX].to_vec();
-            if let Some(bos) = case.bos {
-                chunk[0] = bos;
-            }
             let t = std::time::Instant::now();
-            let scores = model.score_window(&chunk, FIRST_TARGET, opts, &[]).expect("score");
+            let scores = model.score_window(&chunk(case, &tokens, k), FIRST_TARGET, opts, &[]).expect("score");
             assert_eq!(scores.len(), CTX - FIRST_TARGET);
             let mean = scores.iter().map(|s| s.nll).sum::<f64>() / scores.len() as f64;
             eprintln!("{} chunk {k}: mean NLL {mean:.9} ({:.2} s)", case.gguf, t.elapsed().as_secs_f64());
@@ -145,5 +171,24 @@ fn gemma3_40_chunks_match_exact_f64() {
     check_40(&GEMMA3);
 }
 
-#[allow(dead_code)]
-fn _unused(_: &Path) {}
+/// Two runs of the same window give bit-identical scores (top-k included),
+/// and prefilling it in passes of 128 tokens gives the same NLLs as one pass
+/// (within 1e-6: the summation grouping of a few products may differ).
+#[test]
+fn smollm2_runs_are_bit_identical_and_passes_agree() {
+    let art = artifact(SMOLLM2.gguf);
+    let tokens = wiki_tokens(&SMOLLM2, &art);
+    let window = chunk(&SMOLLM2, &tokens, 1);
+    let mut model = Transformer::load(CpuBackend, &art).expect("load");
+    let opts = ScoreOptions { top_k: 8, prefill_chunk: None };
+    let a = model.score_window(&window, FIRST_TARGET, &opts, &[]).expect("score");
+    let b = model.score_window(&window, FIRST_TARGET, &opts, &[]).expect("score");
+    assert_eq!(a, b, "two runs differ");
+    assert!(a.iter().all(|s| s.top.len() == 8 && s.top[0].1 as f64 == s.max_logit));
+    let passes = ScoreOptions { top_k: 8, prefill_chunk: Some(128) };
+    let c = model.score_window(&window, FIRST_TARGET, &passes, &[]).expect("score");
+    assert_eq!(c.len(), a.len());
+    for (j, (x, y)) in a.iter().zip(&c).enumerate() {
+        assert!((x.nll - y.nll).abs() < 1e-6, "target {j}: one pass {} vs passes of 128 {}", x.nll, y.nll);
+    }
+}
