@@ -10,4 +10,6 @@
 pub mod artifact;
 pub mod backend;
 pub mod convert;
+pub mod model;
+pub mod text;
 pub mod util;

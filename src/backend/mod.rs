@@ -1,5 +1,208 @@
-//! Compute backends for the model forward pass: `cpu` (the reference) and
-//! `cuda` (hand-written kernels loaded as PTX through the CUDA driver API).
-//! This module owns the backend seam; each submodule owns its device.
+//! The backend seam: the handful of ops a transformer forward pass needs,
+//! written as one trait ([`Backend`]) that each device implements (the CPU
+//! reference in `cpu`, the CUDA backend in `cuda`). The model code in
+//! `crate::model` is written once against this trait and never sees device
+//! memory.
+//!
+//! The seam is at the level of ops, as in candle's `BackendStorage`: a
+//! backend owns its activation buffers ([`Backend::Act`]), its weights in
+//! whatever storage it chooses ([`Backend::Matrix`], [`Backend::Vector`]) and
+//! its KV cache ([`Backend::KvCache`]). Only two things ever come back to the
+//! host: nothing during the forward pass, and a few numbers per scored
+//! position from [`Backend::score_rows`] (max, log-sum-exp, the target's
+//! logit, optionally top-k and the logits of listed ids). No vocabulary-sized
+//! row leaves an op.
+//!
+//! Shapes: activations are row-major `(n_tokens, n_cols)` matrices, one row
+//! per token of the current pass; heads are contiguous column blocks
+//! (`(n_tokens, n_heads * d_head)`, head `h` at columns `h*d_head..`).
+//! Weights are `(n_out, n_in)` as the artifact stores them, and
+//! `matmul(x, w)` is `x · wᵀ`.
+//!
+//! This module does not decode quantized blocks (that is
+//! `cpu::dequant`) and does not plan windows (that is `crate::plan`).
 
+pub mod cpu;
 pub mod cuda;
+
+use anyhow::Result;
+
+use crate::artifact::meta::{Activation, RopeStyle};
+use crate::artifact::TensorView;
+
+/// Rotary embedding of one layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeParams {
+    pub style: RopeStyle,
+    /// Frequency base (per layer: gemma3's sliding layers use their own).
+    pub base: f64,
+    /// Linear position scaling: the angle uses `pos / scale`. 1 when none.
+    pub scale: f64,
+    /// Dimensions rotated per head (the first `rope_dim` of `d_head`), even.
+    pub rope_dim: usize,
+}
+
+/// Causal grouped-query attention of one layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttnParams {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub d_head: usize,
+    pub d_head_v: usize,
+    /// Multiplier on q·k.
+    pub scale: f64,
+    /// `Some(w)`: a query at `pos` sees keys at `pos - w + 1 ..= pos`.
+    pub window: Option<usize>,
+    /// tanh soft-cap on the scaled attention logits.
+    pub softcap: Option<f64>,
+}
+
+impl AttnParams {
+    /// The KV head query head `h` reads: consecutive query heads share one
+    /// KV head (`n_heads / n_kv_heads` of them), as in llama.cpp and
+    /// transformers' `repeat_kv`.
+    pub fn kv_head_of(&self, h: usize) -> usize {
+        h / (self.n_heads / self.n_kv_heads)
+    }
+
+    /// The first key position a query at `pos` may attend to.
+    pub fn first_key(&self, pos: usize) -> usize {
+        match self.window {
+            Some(w) => (pos + 1).saturating_sub(w),
+            None => 0,
+        }
+    }
+}
+
+/// Geometry of a KV cache: one K and one V buffer per layer, each holding
+/// `max_pos` positions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvGeometry {
+    pub n_layers: usize,
+    pub n_kv_heads: usize,
+    pub d_head: usize,
+    pub d_head_v: usize,
+    pub max_pos: usize,
+}
+
+/// What the LM-head op reduces each requested row to, besides max and
+/// log-sum-exp.
+#[derive(Debug, Clone, Default)]
+pub struct HeadRequest<'a> {
+    /// One target id per requested row: its logit is returned.
+    pub targets: &'a [u32],
+    /// Return the `top_k` largest logits with their ids (0 = none, at most
+    /// [`MAX_TOP_K`]).
+    pub top_k: usize,
+    /// Per requested row, ids whose logits are returned in that order (for KL
+    /// against a recorded reference). Empty: none.
+    pub extra_ids: &'a [Vec<u32>],
+    /// tanh soft-cap applied to every logit first, when the model has one.
+    pub softcap: Option<f64>,
+}
+
+/// The most top-k entries the LM-head op returns per row.
+pub const MAX_TOP_K: usize = 64;
+
+/// One logits row, reduced. The log-probability of id `i` is
+/// `logit_i - lse`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowScore {
+    pub max_logit: f64,
+    /// log Σ exp(logit), accumulated in f64.
+    pub lse: f64,
+    pub target_logit: f64,
+    /// `(id, logit)`, largest first; ties broken by the smaller id.
+    pub top: Vec<(u32, f32)>,
+    /// Logits of `HeadRequest::extra_ids[row]`, in that order.
+    pub extra: Vec<f32>,
+}
+
+/// The ops a device provides. Every op checks the shapes it is given and
+/// names the op and the values in its error.
+pub trait Backend {
+    /// Activations: a dense row-major `(n_rows, n_cols)` matrix.
+    type Act;
+    /// A weight matrix `(n_out, n_in)` in the backend's storage.
+    type Matrix;
+    /// A weight vector (norm weight, bias).
+    type Vector;
+    /// K and V for every layer of one window.
+    type KvCache;
+
+    /// A short description for logs and reports (`cpu (2 threads)`).
+    fn describe(&self) -> String;
+
+    /// Loads a 2-D weight (any format the backend supports).
+    fn load_matrix(&self, view: &TensorView) -> Result<Self::Matrix>;
+    /// Loads a 1-D weight as f32.
+    fn load_vector(&self, view: &TensorView) -> Result<Self::Vector>;
+    fn new_kv_cache(&self, geometry: KvGeometry) -> Result<Self::KvCache>;
+
+    /// Rows `tokens[i]` of `table`, times `scale`. -> `(n_tokens, n_in)`.
+    fn embed(&self, table: &Self::Matrix, tokens: &[u32], scale: f64) -> Result<Self::Act>;
+
+    /// RMSNorm of every row of `x` `(n, d)`: `x / sqrt(mean(x²) + eps) * w`,
+    /// `w` of `d` elements (gemma's `1 + w` is already in the weight).
+    fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f64) -> Result<Self::Act>;
+
+    /// In place, RMSNorm of each `d_head` slice of every row of `x`
+    /// `(n, n_heads * d_head)` with one shared `w` of `d_head` elements
+    /// (QK norm).
+    fn rms_norm_heads(&self, x: &mut Self::Act, w: &Self::Vector, d_head: usize, eps: f64) -> Result<()>;
+
+    /// `x (n, n_in) · wᵀ` -> `(n, n_out)`.
+    fn matmul(&self, x: &Self::Act, w: &Self::Matrix) -> Result<Self::Act>;
+
+    /// In place, `x[i, j] += b[j]`.
+    fn add_bias(&self, x: &mut Self::Act, b: &Self::Vector) -> Result<()>;
+
+    /// In place, rotates each head of `x` `(n, n_heads * d_head)`; row `i`
+    /// is at position `pos0 + i`.
+    fn rope(&self, x: &mut Self::Act, n_heads: usize, d_head: usize, pos0: usize, p: &RopeParams) -> Result<()>;
+
+    /// Writes `k` `(n, n_kv_heads * d_head)` and `v` `(n, n_kv_heads *
+    /// d_head_v)` to `layer`'s cache at positions `pos0..pos0 + n`, then
+    /// attends each row of `q` `(n, n_heads * d_head)` (position `pos0 + i`)
+    /// causally over the cached positions `first_key(pos)..=pos`.
+    /// -> `(n, n_heads * d_head_v)`. Positions before `pos0` must have been
+    /// written by earlier passes of the same window.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        cache: &mut Self::KvCache,
+        layer: usize,
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        pos0: usize,
+        p: &AttnParams,
+    ) -> Result<Self::Act>;
+
+    /// `act(gate) * up`, both `(n, d_ffn)`.
+    fn gated_act(&self, gate: &Self::Act, up: &Self::Act, act: Activation) -> Result<Self::Act>;
+
+    /// In place, `x += y`.
+    fn add_assign(&self, x: &mut Self::Act, y: &Self::Act) -> Result<()>;
+
+    /// The fused LM head: for each `rows[r]` of `x` `(n, d_model)` (already
+    /// final-normed), the logits row `x[rows[r]] · headᵀ` reduced as
+    /// [`HeadRequest`] asks. Nothing of vocabulary size is returned.
+    fn score_rows(&self, x: &Self::Act, rows: &[usize], head: &Self::Matrix, req: &HeadRequest) -> Result<Vec<RowScore>>;
+}
+
+/// Which backend runs the forward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    Cpu,
+    Cuda,
+}
+
+impl BackendKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Cpu => "cpu",
+            Self::Cuda => "cuda",
+        }
+    }
+}

@@ -1,1 +1,83 @@
-fn main() {}
+//! `ninfer-convert`: GGUF files, Hugging Face folders or synthetic geometries
+//! into `.ninfer` v3 artifacts. Exit codes: 0 success, 2 error.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use infernix_perplexity::artifact::TensorFormat;
+use infernix_perplexity::convert::{self, synthetic, ConvertOptions};
+
+/// Converts a model to a `.ninfer` v3 artifact, keeping every tensor's block format byte for byte.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// A `.gguf` file (GGUF v2/v3) or a Hugging Face folder (config.json, *.safetensors, tokenizer.json).
+    /// With --synthetic: the GGUF whose tokenizer the synthetic model uses.
+    source: PathBuf,
+    /// Output artifact path.
+    #[arg(long)]
+    out: PathBuf,
+    /// Keep only source blocks A..B (end exclusive): a qualification artifact.
+    #[arg(long, value_name = "A..B")]
+    layers: Option<String>,
+    /// Write a seeded random-weight model of this geometry instead (smollm2-135m, llama-8b).
+    #[arg(long, value_name = "GEOMETRY")]
+    synthetic: Option<String>,
+    /// Block format of the synthetic weights (F32, F16, BF16, Q4_0, Q4_1, Q8_0).
+    #[arg(long, default_value = "Q4_0")]
+    format: String,
+    /// Seed of the synthetic weights.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Also write the synthetic weights as a GGUF file (for other engines).
+    #[arg(long, value_name = "OUT.gguf")]
+    gguf_twin: Option<PathBuf>,
+}
+
+fn parse_layers(s: &str) -> Result<std::ops::Range<usize>> {
+    let (a, b) = s.split_once("..").with_context(|| format!("--layers {s:?}: expected A..B"))?;
+    let a: usize = a.trim().parse().with_context(|| format!("--layers {s:?}: bad start"))?;
+    let b: usize = b.trim().parse().with_context(|| format!("--layers {s:?}: bad end"))?;
+    if a >= b {
+        bail!("--layers {s:?}: empty range");
+    }
+    Ok(a..b)
+}
+
+fn run(args: Args) -> Result<()> {
+    let started = std::time::Instant::now();
+    let meta = if let Some(geo) = &args.synthetic {
+        let geo = synthetic::geometry(geo)?;
+        let format = TensorFormat::from_name(&args.format).context("--format")?;
+        synthetic::write_synthetic(&geo, format, args.seed, &args.source, &args.out, args.gguf_twin.as_deref())?
+    } else {
+        if args.gguf_twin.is_some() {
+            bail!("--gguf-twin is only for --synthetic");
+        }
+        let layers = args.layers.as_deref().map(parse_layers).transpose()?;
+        convert::convert(&args.source, &args.out, &ConvertOptions { layers })?
+    };
+    let n_bytes: u64 = meta.tensors.iter().map(|t| t.n_bytes).sum();
+    eprintln!(
+        "ninfer-convert: wrote {} ({}, {} tensors, {:.1} MiB) in {:.2} s",
+        args.out.display(),
+        meta.architecture.name(),
+        meta.tensors.len(),
+        n_bytes as f64 / (1u64 << 20) as f64,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ninfer-convert: error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}

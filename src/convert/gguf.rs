@@ -353,56 +353,61 @@ impl GgufFile {
 
 /// Writes a GGUF v3 file: used by the synthetic-model twin and by tests that
 /// need small or deliberately broken files.
-pub struct GgufWriter {
+pub struct GgufWriter<'a> {
     pub metadata: Vec<(String, GgufValue)>,
     /// (name, GGUF dims innermost first, ggml type id, bytes)
-    pub tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>,
+    pub tensors: Vec<(String, Vec<u64>, u32, &'a [u8])>,
 }
 
-impl GgufWriter {
-    pub fn to_bytes(&self) -> Vec<u8> {
-        fn put_str(out: &mut Vec<u8>, s: &str) {
-            out.extend((s.len() as u64).to_le_bytes());
-            out.extend(s.as_bytes());
+fn value_type_id(v: &GgufValue) -> u32 {
+    match v {
+        GgufValue::U8(_) => 0,
+        GgufValue::I8(_) => 1,
+        GgufValue::U16(_) => 2,
+        GgufValue::I16(_) => 3,
+        GgufValue::U32(_) => 4,
+        GgufValue::I32(_) => 5,
+        GgufValue::F32(_) => 6,
+        GgufValue::Bool(_) => 7,
+        GgufValue::String(_) => 8,
+        GgufValue::Array(_) => 9,
+        GgufValue::U64(_) => 10,
+        GgufValue::I64(_) => 11,
+        GgufValue::F64(_) => 12,
+    }
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend((s.len() as u64).to_le_bytes());
+    out.extend(s.as_bytes());
+}
+
+fn put_value(out: &mut Vec<u8>, v: &GgufValue) {
+    match v {
+        GgufValue::U8(x) => out.push(*x),
+        GgufValue::I8(x) => out.push(*x as u8),
+        GgufValue::U16(x) => out.extend(x.to_le_bytes()),
+        GgufValue::I16(x) => out.extend(x.to_le_bytes()),
+        GgufValue::U32(x) => out.extend(x.to_le_bytes()),
+        GgufValue::I32(x) => out.extend(x.to_le_bytes()),
+        GgufValue::F32(x) => out.extend(x.to_le_bytes()),
+        GgufValue::Bool(x) => out.push(*x as u8),
+        GgufValue::String(s) => put_str(out, s),
+        GgufValue::Array(a) => {
+            out.extend(a.first().map_or(4, value_type_id).to_le_bytes());
+            out.extend((a.len() as u64).to_le_bytes());
+            a.iter().for_each(|x| put_value(out, x));
         }
-        fn type_id(v: &GgufValue) -> u32 {
-            match v {
-                GgufValue::U8(_) => 0,
-                GgufValue::I8(_) => 1,
-                GgufValue::U16(_) => 2,
-                GgufValue::I16(_) => 3,
-                GgufValue::U32(_) => 4,
-                GgufValue::I32(_) => 5,
-                GgufValue::F32(_) => 6,
-                GgufValue::Bool(_) => 7,
-                GgufValue::String(_) => 8,
-                GgufValue::Array(_) => 9,
-                GgufValue::U64(_) => 10,
-                GgufValue::I64(_) => 11,
-                GgufValue::F64(_) => 12,
-            }
-        }
-        fn put_value(out: &mut Vec<u8>, v: &GgufValue) {
-            match v {
-                GgufValue::U8(x) => out.push(*x),
-                GgufValue::I8(x) => out.push(*x as u8),
-                GgufValue::U16(x) => out.extend(x.to_le_bytes()),
-                GgufValue::I16(x) => out.extend(x.to_le_bytes()),
-                GgufValue::U32(x) => out.extend(x.to_le_bytes()),
-                GgufValue::I32(x) => out.extend(x.to_le_bytes()),
-                GgufValue::F32(x) => out.extend(x.to_le_bytes()),
-                GgufValue::Bool(x) => out.push(*x as u8),
-                GgufValue::String(s) => put_str(out, s),
-                GgufValue::Array(a) => {
-                    out.extend(a.first().map_or(4, type_id).to_le_bytes());
-                    out.extend((a.len() as u64).to_le_bytes());
-                    a.iter().for_each(|x| put_value(out, x));
-                }
-                GgufValue::U64(x) => out.extend(x.to_le_bytes()),
-                GgufValue::I64(x) => out.extend(x.to_le_bytes()),
-                GgufValue::F64(x) => out.extend(x.to_le_bytes()),
-            }
-        }
+        GgufValue::U64(x) => out.extend(x.to_le_bytes()),
+        GgufValue::I64(x) => out.extend(x.to_le_bytes()),
+        GgufValue::F64(x) => out.extend(x.to_le_bytes()),
+    }
+}
+
+impl GgufWriter<'_> {
+    /// Header, metadata and tensor index, padded to the data section, plus
+    /// each tensor's offset relative to that section.
+    fn header(&self) -> (Vec<u8>, Vec<u64>) {
         let mut out = Vec::new();
         out.extend(GGUF_MAGIC);
         out.extend(3u32.to_le_bytes());
@@ -410,7 +415,7 @@ impl GgufWriter {
         out.extend((self.metadata.len() as u64).to_le_bytes());
         for (k, v) in &self.metadata {
             put_str(&mut out, k);
-            out.extend(type_id(v).to_le_bytes());
+            out.extend(value_type_id(v).to_le_bytes());
             put_value(&mut out, v);
         }
         let mut offset = 0u64;
@@ -425,11 +430,35 @@ impl GgufWriter {
             offset = (offset + bytes.len() as u64).div_ceil(DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT;
         }
         out.resize(out.len().div_ceil(DEFAULT_ALIGNMENT as usize) * DEFAULT_ALIGNMENT as usize, 0);
+        (out, offsets)
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let (mut out, offsets) = self.header();
         let base = out.len();
         for ((_, _, _, bytes), off) in self.tensors.iter().zip(offsets) {
             out.resize(base + off as usize, 0);
-            out.extend(bytes);
+            out.extend(*bytes);
         }
         out
+    }
+
+    /// Streams the file to `path` atomically.
+    pub fn write(&self, path: &Path) -> Result<()> {
+        use std::io::Write;
+        let (header, offsets) = self.header();
+        let f = crate::util::fs::AtomicFile::create(path)?;
+        let io = |e: std::io::Error| anyhow::Error::new(e).context(format!("write {}", path.display()));
+        let mut w = std::io::BufWriter::with_capacity(1 << 22, f.file());
+        w.write_all(&header).map_err(io)?;
+        let mut pos = 0u64;
+        for ((_, _, _, bytes), off) in self.tensors.iter().zip(offsets) {
+            w.write_all(&vec![0u8; (off - pos) as usize]).map_err(io)?;
+            w.write_all(bytes).map_err(io)?;
+            pos = off + bytes.len() as u64;
+        }
+        w.flush().map_err(io)?;
+        drop(w);
+        f.commit()
     }
 }

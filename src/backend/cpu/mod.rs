@@ -1,0 +1,315 @@
+//! The CPU reference backend: plain loops, f64 reductions where they matter;
+//! every optimised path elsewhere is checked against it.
+//!
+//! Precision: weights are dequantized to f32 once at load (exactly as ggml
+//! decodes them), activations are stored in f32, matrix products accumulate
+//! in f32 in a blocked GEMM (`gemm`), and everything that decides a result --
+//! RMSNorm's sum of squares, softmax, log-sum-exp, NLL, rotary angles'
+//! rotation, activations -- is evaluated in f64. This meets the float64
+//! reference to well under 1e-4 nats per chunk (tests/cpu_reference.rs).
+//!
+//! Parallelism: rayon across output columns, heads and vocabulary tiles;
+//! partial results are always combined in a fixed order, so two runs give
+//! bit-identical numbers.
+
+pub mod attention;
+pub mod dequant;
+pub mod gemm;
+pub mod head;
+pub mod ops;
+
+use anyhow::{ensure, Context, Result};
+use rayon::prelude::*;
+
+use crate::artifact::meta::Activation;
+use crate::artifact::TensorView;
+use crate::backend::{AttnParams, Backend, HeadRequest, KvGeometry, RopeParams, RowScore};
+
+/// Row-major `(n_rows, n_cols)` f32 activations.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpuTensor {
+    pub n_rows: usize,
+    pub n_cols: usize,
+    pub data: Vec<f32>,
+}
+
+impl CpuTensor {
+    pub fn new(n_rows: usize, n_cols: usize, data: Vec<f32>) -> Result<Self> {
+        ensure!(data.len() == n_rows * n_cols, "tensor: {} values for {n_rows} x {n_cols}", data.len());
+        Ok(Self { n_rows, n_cols, data })
+    }
+}
+
+/// A weight `(n_out, n_in)` dequantized to f32, row-major.
+#[derive(Debug, Clone)]
+pub struct CpuMatrix {
+    pub name: String,
+    pub n_out: usize,
+    pub n_in: usize,
+    pub data: Vec<f32>,
+}
+
+/// K `(max_pos, n_kv_heads * d_head)` and V `(max_pos, n_kv_heads *
+/// d_head_v)` per layer.
+#[derive(Debug, Clone)]
+pub struct CpuKvCache {
+    pub geometry: KvGeometry,
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+}
+
+/// The CPU backend. Threads come from rayon's global pool
+/// (`RAYON_NUM_THREADS`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuBackend;
+
+fn same_shape(op: &str, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
+    ensure!(
+        a.n_rows == b.n_rows && a.n_cols == b.n_cols,
+        "{op}: shapes differ ({} x {} and {} x {})",
+        a.n_rows,
+        a.n_cols,
+        b.n_rows,
+        b.n_cols
+    );
+    Ok(())
+}
+
+impl Backend for CpuBackend {
+    type Act = CpuTensor;
+    type Matrix = CpuMatrix;
+    type Vector = Vec<f32>;
+    type KvCache = CpuKvCache;
+
+    fn describe(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    fn load_matrix(&self, view: &TensorView) -> Result<CpuMatrix> {
+        let shape = &view.entry.shape;
+        ensure!(shape.len() == 2, "tensor {}: shape {shape:?} is not a matrix", view.entry.name);
+        let (n_out, n_in) = view.rows_cols();
+        let data = dequant::dequantize(view)?;
+        Ok(CpuMatrix { name: view.entry.name.clone(), n_out, n_in, data })
+    }
+
+    fn load_vector(&self, view: &TensorView) -> Result<Vec<f32>> {
+        let shape = &view.entry.shape;
+        ensure!(shape.len() == 1, "tensor {}: shape {shape:?} is not a vector", view.entry.name);
+        dequant::dequantize(view)
+    }
+
+    fn new_kv_cache(&self, g: KvGeometry) -> Result<CpuKvCache> {
+        let k = (0..g.n_layers).map(|_| vec![0f32; g.max_pos * g.n_kv_heads * g.d_head]).collect();
+        let v = (0..g.n_layers).map(|_| vec![0f32; g.max_pos * g.n_kv_heads * g.d_head_v]).collect();
+        Ok(CpuKvCache { geometry: g, k, v })
+    }
+
+    fn embed(&self, table: &CpuMatrix, tokens: &[u32], scale: f64) -> Result<CpuTensor> {
+        let d = table.n_in;
+        let mut out = vec![0f32; tokens.len() * d];
+        for (row, &t) in out.chunks_exact_mut(d).zip(tokens) {
+            ensure!((t as usize) < table.n_out, "embed: token {t} is outside the vocabulary of {}", table.n_out);
+            let src = &table.data[t as usize * d..(t as usize + 1) * d];
+            for (o, &v) in row.iter_mut().zip(src) {
+                *o = (v as f64 * scale) as f32;
+            }
+        }
+        CpuTensor::new(tokens.len(), d, out)
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, w: &Vec<f32>, eps: f64) -> Result<CpuTensor> {
+        ensure!(w.len() == x.n_cols, "rms_norm: weight has {} elements, rows have {}", w.len(), x.n_cols);
+        let mut out = vec![0f32; x.data.len()];
+        out.par_chunks_mut(x.n_cols)
+            .zip(x.data.par_chunks(x.n_cols))
+            .for_each(|(o, r)| ops::rms_norm_row(r, w, eps, o));
+        CpuTensor::new(x.n_rows, x.n_cols, out)
+    }
+
+    fn rms_norm_heads(&self, x: &mut CpuTensor, w: &Vec<f32>, d_head: usize, eps: f64) -> Result<()> {
+        ensure!(w.len() == d_head, "rms_norm_heads: weight has {} elements, d_head is {d_head}", w.len());
+        ensure!(x.n_cols % d_head == 0, "rms_norm_heads: rows of {} are not whole heads of {d_head}", x.n_cols);
+        let mut tmp = vec![0f32; d_head];
+        for head in x.data.chunks_exact_mut(d_head) {
+            ops::rms_norm_row(head, w, eps, &mut tmp);
+            head.copy_from_slice(&tmp);
+        }
+        Ok(())
+    }
+
+    fn matmul(&self, x: &CpuTensor, w: &CpuMatrix) -> Result<CpuTensor> {
+        ensure!(
+            x.n_cols == w.n_in,
+            "matmul {}: x has {} columns, the weight takes {}",
+            w.name,
+            x.n_cols,
+            w.n_in
+        );
+        let out = gemm::matmul_nt(&x.data, x.n_rows, &w.data, w.n_out, w.n_in).with_context(|| format!("matmul {}", w.name))?;
+        CpuTensor::new(x.n_rows, w.n_out, out)
+    }
+
+    fn add_bias(&self, x: &mut CpuTensor, b: &Vec<f32>) -> Result<()> {
+        ensure!(b.len() == x.n_cols, "add_bias: bias has {} elements, rows have {}", b.len(), x.n_cols);
+        for row in x.data.chunks_exact_mut(x.n_cols) {
+            for (v, &c) in row.iter_mut().zip(b) {
+                *v = (*v as f64 + c as f64) as f32;
+            }
+        }
+        Ok(())
+    }
+
+    fn rope(&self, x: &mut CpuTensor, n_heads: usize, d_head: usize, pos0: usize, p: &RopeParams) -> Result<()> {
+        ensure!(
+            x.n_cols == n_heads * d_head,
+            "rope: rows have {} columns, expected {n_heads} heads x {d_head}",
+            x.n_cols
+        );
+        ensure!(
+            p.rope_dim % 2 == 0 && p.rope_dim <= d_head,
+            "rope: rope_dim {} is odd or exceeds d_head {d_head}",
+            p.rope_dim
+        );
+        let n_cols = x.n_cols;
+        x.data.par_chunks_mut(n_cols).enumerate().for_each(|(i, row)| {
+            let cs = ops::rope_cos_sin(pos0 + i, p);
+            for head in row.chunks_exact_mut(d_head) {
+                ops::rope_head(head, &cs, p.style);
+            }
+        });
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        cache: &mut CpuKvCache,
+        layer: usize,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        pos0: usize,
+        p: &AttnParams,
+    ) -> Result<CpuTensor> {
+        let g = cache.geometry;
+        let n = q.n_rows;
+        ensure!(layer < g.n_layers, "attention: layer {layer} of a cache for {}", g.n_layers);
+        ensure!(
+            pos0 + n <= g.max_pos,
+            "attention: positions {pos0}..{} exceed the KV cache's {}",
+            pos0 + n,
+            g.max_pos
+        );
+        ensure!(
+            k.n_rows == n && v.n_rows == n,
+            "attention: q, k, v have {n}, {}, {} rows",
+            k.n_rows,
+            v.n_rows
+        );
+        let (k_cols, v_cols) = (g.n_kv_heads * g.d_head, g.n_kv_heads * g.d_head_v);
+        ensure!(
+            k.n_cols == k_cols && v.n_cols == v_cols && q.n_cols == p.n_heads * p.d_head,
+            "attention: k has {} columns (cache {k_cols}), v {} (cache {v_cols}), q {} ({} heads x {})",
+            k.n_cols,
+            v.n_cols,
+            q.n_cols,
+            p.n_heads,
+            p.d_head
+        );
+        cache.k[layer][pos0 * k_cols..(pos0 + n) * k_cols].copy_from_slice(&k.data);
+        cache.v[layer][pos0 * v_cols..(pos0 + n) * v_cols].copy_from_slice(&v.data);
+        let out = attention::attention(&q.data, n, &cache.k[layer], &cache.v[layer], pos0, p)?;
+        CpuTensor::new(n, p.n_heads * p.d_head_v, out)
+    }
+
+    fn gated_act(&self, gate: &CpuTensor, up: &CpuTensor, act: Activation) -> Result<CpuTensor> {
+        same_shape("gated_act", gate, up)?;
+        let mut out = vec![0f32; gate.data.len()];
+        out.par_chunks_mut(gate.n_cols.max(1))
+            .zip(gate.data.par_chunks(gate.n_cols.max(1)).zip(up.data.par_chunks(gate.n_cols.max(1))))
+            .for_each(|(o, (g, u))| {
+                for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                    *o = (ops::activate(act, g as f64) * u as f64) as f32;
+                }
+            });
+        CpuTensor::new(gate.n_rows, gate.n_cols, out)
+    }
+
+    fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
+        same_shape("add", x, y)?;
+        for (a, &b) in x.data.iter_mut().zip(&y.data) {
+            *a += b;
+        }
+        Ok(())
+    }
+
+    fn score_rows(&self, x: &CpuTensor, rows: &[usize], head: &CpuMatrix, req: &HeadRequest) -> Result<Vec<RowScore>> {
+        ensure!(
+            x.n_cols == head.n_in,
+            "score_rows: rows have {} columns, the head {} takes {}",
+            x.n_cols,
+            head.name,
+            head.n_in
+        );
+        let d = x.n_cols;
+        let mut gathered = Vec::with_capacity(rows.len() * d);
+        for &r in rows {
+            ensure!(r < x.n_rows, "score_rows: row {r} of {}", x.n_rows);
+            gathered.extend_from_slice(&x.data[r * d..(r + 1) * d]);
+        }
+        head::score_rows(&gathered, rows.len(), &head.data, head.n_out, d, req)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::artifact::meta::RopeStyle;
+
+    fn t(n_rows: usize, n_cols: usize, data: &[f32]) -> CpuTensor {
+        CpuTensor::new(n_rows, n_cols, data.to_vec()).unwrap()
+    }
+
+    #[test]
+    fn qk_norm_is_per_head() {
+        // Two heads of 2: [3, 4] and [0, 2], eps 0, weight [1, 1]:
+        // rms 3.5355 -> [0.8485, 1.1314]; rms sqrt(2) -> [0, 1.4142].
+        let mut x = t(1, 4, &[3.0, 4.0, 0.0, 2.0]);
+        CpuBackend.rms_norm_heads(&mut x, &vec![1.0, 1.0], 2, 0.0).unwrap();
+        let want = [3.0 / 12.5f64.sqrt(), 4.0 / 12.5f64.sqrt(), 0.0, 2.0 / 2f64.sqrt()];
+        for (a, b) in x.data.iter().zip(want) {
+            assert!((*a as f64 - b).abs() < 1e-6, "{:?}", x.data);
+        }
+    }
+
+    #[test]
+    fn gated_act_and_bias() {
+        let g = t(1, 2, &[0.0, 2.0]);
+        let u = t(1, 2, &[5.0, 3.0]);
+        let y = CpuBackend.gated_act(&g, &u, Activation::Silu).unwrap();
+        assert_eq!(y.data[0], 0.0);
+        assert!((y.data[1] as f64 - 3.0 * ops::silu(2.0)).abs() < 1e-6);
+        let mut x = t(2, 2, &[1.0, 2.0, 3.0, 4.0]);
+        CpuBackend.add_bias(&mut x, &vec![10.0, 20.0]).unwrap();
+        assert_eq!(x.data, vec![11.0, 22.0, 13.0, 24.0]);
+        assert!(CpuBackend.add_bias(&mut x, &vec![1.0]).is_err());
+    }
+
+    #[test]
+    fn rope_uses_row_positions() {
+        // Row i is at position pos0 + i: with pos0 = 1, row 0 turns by 1 rad (inv_freq 1).
+        let p = RopeParams { style: RopeStyle::Neox, base: 10000.0, scale: 1.0, rope_dim: 2 };
+        let mut x = t(2, 2, &[1.0, 0.0, 1.0, 0.0]);
+        CpuBackend.rope(&mut x, 1, 2, 1, &p).unwrap();
+        assert!((x.data[0] as f64 - 1f64.cos()).abs() < 1e-6 && (x.data[1] as f64 - 1f64.sin()).abs() < 1e-6);
+        assert!((x.data[2] as f64 - 2f64.cos()).abs() < 1e-6 && (x.data[3] as f64 - 2f64.sin()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn embed_scales_rows_and_checks_ids() {
+        let table = CpuMatrix { name: "e".into(), n_out: 2, n_in: 2, data: vec![1.0, 2.0, 3.0, 4.0] };
+        let x = CpuBackend.embed(&table, &[1, 0, 1], 2.0).unwrap();
+        assert_eq!(x.data, vec![6.0, 8.0, 2.0, 4.0, 6.0, 8.0]);
+        assert!(CpuBackend.embed(&table, &[2], 1.0).is_err());
+    }
+}

@@ -1,0 +1,271 @@
+//! Architecture mapping: source hyperparameters (GGUF metadata keys or a
+//! Hugging Face `config.json`) into [`HParams`], and Hugging Face tensor names
+//! into the artifact's GGUF-style names.
+//!
+//! Every default here is the one llama.cpp applies for that architecture, so a
+//! GGUF and the artifact made from it describe the same computation.
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+
+use super::gguf::GgufFile;
+use crate::artifact::meta::{Activation, Architecture, HParams, RopeStyle};
+
+/// Gemma-3: every sixth layer is global, the others slide (llama.cpp `set_swa_pattern(6)`).
+const GEMMA3_SWA_PATTERN: usize = 6;
+/// Gemma-3: RoPE base of the sliding layers (llama.cpp `rope_freq_base_train_swa`).
+const GEMMA3_ROPE_BASE_LOCAL: f64 = 10_000.0;
+
+/// Hyperparameters from a GGUF file's metadata.
+pub fn hparams_from_gguf(g: &GgufFile, arch: Architecture, n_vocab: usize, tied: bool) -> Result<HParams> {
+    let a = arch.name();
+    let key = |k: &str| format!("{a}.{k}");
+    let opt_u = |k: &str| g.get(&key(k)).and_then(|v| v.as_u64()).map(|v| v as usize);
+    let opt_f = |k: &str| g.get(&key(k)).and_then(|v| v.as_f64());
+
+    let n_layers = g.get_u64(&key("block_count"))? as usize;
+    let d_model = g.get_u64(&key("embedding_length"))? as usize;
+    let n_heads = g.get_u64(&key("attention.head_count"))? as usize;
+    let n_kv_heads = opt_u("attention.head_count_kv").unwrap_or(n_heads);
+    if n_heads == 0 || n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
+        bail!("{a}.attention.head_count {n_heads} is not a multiple of head_count_kv {n_kv_heads}");
+    }
+    let d_head = opt_u("attention.key_length").unwrap_or(d_model / n_heads);
+    let d_head_v = opt_u("attention.value_length").unwrap_or(d_head);
+    let d_ffn = g.get_u64(&key("feed_forward_length"))? as usize;
+    let rms_eps = g.get_f64(&key("attention.layer_norm_rms_epsilon"))?;
+    let rope_base = opt_f("rope.freq_base").unwrap_or(10_000.0);
+    let rope_dim = opt_u("rope.dimension_count").unwrap_or(d_head);
+    let context_length = opt_u("context_length").unwrap_or(0);
+    let rope_scale = match g.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
+        None | Some("none") => 1.0,
+        Some("linear") => opt_f("rope.scaling.factor").unwrap_or(1.0),
+        Some(other) => bail!("{a}.rope.scaling.type: {other:?} is not supported (none, linear)"),
+    };
+    if g.tensor("rope_freqs.weight").is_some() {
+        bail!("tensor rope_freqs.weight: per-frequency RoPE factors (llama3-style scaling) are not supported");
+    }
+    let sliding = opt_u("attention.sliding_window");
+
+    let mut hp = HParams {
+        n_layers,
+        d_model,
+        n_heads,
+        n_kv_heads,
+        d_head,
+        d_head_v,
+        d_ffn,
+        n_vocab,
+        rms_eps,
+        rope_base,
+        rope_base_local: rope_base,
+        rope_scale,
+        rope_dim,
+        rope_style: RopeStyle::Neox,
+        sliding_window: vec![None; n_layers],
+        context_length,
+        embed_scale: 1.0,
+        attn_scale: 1.0 / (d_head as f64).sqrt(),
+        attn_softcap: opt_f("attn_logit_softcapping"),
+        final_softcap: opt_f("final_logit_softcapping"),
+        activation: Activation::Silu,
+        qkv_bias: false,
+        qk_norm: false,
+        post_norms: false,
+        tied_embeddings: tied,
+    };
+    match arch {
+        Architecture::Llama => {
+            // convert_hf_to_gguf permutes Q/K rows of llama so adjacent pairs rotate.
+            hp.rope_style = RopeStyle::Normal;
+            if sliding.is_some() {
+                bail!("{a}.attention.sliding_window: sliding attention is not supported for llama");
+            }
+        }
+        Architecture::Gemma3 => {
+            let w = sliding.with_context(|| format!("{}: metadata {a}.attention.sliding_window is missing", g.path.display()))?;
+            hp.sliding_window = (0..n_layers)
+                .map(|il| if (il + 1) % GEMMA3_SWA_PATTERN != 0 { Some(w) } else { None })
+                .collect();
+            hp.rope_base_local = GEMMA3_ROPE_BASE_LOCAL;
+            hp.embed_scale = (d_model as f64).sqrt();
+            hp.activation = Activation::GeluTanh;
+            hp.qk_norm = true;
+            hp.post_norms = true;
+            // llama.cpp: 1/sqrt(n_embd_head_k), except Gemma-3-27B (query_pre_attn_scalar = d_model/n_heads).
+            if n_layers == 62 {
+                hp.attn_scale = 1.0 / ((d_model / n_heads) as f64).sqrt();
+            }
+        }
+        Architecture::Qwen2 => hp.qkv_bias = true,
+        Architecture::Qwen3 => hp.qk_norm = true,
+    }
+    Ok(hp)
+}
+
+fn cfg_usize(cfg: &Value, k: &str) -> Option<usize> {
+    cfg.get(k).and_then(Value::as_u64).map(|v| v as usize)
+}
+
+fn cfg_f64(cfg: &Value, k: &str) -> Option<f64> {
+    cfg.get(k).and_then(Value::as_f64)
+}
+
+/// Architecture from a Hugging Face config's `model_type`.
+pub fn architecture_from_config(cfg: &Value) -> Result<Architecture> {
+    let cfg = text_config(cfg);
+    let mt = cfg.get("model_type").and_then(Value::as_str).context("config.json: field model_type is missing")?;
+    Ok(match mt {
+        "llama" => Architecture::Llama,
+        "gemma3" | "gemma3_text" => Architecture::Gemma3,
+        "qwen2" => Architecture::Qwen2,
+        "qwen3" => Architecture::Qwen3,
+        other => bail!("config.json: model_type {other:?} is not supported (llama, gemma3, qwen2, qwen3)"),
+    })
+}
+
+/// Multimodal configs nest the language model under `text_config`.
+pub fn text_config(cfg: &Value) -> &Value {
+    cfg.get("text_config").filter(|t| t.get("hidden_size").is_some()).unwrap_or(cfg)
+}
+
+/// Hyperparameters from a Hugging Face `config.json`.
+pub fn hparams_from_config(cfg_root: &Value, arch: Architecture, tied: bool) -> Result<HParams> {
+    let cfg = text_config(cfg_root);
+    let need = |k: &str| cfg_usize(cfg, k).with_context(|| format!("config.json: field {k} is missing"));
+    let n_layers = need("num_hidden_layers")?;
+    let d_model = need("hidden_size")?;
+    let n_heads = need("num_attention_heads")?;
+    let n_kv_heads = cfg_usize(cfg, "num_key_value_heads").unwrap_or(n_heads);
+    let d_head = cfg_usize(cfg, "head_dim").unwrap_or(d_model / n_heads);
+    let rope_base = cfg_f64(cfg, "rope_theta")
+        .or_else(|| cfg.pointer("/rope_parameters/rope_theta").and_then(Value::as_f64))
+        .or_else(|| cfg.pointer("/rope_parameters/full_attention/rope_theta").and_then(Value::as_f64))
+        .unwrap_or(10_000.0);
+    let rope_scale = match cfg.get("rope_scaling").filter(|v| !v.is_null()) {
+        None => 1.0,
+        Some(s) => match s.get("rope_type").or_else(|| s.get("type")).and_then(Value::as_str) {
+            Some("linear") => s.get("factor").and_then(Value::as_f64).unwrap_or(1.0),
+            Some("default") | None => 1.0,
+            Some(other) => bail!("config.json: rope_scaling type {other:?} is not supported (linear)"),
+        },
+    };
+    let mut hp = HParams {
+        n_layers,
+        d_model,
+        n_heads,
+        n_kv_heads,
+        d_head,
+        d_head_v: d_head,
+        d_ffn: need("intermediate_size")?,
+        n_vocab: need("vocab_size")?,
+        rms_eps: cfg_f64(cfg, "rms_norm_eps").unwrap_or(1e-6),
+        rope_base,
+        rope_base_local: rope_base,
+        rope_scale,
+        rope_dim: d_head,
+        rope_style: RopeStyle::Neox,
+        sliding_window: vec![None; n_layers],
+        context_length: cfg_usize(cfg, "max_position_embeddings").unwrap_or(0),
+        embed_scale: 1.0,
+        attn_scale: 1.0 / (d_head as f64).sqrt(),
+        attn_softcap: cfg_f64(cfg, "attn_logit_softcapping"),
+        final_softcap: cfg_f64(cfg, "final_logit_softcapping"),
+        activation: Activation::Silu,
+        qkv_bias: false,
+        qk_norm: false,
+        post_norms: false,
+        tied_embeddings: tied,
+    };
+    match arch {
+        Architecture::Llama => {}
+        Architecture::Gemma3 => {
+            let w = need("sliding_window")?;
+            let layer_types = cfg.get("layer_types").and_then(Value::as_array);
+            hp.sliding_window = (0..n_layers)
+                .map(|il| {
+                    let sliding = match layer_types {
+                        Some(t) => t.get(il).and_then(Value::as_str) == Some("sliding_attention"),
+                        None => (il + 1) % cfg_usize(cfg, "sliding_window_pattern").unwrap_or(GEMMA3_SWA_PATTERN) != 0,
+                    };
+                    sliding.then_some(w)
+                })
+                .collect();
+            hp.rope_base_local = cfg_f64(cfg, "rope_local_base_freq").unwrap_or(GEMMA3_ROPE_BASE_LOCAL);
+            hp.embed_scale = (d_model as f64).sqrt();
+            hp.activation = Activation::GeluTanh;
+            hp.qk_norm = true;
+            hp.post_norms = true;
+            let q = cfg_f64(cfg, "query_pre_attn_scalar").unwrap_or(d_head as f64);
+            hp.attn_scale = 1.0 / q.sqrt();
+        }
+        Architecture::Qwen2 => hp.qkv_bias = true,
+        Architecture::Qwen3 => hp.qk_norm = true,
+    }
+    Ok(hp)
+}
+
+/// A Hugging Face tensor name as the artifact's GGUF-style name, or `None`
+/// when the tensor belongs to no text-model role we know.
+pub fn hf_tensor_name(arch: Architecture, name: &str) -> Option<String> {
+    let name = name.strip_prefix("language_model.").unwrap_or(name);
+    let name = name.strip_prefix("model.language_model.").map(|r| format!("model.{r}")).unwrap_or(name.to_string());
+    match name.as_str() {
+        "model.embed_tokens.weight" => return Some("token_embd.weight".into()),
+        "model.norm.weight" => return Some("output_norm.weight".into()),
+        "lm_head.weight" => return Some("output.weight".into()),
+        _ => {}
+    }
+    let rest = name.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (stem, suffix) = rest.rsplit_once('.')?;
+    let mapped = match (stem, arch) {
+        ("input_layernorm", _) => "attn_norm",
+        ("self_attn.q_proj", _) => "attn_q",
+        ("self_attn.k_proj", _) => "attn_k",
+        ("self_attn.v_proj", _) => "attn_v",
+        ("self_attn.o_proj", _) => "attn_output",
+        ("self_attn.q_norm", _) => "attn_q_norm",
+        ("self_attn.k_norm", _) => "attn_k_norm",
+        ("post_attention_layernorm", Architecture::Gemma3) => "post_attention_norm",
+        ("post_attention_layernorm", _) => "ffn_norm",
+        ("pre_feedforward_layernorm", Architecture::Gemma3) => "ffn_norm",
+        ("post_feedforward_layernorm", Architecture::Gemma3) => "post_ffw_norm",
+        ("mlp.gate_proj", _) => "ffn_gate",
+        ("mlp.up_proj", _) => "ffn_up",
+        ("mlp.down_proj", _) => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{mapped}.{suffix}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hf_names_map_to_gguf_names() {
+        let a = Architecture::Gemma3;
+        assert_eq!(hf_tensor_name(a, "model.layers.3.self_attn.q_proj.weight").as_deref(), Some("blk.3.attn_q.weight"));
+        assert_eq!(hf_tensor_name(a, "model.layers.0.post_attention_layernorm.weight").as_deref(), Some("blk.0.post_attention_norm.weight"));
+        assert_eq!(hf_tensor_name(Architecture::Llama, "model.layers.0.post_attention_layernorm.weight").as_deref(), Some("blk.0.ffn_norm.weight"));
+        assert_eq!(hf_tensor_name(Architecture::Qwen2, "model.layers.1.self_attn.k_proj.bias").as_deref(), Some("blk.1.attn_k.bias"));
+        assert_eq!(hf_tensor_name(a, "model.embed_tokens.weight").as_deref(), Some("token_embd.weight"));
+        assert_eq!(hf_tensor_name(a, "vision_tower.encoder.layers.0.mlp.fc1.weight"), None);
+    }
+
+    #[test]
+    fn gemma3_layer_pattern_from_config() {
+        let cfg = serde_json::json!({
+            "model_type": "gemma3_text", "num_hidden_layers": 7, "hidden_size": 64, "num_attention_heads": 4,
+            "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 128, "vocab_size": 300,
+            "sliding_window": 32, "query_pre_attn_scalar": 16, "rope_theta": 1e6
+        });
+        let hp = hparams_from_config(&cfg, Architecture::Gemma3, true).unwrap();
+        let globals: Vec<usize> = hp.sliding_window.iter().enumerate().filter(|(_, w)| w.is_none()).map(|(i, _)| i).collect();
+        assert_eq!(globals, vec![5]);
+        assert_eq!(hp.attn_scale, 0.25);
+        assert_eq!(hp.rope_base_local, 10_000.0);
+    }
+}

@@ -1,0 +1,149 @@
+//! Hugging Face folders (`config.json`, `*.safetensors`, `tokenizer.json`)
+//! into artifacts. Float tensors keep their dtype (F32, F16, BF16) byte for
+//! byte, with one documented exception: Gemma-3's RMSNorm multiplies by
+//! `1 + w`, so its norm vectors are stored as F32 `1 + w` (the GGUF
+//! convention), which the forward pass then uses as plain `x * w`.
+
+use std::borrow::Cow;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+
+use super::{apply_layers, arch, select_layer_name, source_file, tokenizer, ConvertOptions, CONVERTER};
+use crate::artifact::format::TensorFormat;
+use crate::artifact::meta::{Architecture, ArtifactMeta, Component, Provenance};
+use crate::artifact::names::OUTPUT;
+use crate::artifact::writer::{write_artifact, TensorSource};
+
+fn list_safetensors(folder: &Path) -> Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(folder)
+        .with_context(|| format!("read folder {}", folder.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        bail!("{}: no *.safetensors file", folder.display());
+    }
+    Ok(files)
+}
+
+fn is_gemma_norm(name: &str) -> bool {
+    name.ends_with("norm.weight")
+}
+
+fn component_of(name: &str) -> Option<Component> {
+    if name.starts_with("vision_tower.") || name.starts_with("multi_modal_projector.") || name.contains(".vision_tower.") {
+        Some(Component::Vision)
+    } else if name.starts_with("mtp.") || name.contains(".mtp.") {
+        Some(Component::Mtp)
+    } else {
+        None
+    }
+}
+
+pub fn convert_hf(folder: &Path, out: &Path, opts: &ConvertOptions) -> Result<ArtifactMeta> {
+    let tok_path = folder.join("tokenizer.json");
+    if !tok_path.is_file() {
+        bail!("{}: tokenizer.json is missing (a Hugging Face folder needs config.json, *.safetensors and tokenizer.json)", folder.display());
+    }
+    let cfg_path = folder.join("config.json");
+    let cfg_bytes = std::fs::read(&cfg_path).with_context(|| format!("read {}", cfg_path.display()))?;
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&cfg_bytes).map_err(|e| anyhow!("{}: {e}", cfg_path.display()))?;
+    let arch = arch::architecture_from_config(&cfg).with_context(|| cfg_path.display().to_string())?;
+    let tokenizer_json = std::fs::read(&tok_path).with_context(|| format!("read {}", tok_path.display()))?;
+    let tokenizer = tokenizer::tokenizer_policy_from_hf(folder)?;
+
+    let files = list_safetensors(folder)?;
+    let mut maps = Vec::with_capacity(files.len());
+    for f in &files {
+        let file = File::open(f).with_context(|| format!("open {}", f.display()))?;
+        // SAFETY: read-only map of a file nobody writes while we convert.
+        maps.push(unsafe { Mmap::map(&file) }.with_context(|| format!("mmap {}", f.display()))?);
+    }
+    let mut sources = Vec::with_capacity(files.len() + 2);
+    sources.push(source_file(&cfg_path, &cfg_bytes));
+    sources.push(source_file(&tok_path, &tokenizer_json));
+    let mut tensors: Vec<TensorSource<'_>> = Vec::new();
+    let mut skipped = Vec::new();
+    for (f, map) in files.iter().zip(&maps) {
+        sources.push(source_file(f, map));
+        let st = SafeTensors::deserialize(map).map_err(|e| anyhow!("{}: header: {e}", f.display()))?;
+        let mut names = st.names();
+        names.sort();
+        for hf_name in names {
+            let view = st.tensor(hf_name).map_err(|e| anyhow!("{}: tensor {hf_name}: {e}", f.display()))?;
+            let format = match view.dtype() {
+                Dtype::F32 => TensorFormat::F32,
+                Dtype::F16 => TensorFormat::F16,
+                Dtype::BF16 => TensorFormat::Bf16,
+                other => bail!("{}: tensor {hf_name}: dtype {other:?} is not supported (F32, F16, BF16)", f.display()),
+            };
+            let (name, component) = match (arch::hf_tensor_name(arch, hf_name), component_of(hf_name)) {
+                (Some(n), _) => (n, Component::Text),
+                (None, Some(c)) => (hf_name.to_string(), c),
+                (None, None) => {
+                    skipped.push(hf_name.to_string());
+                    continue;
+                }
+            };
+            let Some(name) = select_layer_name(&name, &opts.layers) else { continue };
+            let shape: Vec<u64> = view.shape().iter().map(|&d| d as u64).collect();
+            let (format, bytes) = if arch == Architecture::Gemma3 && component == Component::Text && is_gemma_norm(&name) {
+                (TensorFormat::F32, Cow::Owned(gemma_norm_plus_one(format, view.data())))
+            } else {
+                (format, Cow::Borrowed(view.data()))
+            };
+            tensors.push(TensorSource { name, component, format, shape, bytes });
+        }
+    }
+    let mut components = vec![Component::Text];
+    for t in &tensors {
+        if !components.contains(&t.component) {
+            components.push(t.component);
+        }
+    }
+    let tied = !tensors.iter().any(|t| t.name == OUTPUT);
+    let hparams = arch::hparams_from_config(&cfg, arch, tied).with_context(|| cfg_path.display().to_string())?;
+    let public_name = cfg
+        .get("_name_or_path")
+        .and_then(|v| v.as_str())
+        .map(str::to_string)
+        .unwrap_or_else(|| folder.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default());
+    let mut source_metadata = serde_json::json!({ "config": cfg });
+    if !skipped.is_empty() {
+        source_metadata["skipped_tensors"] = serde_json::json!(skipped);
+    }
+    let mut meta = ArtifactMeta {
+        architecture: arch,
+        public_name,
+        hparams,
+        components,
+        tokenizer,
+        provenance: Provenance {
+            sources,
+            converter: CONVERTER.into(),
+            converter_version: env!("CARGO_PKG_VERSION").into(),
+            source_layers: None,
+            synthetic: None,
+            source_metadata,
+        },
+        tensors: Vec::new(),
+    };
+    apply_layers(&mut meta, &opts.layers)?;
+    write_artifact(out, meta, &tensors, &tokenizer_json)
+}
+
+/// `1 + w` as F32 little-endian bytes.
+fn gemma_norm_plus_one(format: TensorFormat, bytes: &[u8]) -> Vec<u8> {
+    let values: Vec<f32> = match format {
+        TensorFormat::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        TensorFormat::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        _ => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+    };
+    values.iter().flat_map(|v| (1.0 + v).to_le_bytes()).collect()
+}

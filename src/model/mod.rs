@@ -1,0 +1,396 @@
+//! The transformer forward pass, written once against the backend seam
+//! ([`Backend`]) and scoring API the scorer calls.
+//!
+//! One decoder covers every architecture we run; the differences are
+//! `HParams` flags, not code paths per family:
+//! - `llama` (SmolLM2): RMSNorm, SwiGLU, RoPE on llama.cpp's permuted Q/K rows
+//!   (`RopeStyle::Normal`), optionally tied head.
+//! - `gemma3`: embeddings times `embed_scale` (sqrt(d_model)), QK RMSNorm per
+//!   head, norms after attention and after the FFN (`post_norms`), GeGLU with
+//!   tanh GELU, per-layer sliding windows whose layers use `rope_base_local`,
+//!   attention scale from `attn_scale`, tied head.
+//! - `qwen2`: biases on Q, K, V (`qkv_bias`); `qwen3`: QK norm.
+//!
+//! Per layer: `h = norm(x)`; `q, k, v = h·Wqᵀ, h·Wkᵀ, h·Wvᵀ` (+ bias); QK norm;
+//! RoPE; attention through the KV cache; `o = attn·Woᵀ` (post-norm);
+//! `x += o`; `h = norm(x)`; `f = down(act(gate h) * up h)` (post-norm);
+//! `x += f`. Then the final norm and the fused LM head, which returns per
+//! scored position only max, log-sum-exp, the target's logit and optional
+//! top-k / listed logits.
+//!
+//! A window is processed in passes of `prefill_chunk` tokens; the KV cache
+//! carries over between the passes of a window and is overwritten by the
+//! next window (every window starts from empty state). This module owns
+//! neither window planning (`crate::plan`) nor NLL statistics
+//! (`crate::score`).
+
+use anyhow::{bail, ensure, Context, Result};
+
+use crate::artifact::meta::{Architecture, HParams};
+use crate::artifact::names::{self, blk};
+use crate::artifact::{Artifact, TensorView};
+use crate::backend::cpu::CpuBackend;
+use crate::backend::{AttnParams, Backend, BackendKind, HeadRequest, KvGeometry, RopeParams, MAX_TOP_K};
+
+/// The score of one target position `j` of a window: `-log p(tokens[j] |
+/// tokens[..j])` and the numbers it came from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TargetScore {
+    /// `lse - target_logit`, in f64.
+    pub nll: f64,
+    pub target_logit: f64,
+    /// log Σ exp over the vocabulary's logits.
+    pub lse: f64,
+    pub max_logit: f64,
+    /// The `top_k` largest `(id, logit)`, largest first (empty when not asked).
+    pub top: Vec<(u32, f32)>,
+    /// Logits of the ids listed for this target (empty when not asked).
+    pub extra: Vec<f32>,
+}
+
+/// How to score a window.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ScoreOptions {
+    /// Return the `top_k` largest logits per target (0..=64).
+    pub top_k: usize,
+    /// Process the window in passes of this many tokens (the KV cache
+    /// carries over). `None`: one pass.
+    pub prefill_chunk: Option<usize>,
+}
+
+/// Everything a layer reads.
+struct Layer<B: Backend> {
+    attn_norm: B::Vector,
+    wq: B::Matrix,
+    wk: B::Matrix,
+    wv: B::Matrix,
+    wo: B::Matrix,
+    /// Q, K, V biases (qwen2).
+    bias: Option<[B::Vector; 3]>,
+    /// Q and K per-head norms (gemma3, qwen3).
+    qk_norm: Option<[B::Vector; 2]>,
+    /// Norms of the attention output and the FFN output (gemma3).
+    post_norms: Option<[B::Vector; 2]>,
+    ffn_norm: B::Vector,
+    gate: B::Matrix,
+    up: B::Matrix,
+    down: B::Matrix,
+    attn: AttnParams,
+    rope: RopeParams,
+}
+
+/// A loaded model on backend `B`.
+pub struct Transformer<B: Backend> {
+    backend: B,
+    arch: Architecture,
+    hp: HParams,
+    embd: B::Matrix,
+    /// `None` when the head is the token embedding (tied).
+    head: Option<B::Matrix>,
+    output_norm: B::Vector,
+    layers: Vec<Layer<B>>,
+    cache: Option<B::KvCache>,
+    cache_positions: usize,
+}
+
+fn check_hparams(hp: &HParams) -> Result<()> {
+    ensure!(hp.n_layers > 0 && hp.d_model > 0 && hp.n_vocab > 0, "hparams: empty model ({hp:?})");
+    ensure!(
+        hp.n_kv_heads > 0 && hp.n_heads % hp.n_kv_heads == 0,
+        "hparams: {} heads do not share {} KV heads evenly",
+        hp.n_heads,
+        hp.n_kv_heads
+    );
+    ensure!(
+        hp.sliding_window.len() == hp.n_layers,
+        "hparams: sliding_window has {} entries for {} layers",
+        hp.sliding_window.len(),
+        hp.n_layers
+    );
+    ensure!(
+        hp.rope_dim % 2 == 0 && hp.rope_dim <= hp.d_head,
+        "hparams: rope_dim {} is odd or exceeds d_head {}",
+        hp.rope_dim,
+        hp.d_head
+    );
+    ensure!(hp.rope_scale > 0.0, "hparams: rope_scale {} is not positive", hp.rope_scale);
+    Ok(())
+}
+
+impl<B: Backend> Transformer<B> {
+    /// Loads the text model of `artifact` onto `backend`.
+    pub fn load(backend: B, artifact: &Artifact) -> Result<Self> {
+        let meta = &artifact.meta;
+        Self::load_with(backend, meta.architecture, meta.hparams.clone(), &|name| artifact.tensor(name))
+            .with_context(|| format!("load {}", artifact.path.display()))
+    }
+
+    /// Loads from any source of GGUF-named tensors (an artifact, or a test's
+    /// in-memory tensors).
+    pub fn load_with<'a>(
+        backend: B,
+        arch: Architecture,
+        hp: HParams,
+        tensor: &dyn Fn(&str) -> Result<TensorView<'a>>,
+    ) -> Result<Self> {
+        check_hparams(&hp)?;
+        let matrix = |name: &str, n_out: usize, n_in: usize| -> Result<B::Matrix> {
+            let view = tensor(name)?;
+            ensure!(
+                view.entry.shape == [n_out as u64, n_in as u64],
+                "tensor {name}: shape {:?}, expected [{n_out}, {n_in}]",
+                view.entry.shape
+            );
+            backend.load_matrix(&view)
+        };
+        let vector = |name: &str, n: usize| -> Result<B::Vector> {
+            let view = tensor(name)?;
+            ensure!(view.entry.shape == [n as u64], "tensor {name}: shape {:?}, expected [{n}]", view.entry.shape);
+            backend.load_vector(&view)
+        };
+        let (d, d_q, d_k, d_v) =
+            (hp.d_model, hp.n_heads * hp.d_head, hp.n_kv_heads * hp.d_head, hp.n_kv_heads * hp.d_head_v);
+        let embd = matrix(names::TOKEN_EMBD, hp.n_vocab, d)?;
+        let head = if hp.tied_embeddings { None } else { Some(matrix(names::OUTPUT, hp.n_vocab, d)?) };
+        let output_norm = vector(names::OUTPUT_NORM, d)?;
+        let mut layers = Vec::with_capacity(hp.n_layers);
+        for l in 0..hp.n_layers {
+            let n = |s: &str| blk(l, s);
+            let window = hp.sliding_window[l];
+            layers.push(Layer {
+                attn_norm: vector(&n("attn_norm.weight"), d)?,
+                wq: matrix(&n("attn_q.weight"), d_q, d)?,
+                wk: matrix(&n("attn_k.weight"), d_k, d)?,
+                wv: matrix(&n("attn_v.weight"), d_v, d)?,
+                wo: matrix(&n("attn_output.weight"), d, hp.n_heads * hp.d_head_v)?,
+                bias: if hp.qkv_bias {
+                    Some([vector(&n("attn_q.bias"), d_q)?, vector(&n("attn_k.bias"), d_k)?, vector(&n("attn_v.bias"), d_v)?])
+                } else {
+                    None
+                },
+                qk_norm: if hp.qk_norm {
+                    Some([vector(&n("attn_q_norm.weight"), hp.d_head)?, vector(&n("attn_k_norm.weight"), hp.d_head)?])
+                } else {
+                    None
+                },
+                post_norms: if hp.post_norms {
+                    Some([vector(&n("post_attention_norm.weight"), d)?, vector(&n("post_ffw_norm.weight"), d)?])
+                } else {
+                    None
+                },
+                ffn_norm: vector(&n("ffn_norm.weight"), d)?,
+                gate: matrix(&n("ffn_gate.weight"), hp.d_ffn, d)?,
+                up: matrix(&n("ffn_up.weight"), hp.d_ffn, d)?,
+                down: matrix(&n("ffn_down.weight"), d, hp.d_ffn)?,
+                attn: AttnParams {
+                    n_heads: hp.n_heads,
+                    n_kv_heads: hp.n_kv_heads,
+                    d_head: hp.d_head,
+                    d_head_v: hp.d_head_v,
+                    scale: hp.attn_scale,
+                    window,
+                    softcap: hp.attn_softcap,
+                },
+                // Sliding-window layers use the local base and no scaling (gemma3).
+                rope: RopeParams {
+                    style: hp.rope_style,
+                    base: if window.is_some() { hp.rope_base_local } else { hp.rope_base },
+                    scale: if window.is_some() { 1.0 } else { hp.rope_scale },
+                    rope_dim: hp.rope_dim,
+                },
+            });
+        }
+        Ok(Self { backend, arch, hp, embd, head, output_norm, layers, cache: None, cache_positions: 0 })
+    }
+
+    pub fn hparams(&self) -> &HParams {
+        &self.hp
+    }
+
+    pub fn architecture(&self) -> Architecture {
+        self.arch
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Scores targets `first_target..tokens.len()` of one window: target `j`
+    /// is predicted from `tokens[..j]`. One entry per target, in order.
+    /// `extra_ids`: empty, or one list of ids per target whose logits are
+    /// returned in `TargetScore::extra`.
+    pub fn score_window(
+        &mut self,
+        tokens: &[u32],
+        first_target: usize,
+        opts: &ScoreOptions,
+        extra_ids: &[Vec<u32>],
+    ) -> Result<Vec<TargetScore>> {
+        let n = tokens.len();
+        ensure!(n > 0, "score_window: empty window");
+        ensure!(
+            (1..=n).contains(&first_target),
+            "score_window: first target {first_target} outside 1..={n} (position 0 has no context)"
+        );
+        ensure!(opts.top_k <= MAX_TOP_K, "score_window: top_k {} exceeds {MAX_TOP_K}", opts.top_k);
+        let n_targets = n - first_target;
+        ensure!(
+            extra_ids.is_empty() || extra_ids.len() == n_targets,
+            "score_window: {} extra-id lists for {n_targets} targets",
+            extra_ids.len()
+        );
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.hp.n_vocab) {
+            bail!("score_window: token {bad} is outside the vocabulary of {}", self.hp.n_vocab);
+        }
+        let chunk = opts.prefill_chunk.unwrap_or(n);
+        ensure!(chunk > 0, "score_window: prefill chunk of 0 tokens");
+        self.ensure_cache(n)?;
+
+        let mut scores = Vec::with_capacity(n_targets);
+        for pos0 in (0..n).step_by(chunk) {
+            let pos1 = (pos0 + chunk).min(n);
+            let x = self.forward_pass(&tokens[pos0..pos1], pos0)?;
+            // Hidden row at position p predicts tokens[p + 1]; we need
+            // p in first_target - 1 ..= n - 2.
+            let lo = (first_target - 1).max(pos0);
+            let hi = (n - 1).min(pos1);
+            if lo >= hi {
+                continue;
+            }
+            let rows: Vec<usize> = (lo - pos0..hi - pos0).collect();
+            let targets: Vec<u32> = (lo + 1..hi + 1).map(|j| tokens[j]).collect();
+            let extra = if extra_ids.is_empty() { &[][..] } else { &extra_ids[lo + 1 - first_target..hi + 1 - first_target] };
+            let h = self.backend.rms_norm(&x, &self.output_norm, self.hp.rms_eps)?;
+            let req = HeadRequest { targets: &targets, top_k: opts.top_k, extra_ids: extra, softcap: self.hp.final_softcap };
+            let head = self.head.as_ref().unwrap_or(&self.embd);
+            for r in self.backend.score_rows(&h, &rows, head, &req)? {
+                scores.push(TargetScore {
+                    nll: r.lse - r.target_logit,
+                    target_logit: r.target_logit,
+                    lse: r.lse,
+                    max_logit: r.max_logit,
+                    top: r.top,
+                    extra: r.extra,
+                });
+            }
+        }
+        ensure!(scores.len() == n_targets, "score_window: {} scores for {n_targets} targets", scores.len());
+        Ok(scores)
+    }
+
+    fn ensure_cache(&mut self, n_positions: usize) -> Result<()> {
+        if self.cache.is_none() || self.cache_positions < n_positions {
+            let hp = &self.hp;
+            let g = KvGeometry {
+                n_layers: hp.n_layers,
+                n_kv_heads: hp.n_kv_heads,
+                d_head: hp.d_head,
+                d_head_v: hp.d_head_v,
+                max_pos: n_positions,
+            };
+            self.cache = None;
+            self.cache = Some(self.backend.new_kv_cache(g)?);
+            self.cache_positions = n_positions;
+        }
+        Ok(())
+    }
+
+    /// Runs `tokens` (positions `pos0..`) through every layer; the KV cache
+    /// must hold positions `..pos0` of this window. -> `(n, d_model)`, the
+    /// residual stream before the final norm.
+    fn forward_pass(&mut self, tokens: &[u32], pos0: usize) -> Result<B::Act> {
+        let b = &self.backend;
+        let hp = &self.hp;
+        let cache = self.cache.as_mut().context("forward: no KV cache")?;
+        // (n, d_model)
+        let mut x = b.embed(&self.embd, tokens, hp.embed_scale)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let fail = || format!("layer {l}");
+            let h = b.rms_norm(&x, &layer.attn_norm, hp.rms_eps).with_context(fail)?;
+            // (n, n_heads * d_head), (n, n_kv_heads * d_head), (n, n_kv_heads * d_head_v)
+            let mut q = b.matmul(&h, &layer.wq).with_context(fail)?;
+            let mut k = b.matmul(&h, &layer.wk).with_context(fail)?;
+            let mut v = b.matmul(&h, &layer.wv).with_context(fail)?;
+            if let Some([bq, bk, bv]) = &layer.bias {
+                b.add_bias(&mut q, bq)?;
+                b.add_bias(&mut k, bk)?;
+                b.add_bias(&mut v, bv)?;
+            }
+            if let Some([nq, nk]) = &layer.qk_norm {
+                b.rms_norm_heads(&mut q, nq, hp.d_head, hp.rms_eps).with_context(fail)?;
+                b.rms_norm_heads(&mut k, nk, hp.d_head, hp.rms_eps).with_context(fail)?;
+            }
+            b.rope(&mut q, hp.n_heads, hp.d_head, pos0, &layer.rope).with_context(fail)?;
+            b.rope(&mut k, hp.n_kv_heads, hp.d_head, pos0, &layer.rope).with_context(fail)?;
+            // (n, n_heads * d_head_v)
+            let a = b.attention(cache, l, &q, &k, &v, pos0, &layer.attn).with_context(fail)?;
+            // (n, d_model)
+            let mut o = b.matmul(&a, &layer.wo).with_context(fail)?;
+            if let Some([post_attn, _]) = &layer.post_norms {
+                o = b.rms_norm(&o, post_attn, hp.rms_eps)?;
+            }
+            b.add_assign(&mut x, &o)?;
+
+            let h = b.rms_norm(&x, &layer.ffn_norm, hp.rms_eps).with_context(fail)?;
+            // (n, d_ffn)
+            let gate = b.matmul(&h, &layer.gate).with_context(fail)?;
+            let up = b.matmul(&h, &layer.up).with_context(fail)?;
+            let g = b.gated_act(&gate, &up, hp.activation)?;
+            // (n, d_model)
+            let mut f = b.matmul(&g, &layer.down).with_context(fail)?;
+            if let Some([_, post_ffn]) = &layer.post_norms {
+                f = b.rms_norm(&f, post_ffn, hp.rms_eps)?;
+            }
+            b.add_assign(&mut x, &f)?;
+        }
+        Ok(x)
+    }
+}
+
+/// What the scorer holds: a loaded model on some backend, behind one
+/// object-safe interface.
+pub trait WindowScorer: Send {
+    /// See [`Transformer::score_window`].
+    fn score_window(
+        &mut self,
+        tokens: &[u32],
+        first_target: usize,
+        opts: &ScoreOptions,
+        extra_ids: &[Vec<u32>],
+    ) -> Result<Vec<TargetScore>>;
+    fn hparams(&self) -> &HParams;
+    /// The backend, for logs and the report (`cpu (2 threads)`).
+    fn describe_backend(&self) -> String;
+}
+
+impl<B: Backend> WindowScorer for Transformer<B>
+where
+    Transformer<B>: Send,
+{
+    fn score_window(
+        &mut self,
+        tokens: &[u32],
+        first_target: usize,
+        opts: &ScoreOptions,
+        extra_ids: &[Vec<u32>],
+    ) -> Result<Vec<TargetScore>> {
+        Transformer::score_window(self, tokens, first_target, opts, extra_ids)
+    }
+    fn hparams(&self) -> &HParams {
+        &self.hp
+    }
+    fn describe_backend(&self) -> String {
+        self.backend.describe()
+    }
+}
+
+/// Loads `artifact` on the chosen backend.
+pub fn load_model(artifact: &Artifact, kind: BackendKind) -> Result<Box<dyn WindowScorer>> {
+    match kind {
+        BackendKind::Cpu => Ok(Box::new(Transformer::load(CpuBackend, artifact)?)),
+        BackendKind::Cuda => bail!("backend cuda: not available in this build"),
+    }
+}
+
+#[cfg(test)]
+mod tests;
