@@ -23,6 +23,7 @@
 //! `cpu::dequant`) and does not plan windows (that is `crate::plan`).
 
 pub mod cpu;
+pub mod cuda;
 
 use anyhow::Result;
 
@@ -208,5 +209,5 @@ impl BackendKind {
 
 /// Whether `--backend auto` picks CUDA: a driver and at least one device.
 pub fn cuda_available() -> bool {
-    false
+    cuda::build_info().kernels_built && cuda::driver_present() && cuda::device_count().is_ok_and(|n| n > 0)
 }

@@ -391,3 +391,6 @@ pub fn load_model(artifact: &Artifact, kind: BackendKind) -> Result<Box<dyn Wind
         BackendKind::Cuda => bail!("backend cuda: not available in this build"),
     }
 }
+
+#[cfg(test)]
+mod tests;

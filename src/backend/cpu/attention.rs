@@ -42,10 +42,11 @@ pub fn attention(q: &[f32], n: usize, k_cache: &[f32], v_cache: &[f32], pos0: us
             let kb = MatRef { data: &k_cache[k_lo * k_cols + g * d..], n_rows: nk, n_cols: d, rs: k_cols, cs: 1 };
             let mut s = vec![0f32; nr * nk];
             gemm(qb, kb.t(), &mut s, nk)?;
+            let mut buf = Vec::with_capacity(nk);
             for i in 0..nr {
                 let pos = pos0 + r0 + i;
                 let (lo, hi) = (p.first_key(pos) - k_lo, pos + 1 - k_lo);
-                softmax_row(&mut s[i * nk..(i + 1) * nk], lo, hi, p);
+                softmax_row(&mut s[i * nk..(i + 1) * nk], lo, hi, p, &mut buf);
             }
             // (nr, nk) · (nk, dv): probabilities times values.
             let vb = MatRef { data: &v_cache[k_lo * v_cols + g * dv..], n_rows: nk, n_cols: dv, rs: v_cols, cs: 1 };
@@ -67,22 +68,24 @@ pub fn attention(q: &[f32], n: usize, k_cache: &[f32], v_cache: &[f32], pos0: us
 
 /// Turns raw scores `s` into probabilities in place: entries `lo..hi` are
 /// the visible keys (scaled, soft-capped, softmaxed in f64), all others 0.
-fn softmax_row(s: &mut [f32], lo: usize, hi: usize, p: &AttnParams) {
-    let logit = |v: f32| {
+/// `buf` is scratch space of at least `hi - lo` values.
+fn softmax_row(s: &mut [f32], lo: usize, hi: usize, p: &AttnParams, buf: &mut Vec<f64>) {
+    buf.clear();
+    buf.extend(s[lo..hi].iter().map(|&v| {
         let x = v as f64 * p.scale;
         p.softcap.map_or(x, |c| softcap(x, c))
-    };
-    let max = s[lo..hi].iter().map(|&v| logit(v)).fold(f64::NEG_INFINITY, f64::max);
-    let mut e = vec![0f64; hi - lo];
+    }));
+    let max = buf.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let mut sum = 0f64;
-    for (ej, &v) in e.iter_mut().zip(&s[lo..hi]) {
-        *ej = (logit(v) - max).exp();
-        sum += *ej;
+    for e in buf.iter_mut() {
+        *e = (*e - max).exp();
+        sum += *e;
     }
+    let inv = 1.0 / sum;
     s[..lo].fill(0.0);
     s[hi..].fill(0.0);
-    for (v, ej) in s[lo..hi].iter_mut().zip(e) {
-        *v = (ej / sum) as f32;
+    for (v, &e) in s[lo..hi].iter_mut().zip(buf.iter()) {
+        *v = (e * inv) as f32;
     }
 }
 
