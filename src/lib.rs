@@ -7,9 +7,15 @@
 //! tokenizer), `plan` (windows), `model` + `backend` (the forward pass),
 //! `score` (NLL statistics) and `report` (report.json and the table).
 
+pub mod app;
 pub mod artifact;
 pub mod backend;
+pub mod cli;
+pub mod config;
 pub mod convert;
 pub mod model;
+pub mod plan;
+pub mod report;
+pub mod score;
 pub mod text;
 pub mod util;

@@ -23,6 +23,7 @@
 //! `cpu::dequant`) and does not plan windows (that is `crate::plan`).
 
 pub mod cpu;
+pub mod cuda;
 
 use anyhow::Result;
 
@@ -204,4 +205,9 @@ impl BackendKind {
             Self::Cuda => "cuda",
         }
     }
+}
+
+/// Whether `--backend auto` picks CUDA: a driver and at least one device.
+pub fn cuda_available() -> bool {
+    cuda::build_info().kernels_built && cuda::driver_present() && cuda::device_count().is_ok_and(|n| n > 0)
 }

@@ -147,7 +147,8 @@ pub fn write_synthetic(
         let bytes = if name.ends_with("norm.weight") {
             ones(n_cols)
         } else {
-            let sigma = if name == TOKEN_EMBD { 1.0 } else { 1.0 / (n_cols as f32).sqrt() };
+            // Logits of a unit-RMS hidden state against rows of this spread have unit spread.
+            let sigma = 1.0 / (n_cols as f32).sqrt();
             random_matrix(fmt, n_rows, n_cols, sigma, seed.wrapping_add(i as u64 * 0x1000_0000))?
         };
         let shape = if n_rows == 1 { vec![n_cols as u64] } else { vec![n_rows as u64, n_cols as u64] };

@@ -1,4 +1,6 @@
-//! Text side of the evaluator: the tokenizer wrapper that turns corpus text
-//! into token ids with the artifact's BOS/EOS policy.
+//! Text input: corpus manifests (streams, data root, checksums) and the
+//! tokenizer wrapper that turns text into token ids with the artifact's
+//! BOS/EOS policy.
 
+pub mod corpus;
 pub mod tokenizer;

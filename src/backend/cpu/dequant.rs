@@ -78,7 +78,9 @@ pub fn dequantize_rows(
     rows: Range<usize>,
     out: &mut [f32],
 ) -> Result<()> {
-    let row_bytes = format.row_bytes(n_cols).with_context(|| format!("dequantize {format} rows"))?;
+    let row_bytes = format
+        .row_bytes(n_cols)
+        .with_context(|| format!("dequantize {format} rows"))?;
     let n_rows = rows.end.saturating_sub(rows.start);
     ensure!(
         out.len() == n_rows * n_cols,
@@ -99,21 +101,15 @@ pub fn dequantize_rows(
     out.par_chunks_mut(n_cols)
         .zip(src.par_chunks(row_bytes))
         .enumerate()
-        .try_for_each(|(i, (y, row))| {
-            dequantize_row(format, row, y).with_context(|| format!("row {}", rows.start + i))
-        })
+        .try_for_each(|(i, (y, row))| dequantize_row(format, row, y).with_context(|| format!("row {}", rows.start + i)))
 }
 
 /// Dequantizes the rows `row_ids` (e.g. token ids of an embedding lookup) of
 /// a matrix of `n_cols` columns into `out` (`(row_ids.len(), n_cols)`).
-pub fn gather_rows(
-    format: TensorFormat,
-    bytes: &[u8],
-    n_cols: usize,
-    row_ids: &[u32],
-    out: &mut [f32],
-) -> Result<()> {
-    let row_bytes = format.row_bytes(n_cols).with_context(|| format!("gather {format} rows"))?;
+pub fn gather_rows(format: TensorFormat, bytes: &[u8], n_cols: usize, row_ids: &[u32], out: &mut [f32]) -> Result<()> {
+    let row_bytes = format
+        .row_bytes(n_cols)
+        .with_context(|| format!("gather {format} rows"))?;
     ensure!(
         out.len() == row_ids.len() * n_cols,
         "gather {format} rows: output holds {} values, expected {} x {n_cols}",
@@ -135,13 +131,10 @@ pub fn gather_rows(
 }
 
 /// Dequantizes a whole `(n_rows, n_cols)` matrix held in `bytes`.
-pub fn dequantize_matrix(
-    format: TensorFormat,
-    bytes: &[u8],
-    n_rows: usize,
-    n_cols: usize,
-) -> Result<Vec<f32>> {
-    let row_bytes = format.row_bytes(n_cols).with_context(|| format!("dequantize {format}"))?;
+pub fn dequantize_matrix(format: TensorFormat, bytes: &[u8], n_rows: usize, n_cols: usize) -> Result<Vec<f32>> {
+    let row_bytes = format
+        .row_bytes(n_cols)
+        .with_context(|| format!("dequantize {format}"))?;
     ensure!(
         bytes.len() == n_rows * row_bytes,
         "dequantize {format}: {} bytes for {n_rows} x {n_cols}, expected {}",
@@ -272,9 +265,9 @@ fn block_q5_1(b: &[u8], y: &mut [f32]) {
 ///   y = q * d
 fn block_q8_0(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 0);
-    for j in 0..32 {
-        let q = b[2 + j] as i8;
-        y[j] = f32::from(q) * d;
+    let qs = &b[2..34];
+    for (yj, &q) in y.iter_mut().zip(qs) {
+        *yj = f32::from(q as i8) * d;
     }
 }
 
@@ -484,12 +477,18 @@ mod tests {
 
     #[test]
     fn float_formats() {
-        let f32_bytes: Vec<u8> = [1.5f32, -2.25, 0.0, f32::MAX].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let f32_bytes: Vec<u8> = [1.5f32, -2.25, 0.0, f32::MAX]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
         assert_eq!(deq(TensorFormat::F32, &f32_bytes), vec![1.5, -2.25, 0.0, f32::MAX]);
 
         // f16: 0x3C00 = 1.0, 0xC000 = -2.0, 0x0001 = 2^-24 (smallest subnormal), 0x7BFF = 65504.
         let f16_bytes = [0x00, 0x3C, 0x00, 0xC0, 0x01, 0x00, 0xFF, 0x7B];
-        assert_eq!(deq(TensorFormat::F16, &f16_bytes), vec![1.0, -2.0, 2f32.powi(-24), 65504.0]);
+        assert_eq!(
+            deq(TensorFormat::F16, &f16_bytes),
+            vec![1.0, -2.0, 2f32.powi(-24), 65504.0]
+        );
 
         // bf16: 0x3F80 = 1.0, 0xC040 = -3.0, 0x3E20 = 0.15625, 0x0001 = the f32 with bits 0x0001_0000.
         let bf16_bytes = [0x80, 0x3F, 0x40, 0xC0, 0x20, 0x3E, 0x01, 0x00];
@@ -563,8 +562,8 @@ mod tests {
         let mut b = h(0.125).to_vec();
         b.extend((0..32i32).map(|j| (j * 8 - 128) as i8 as u8));
         let y = deq(TensorFormat::Q8_0, &b);
-        for j in 0..32 {
-            assert_eq!(y[j], (j as f32 * 8.0 - 128.0) * 0.125);
+        for (j, &v) in y.iter().enumerate() {
+            assert_eq!(v, (j as f32 * 8.0 - 128.0) * 0.125);
         }
         assert_eq!((y[0], y[31]), (-16.0, 15.0));
     }
@@ -572,7 +571,9 @@ mod tests {
     #[test]
     fn iq4_nl_block() {
         // d = 0.5; byte j = j | (15 - j) << 4 -> codebook entries j and 15 - j.
-        let table = [-127.0f32, -104.0, -83.0, -65.0, -49.0, -35.0, -22.0, -10.0, 1.0, 13.0, 25.0, 38.0, 53.0, 69.0, 89.0, 113.0];
+        let table = [
+            -127.0f32, -104.0, -83.0, -65.0, -49.0, -35.0, -22.0, -10.0, 1.0, 13.0, 25.0, 38.0, 53.0, 69.0, 89.0, 113.0,
+        ];
         let mut b = h(0.5).to_vec();
         b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
         let y = deq(TensorFormat::Iq4Nl, &b);
@@ -622,7 +623,7 @@ mod tests {
         // 6-bit scale of sub-block s: u = 4 * s + 1 (stored, scale = u - 32);
         // quant of weight e: q = (e % 8) - 4 in -4..=3.
         let u: Vec<u8> = (0..16).map(|s| 4 * s + 1).collect();
-        let q: Vec<i32> = (0..256).map(|e| (e % 8) as i32 - 4).collect();
+        let q: Vec<i32> = (0..256).map(|e| (e % 8) - 4).collect();
         let d = 0.25f32;
 
         // Pack as ggml's quantize_row_q3_K_ref: L = q + 4; high bit to hmask[e % 32] bit e / 32.
@@ -782,7 +783,10 @@ mod tests {
         let mut out = vec![0.0; 32];
         let err = dequantize_row(TensorFormat::Q8_0, &[0u8; 33], &mut out).unwrap_err();
         let msg = format!("{err:#}");
-        assert!(msg.contains("Q8_0") && msg.contains("33") && msg.contains("34"), "{msg}");
+        assert!(
+            msg.contains("Q8_0") && msg.contains("33") && msg.contains("34"),
+            "{msg}"
+        );
 
         let mut out = vec![0.0; 100];
         let err = dequantize_row(TensorFormat::Q4K, &[0u8; 144], &mut out).unwrap_err();
@@ -827,15 +831,27 @@ mod tests {
                 let mut one = vec![0.0; n_cols];
                 dequantize_row(format, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut one).unwrap();
                 let got = &whole[r * n_cols..(r + 1) * n_cols];
-                assert!(one.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits()), "{format} row {r}");
+                assert!(
+                    one.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{format} row {r}"
+                );
             }
             let mut mid = vec![0.0; 2 * n_cols];
             dequantize_rows(format, &bytes, n_cols, 2..4, &mut mid).unwrap();
-            assert!(mid.iter().zip(&whole[2 * n_cols..4 * n_cols]).all(|(a, b)| a.to_bits() == b.to_bits()));
+            assert!(mid
+                .iter()
+                .zip(&whole[2 * n_cols..4 * n_cols])
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
             let mut gathered = vec![0.0; 2 * n_cols];
             gather_rows(format, &bytes, n_cols, &[4, 0], &mut gathered).unwrap();
-            assert!(gathered[..n_cols].iter().zip(&whole[4 * n_cols..]).all(|(a, b)| a.to_bits() == b.to_bits()));
-            assert!(gathered[n_cols..].iter().zip(&whole[..n_cols]).all(|(a, b)| a.to_bits() == b.to_bits()));
+            assert!(gathered[..n_cols]
+                .iter()
+                .zip(&whole[4 * n_cols..])
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
+            assert!(gathered[n_cols..]
+                .iter()
+                .zip(&whole[..n_cols])
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
         }
     }
 }

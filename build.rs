@@ -1,0 +1,184 @@
+//! Build script: compiles `kernels/*.cu` to PTX with nvcc and generates
+//! `$OUT_DIR/cuda_kernels.rs` (included by `src/backend/cuda/ptx.rs`) holding
+//! each module's PTX, the nvcc version, the target arch and a SHA-256 of the
+//! kernel sources.
+//!
+//! nvcc is looked up through `NVCC` (path to the executable), then
+//! `CUDA_HOME`/bin/nvcc and `CUDA_PATH`/bin/nvcc, then `PATH`. The target arch
+//! comes from `INFERNIX_CUDA_ARCH` (default `90`; `90a` for wgmma code).
+//! Without nvcc the build warns and the CUDA backend reports "built without
+//! CUDA kernels" at run time; a kernel that fails to compile fails the build
+//! with the exact command and nvcc's output. No GPU is probed here.
+
+use std::env;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use sha2::{Digest, Sha256};
+
+const KERNEL_DIR: &str = "kernels";
+const ENV_VARS: [&str; 5] = ["NVCC", "CUDA_HOME", "CUDA_PATH", "PATH", "INFERNIX_CUDA_ARCH"];
+
+fn main() {
+    println!("cargo:rerun-if-changed={KERNEL_DIR}");
+    println!("cargo:rerun-if-changed=build.rs");
+    for var in ENV_VARS {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    let out_dir = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let arch = env::var("INFERNIX_CUDA_ARCH").unwrap_or_else(|_| "90".to_string());
+    if arch.is_empty() || !arch.trim_end_matches('a').chars().all(|c| c.is_ascii_digit()) {
+        panic!("INFERNIX_CUDA_ARCH={arch:?}: expected a compute capability such as 90 or 90a");
+    }
+
+    let (sources, headers) = kernel_sources();
+    let sources_sha256 = hash_sources(sources.iter().chain(headers.iter()));
+
+    let Some(nvcc) = find_nvcc() else {
+        println!(
+            "cargo:warning=nvcc not found (NVCC, CUDA_HOME, CUDA_PATH, PATH): building without CUDA kernels; \
+             the CUDA backend will report \"built without CUDA kernels\""
+        );
+        write_generated(&out_dir, None, &arch, &sources_sha256, &[]);
+        return;
+    };
+    let version = nvcc_version(&nvcc);
+    let include_dirs = nvcc_include_dirs(&nvcc);
+
+    // Compile every module concurrently; report every failure.
+    let mut jobs = Vec::new();
+    for src in &sources {
+        let stem = src.file_stem().and_then(|s| s.to_str()).expect("kernel file names are UTF-8");
+        let ptx = out_dir.join(format!("{stem}.ptx"));
+        let mut cmd = Command::new(&nvcc);
+        cmd.arg("-ptx")
+            .arg(format!("-arch=compute_{arch}"))
+            .arg("-O3")
+            .arg("-std=c++17")
+            .arg("-I")
+            .arg(KERNEL_DIR);
+        for dir in &include_dirs {
+            cmd.arg("-I").arg(dir);
+        }
+        cmd.arg("-o").arg(&ptx).arg(src);
+        let shown = format!("{cmd:?}");
+        let child = cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn();
+        jobs.push((stem.to_string(), ptx, shown, child));
+    }
+    let mut modules = Vec::new();
+    let mut failures = String::new();
+    for (stem, ptx, shown, child) in jobs {
+        let output = child.and_then(|c| c.wait_with_output());
+        match output {
+            Ok(out) if out.status.success() => modules.push((stem, ptx)),
+            Ok(out) => {
+                let _ = writeln!(failures, "nvcc failed ({}):\n  {shown}\n{}", out.status, both(&out));
+            }
+            Err(e) => {
+                let _ = writeln!(failures, "could not run nvcc:\n  {shown}\n  {e}");
+            }
+        }
+    }
+    if !failures.is_empty() {
+        panic!("compiling CUDA kernels to PTX failed:\n{failures}");
+    }
+    write_generated(&out_dir, Some(&version), &arch, &sources_sha256, &modules);
+}
+
+/// The `.cu` modules and the headers under `kernels/`, sorted by name.
+fn kernel_sources() -> (Vec<PathBuf>, Vec<PathBuf>) {
+    let mut sources = Vec::new();
+    let mut headers = Vec::new();
+    let entries = std::fs::read_dir(KERNEL_DIR).unwrap_or_else(|e| panic!("read {KERNEL_DIR}/: {e}"));
+    for entry in entries {
+        let path = entry.unwrap_or_else(|e| panic!("read {KERNEL_DIR}/: {e}")).path();
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("cu") => sources.push(path),
+            Some("cuh") | Some("h") => headers.push(path),
+            _ => {}
+        }
+    }
+    sources.sort();
+    headers.sort();
+    (sources, headers)
+}
+
+/// SHA-256 over (file name, NUL, contents, NUL) of every kernel source, in name order.
+fn hash_sources<'a>(paths: impl Iterator<Item = &'a PathBuf>) -> String {
+    let mut all: Vec<&PathBuf> = paths.collect();
+    all.sort();
+    let mut h = Sha256::new();
+    for p in all {
+        let bytes = std::fs::read(p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()));
+        h.update(p.file_name().and_then(|n| n.to_str()).unwrap_or("").as_bytes());
+        h.update([0u8]);
+        h.update(&bytes);
+        h.update([0u8]);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn find_nvcc() -> Option<PathBuf> {
+    if let Some(p) = env::var_os("NVCC").filter(|p| !p.is_empty()) {
+        let p = PathBuf::from(p);
+        if p.is_file() {
+            return Some(p);
+        }
+        println!("cargo:warning=NVCC={} is not a file; looking further", p.display());
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Some(root) = env::var_os(var).filter(|p| !p.is_empty()) {
+            let p = Path::new(&root).join("bin").join("nvcc");
+            if p.is_file() {
+                return Some(p);
+            }
+        }
+    }
+    let path = env::var_os("PATH")?;
+    env::split_paths(&path).map(|d| d.join("nvcc")).find(|p| p.is_file())
+}
+
+/// The "release X.Y, VX.Y.Z" line of `nvcc --version` (the whole output when absent).
+fn nvcc_version(nvcc: &Path) -> String {
+    let out = Command::new(nvcc)
+        .arg("--version")
+        .output()
+        .unwrap_or_else(|e| panic!("running {} --version: {e}", nvcc.display()));
+    if !out.status.success() {
+        panic!("{} --version failed ({}):\n{}", nvcc.display(), out.status, both(&out));
+    }
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    text.lines()
+        .find(|l| l.contains("release"))
+        .map(|l| l.trim().to_string())
+        .unwrap_or_else(|| text.trim().replace('\n', " "))
+}
+
+/// `<nvcc>/../include` and `<nvcc>/../include/cccl` when they exist (the PyPI
+/// layout of nvcc keeps the CUDA headers there).
+fn nvcc_include_dirs(nvcc: &Path) -> Vec<PathBuf> {
+    let Some(root) = nvcc.parent().and_then(|b| b.parent()) else { return Vec::new() };
+    [root.join("include"), root.join("include").join("cccl")].into_iter().filter(|d| d.is_dir()).collect()
+}
+
+fn both(out: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+fn write_generated(out_dir: &Path, nvcc_version: Option<&str>, arch: &str, sha: &str, modules: &[(String, PathBuf)]) {
+    let mut s = String::new();
+    s.push_str("// @generated by build.rs: PTX of kernels/*.cu and the toolchain that built it.\n");
+    let _ = writeln!(s, "pub const KERNELS_BUILT: bool = {};", nvcc_version.is_some());
+    let _ = writeln!(s, "pub const NVCC_VERSION: &str = {:?};", nvcc_version.unwrap_or(""));
+    let _ = writeln!(s, "pub const CUDA_ARCH: &str = {arch:?};");
+    let _ = writeln!(s, "pub const SOURCES_SHA256: &str = {sha:?};");
+    s.push_str("pub const MODULES: &[(&str, &str)] = &[\n");
+    for (name, ptx) in modules {
+        let path = ptx.to_str().expect("OUT_DIR is UTF-8");
+        let _ = writeln!(s, "    ({name:?}, include_str!({path:?})),");
+    }
+    s.push_str("];\n");
+    let dst = out_dir.join("cuda_kernels.rs");
+    std::fs::write(&dst, s).unwrap_or_else(|e| panic!("write {}: {e}", dst.display()));
+}

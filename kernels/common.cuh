@@ -1,0 +1,278 @@
+// common.cuh: shared device code for every kernel module.
+//
+// Owns: the storage-format ids (GGML's type numbers, the same as
+// `artifact::format::TensorFormat`), the per-format dequantizer `dequant8`
+// (8 consecutive elements of one row into f32, bit-for-bit the arithmetic of
+// ggml's `dequantize_row_*`, with products and sums rounded separately so no
+// FMA contraction changes a value), warp reductions and bf16 packing.
+//
+// Block layouts (ggml-common.h), bytes per block / elements per block:
+//   Q4_0 18/32 {f16 d; u8 qs[16]}           Q4_1 20/32 {f16 d, m; u8 qs[16]}
+//   Q5_0 22/32 {f16 d; u8 qh[4]; u8 qs[16]} Q5_1 24/32 {f16 d, m; u8 qh[4]; u8 qs[16]}
+//   Q8_0 34/32 {f16 d; i8 qs[32]}           IQ4_NL 18/32 {f16 d; u8 qs[16]}
+//   Q2_K 84/256 {u8 scales[16]; u8 qs[64]; f16 d, dmin}
+//   Q3_K 110/256 {u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d}
+//   Q4_K 144/256 {f16 d, dmin; u8 scales[12]; u8 qs[128]}
+//   Q5_K 176/256 {f16 d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]}
+//   Q6_K 210/256 {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}
+//
+// Contract of every weight-reading kernel: rows hold n_cols elements with
+// n_cols % 32 == 0, rows start 16-byte aligned for F32/F16/BF16 (row_bytes is
+// then a multiple of 16) and 2-byte aligned for the block formats (every
+// block size is even). The Rust launchers check these before launching.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define FMT_F32 0
+#define FMT_F16 1
+#define FMT_Q4_0 2
+#define FMT_Q4_1 3
+#define FMT_Q5_0 6
+#define FMT_Q5_1 7
+#define FMT_Q8_0 8
+#define FMT_Q2_K 10
+#define FMT_Q3_K 11
+#define FMT_Q4_K 12
+#define FMT_Q5_K 13
+#define FMT_Q6_K 14
+#define FMT_IQ4_NL 20
+#define FMT_BF16 30
+
+// X(name, id): one line per format; kernels are instantiated as `<op>_<name>`.
+#define FOR_EACH_FORMAT(X) \
+    X(f32, FMT_F32)        \
+    X(f16, FMT_F16)        \
+    X(bf16, FMT_BF16)      \
+    X(q4_0, FMT_Q4_0)      \
+    X(q4_1, FMT_Q4_1)      \
+    X(q5_0, FMT_Q5_0)      \
+    X(q5_1, FMT_Q5_1)      \
+    X(q8_0, FMT_Q8_0)      \
+    X(q2_k, FMT_Q2_K)      \
+    X(q3_k, FMT_Q3_K)      \
+    X(q4_k, FMT_Q4_K)      \
+    X(q5_k, FMT_Q5_K)      \
+    X(q6_k, FMT_Q6_K)      \
+    X(iq4_nl, FMT_IQ4_NL)
+
+typedef __nv_bfloat16 bf16;
+
+// ggml's kvalues_iq4nl (ggml-common.h).
+__device__ __constant__ int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                     1,    13,   25,  38,  53,  69,  89,  113};
+
+__device__ __forceinline__ float f16_at(const uint8_t* p) {
+    return __half2float(__ushort_as_half(*reinterpret_cast<const uint16_t*>(p)));
+}
+
+__device__ __forceinline__ float bf16_bits_to_f32(uint32_t bits16) {
+    return __uint_as_float(bits16 << 16);
+}
+
+__device__ __forceinline__ float fmul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float fadd(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float fsub(float a, float b) { return __fsub_rn(a, b); }
+
+// Q4_K / Q5_K 6-bit scale and min of sub-block j (ggml's get_scale_min_k4).
+__device__ __forceinline__ void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
+    if (j < 4) {
+        sc = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// Dequantizes elements [8*g, 8*g + 8) of one row starting at `row` into out.
+template <int FMT>
+__device__ __forceinline__ void dequant8(const uint8_t* __restrict__ row, int g, float out[8]) {
+    if constexpr (FMT == FMT_F32) {
+        const float4* p = reinterpret_cast<const float4*>(row) + 2 * g;
+        float4 a = p[0], b = p[1];
+        out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+        out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+    } else if constexpr (FMT == FMT_F16 || FMT == FMT_BF16) {
+        uint4 v = reinterpret_cast<const uint4*>(row)[g];
+        uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if constexpr (FMT == FMT_F16) {
+                out[2 * i] = __half2float(__ushort_as_half((uint16_t)(w[i] & 0xFFFF)));
+                out[2 * i + 1] = __half2float(__ushort_as_half((uint16_t)(w[i] >> 16)));
+            } else {
+                out[2 * i] = bf16_bits_to_f32(w[i] & 0xFFFF);
+                out[2 * i + 1] = bf16_bits_to_f32(w[i] >> 16);
+            }
+        }
+    } else if constexpr (FMT == FMT_Q4_0 || FMT == FMT_Q4_1 || FMT == FMT_IQ4_NL) {
+        constexpr int BB = FMT == FMT_Q4_1 ? 20 : 18;
+        const uint8_t* blk = row + (g >> 2) * BB;
+        const int s = g & 3;
+        const float d = f16_at(blk);
+        const float m = FMT == FMT_Q4_1 ? f16_at(blk + 2) : 0.0f;
+        const uint8_t* qs = blk + (FMT == FMT_Q4_1 ? 4 : 2) + (s & 1) * 8;
+        const int shift = (s >> 1) * 4;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int v = (qs[i] >> shift) & 0xF;
+            if constexpr (FMT == FMT_Q4_0) out[i] = fmul((float)(v - 8), d);
+            else if constexpr (FMT == FMT_Q4_1) out[i] = fadd(fmul((float)v, d), m);
+            else out[i] = fmul(d, (float)kvalues_iq4nl[v]);
+        }
+    } else if constexpr (FMT == FMT_Q5_0 || FMT == FMT_Q5_1) {
+        constexpr bool HAS_M = FMT == FMT_Q5_1;
+        constexpr int BB = HAS_M ? 24 : 22;
+        const uint8_t* blk = row + (g >> 2) * BB;
+        const int s = g & 3;
+        const float d = f16_at(blk);
+        const float m = HAS_M ? f16_at(blk + 2) : 0.0f;
+        const uint8_t* qhp = blk + (HAS_M ? 4 : 2);
+        const uint32_t qh = (uint32_t)qhp[0] | ((uint32_t)qhp[1] << 8) | ((uint32_t)qhp[2] << 16) |
+                            ((uint32_t)qhp[3] << 24);
+        const uint8_t* qs = qhp + 4 + (s & 1) * 8;
+        const int shift = (s >> 1) * 4;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int e = s * 8 + i;  // element within the block; bit e of qh is its 5th bit
+            const int v = ((qs[i] >> shift) & 0xF) | (((qh >> e) & 1) << 4);
+            if constexpr (HAS_M) out[i] = fadd(fmul((float)v, d), m);
+            else out[i] = fmul((float)(v - 16), d);
+        }
+    } else if constexpr (FMT == FMT_Q8_0) {
+        const uint8_t* blk = row + (g >> 2) * 34;
+        const float d = f16_at(blk);
+        const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 2) + (g & 3) * 8;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) out[i] = fmul((float)qs[i], d);
+    } else if constexpr (FMT == FMT_Q2_K) {
+        const uint8_t* blk = row + (g >> 5) * 84;
+        const int e0 = (g & 31) * 8;
+        const int n = e0 >> 7, j = (e0 & 127) >> 5, l0 = e0 & 31;
+        const float d = f16_at(blk + 80), dmin = f16_at(blk + 82);
+        const int sc = blk[e0 >> 4];
+        const float dl = fmul(d, (float)(sc & 0xF)), ml = fmul(dmin, (float)(sc >> 4));
+        const uint8_t* q = blk + 16 + n * 32 + l0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) out[i] = fsub(fmul(dl, (float)((q[i] >> (2 * j)) & 3)), ml);
+    } else if constexpr (FMT == FMT_Q3_K) {
+        const uint8_t* blk = row + (g >> 5) * 110;
+        const int e0 = (g & 31) * 8;
+        const int n = e0 >> 7, j = (e0 & 127) >> 5, l0 = e0 & 31;
+        const float d = f16_at(blk + 108);
+        const uint8_t* sc = blk + 96;
+        const int is = e0 >> 4;
+        const int low = is < 8 ? (sc[is] & 0xF) : (sc[is - 8] >> 4);
+        const int high = (sc[8 + (is & 3)] >> (2 * (is >> 2))) & 3;
+        const float dl = fmul(d, (float)((low | (high << 4)) - 32));
+        const uint8_t* q = blk + 32 + n * 32 + l0;
+        const uint8_t* hm = blk + l0;
+        const int mbit = n * 4 + j;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int v = ((q[i] >> (2 * j)) & 3) - (((hm[i] >> mbit) & 1) ? 0 : 4);
+            out[i] = fmul(dl, (float)v);
+        }
+    } else if constexpr (FMT == FMT_Q4_K || FMT == FMT_Q5_K) {
+        constexpr bool Q5 = FMT == FMT_Q5_K;
+        const uint8_t* blk = row + (g >> 5) * (Q5 ? 176 : 144);
+        const int e0 = (g & 31) * 8;
+        const int c = e0 >> 5, l0 = e0 & 31;
+        const float d = f16_at(blk), dmin = f16_at(blk + 2);
+        int sc, m;
+        scale_min_k4(c, blk + 4, sc, m);
+        const float d1 = fmul(d, (float)sc), m1 = fmul(dmin, (float)m);
+        const uint8_t* q = blk + (Q5 ? 48 : 16) + (c >> 1) * 32 + l0;
+        const int shift = (c & 1) * 4;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            int v = (q[i] >> shift) & 0xF;
+            if constexpr (Q5) v += ((blk[16 + l0 + i] >> c) & 1) << 4;
+            out[i] = fsub(fmul(d1, (float)v), m1);
+        }
+    } else if constexpr (FMT == FMT_Q6_K) {
+        const uint8_t* blk = row + (g >> 5) * 210;
+        const int e0 = (g & 31) * 8;
+        const int n = e0 >> 7, qq = (e0 & 127) >> 5, l0 = e0 & 31;
+        const float d = f16_at(blk + 208);
+        const int8_t sc = reinterpret_cast<const int8_t*>(blk + 192)[e0 >> 4];
+        const float ds = fmul(d, (float)sc);
+        const uint8_t* ql = blk + n * 64 + (qq & 1) * 32 + l0;
+        const uint8_t* qh = blk + 128 + n * 32 + l0;
+        const int shift = (qq >> 1) * 4;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int v = (((ql[i] >> shift) & 0xF) | (((qh[i] >> (2 * qq)) & 3) << 4)) - 32;
+            out[i] = fmul(ds, (float)v);
+        }
+    }
+}
+
+// ---------------------------------------------------------------- reductions
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+// `scratch` holds 32 values of T; the call begins and ends with a barrier.
+template <typename T>
+__device__ __forceinline__ T block_sum(T v, T* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    T r = lane < n_warps ? scratch[lane] : T(0);
+    r = warp_sum(r);
+    return r;
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float r = lane < n_warps ? scratch[lane] : -INFINITY;
+    return warp_max(r);
+}
+
+// ---------------------------------------------------------------- bf16 packing
+
+// Two f32 into one 32-bit word of bf16 (round to nearest even), low half first.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+    __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&p);
+}
+
+__device__ __forceinline__ uint4 pack_bf16x8(const float v[8]) {
+    return make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]),
+                      pack_bf16x2(v[6], v[7]));
+}
+
+// Output element conversion for kernels templated on their output type.
+template <typename T>
+__device__ __forceinline__ T from_f32(float v);
+template <>
+__device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ bf16 from_f32<bf16>(float v) { return __float2bfloat16_rn(v); }
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(bf16 v) { return __bfloat162float(v); }

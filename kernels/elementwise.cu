@@ -1,0 +1,56 @@
+// elementwise.cu: gated activations, residual add, f32 -> bf16 cast.
+//
+// gated_{silu,gelu}_{f32,bf16}: out[i] = act(gate[i]) * up[i] over n rows of
+// n_cols (gate and up with their own row strides, so a fused gate|up matmul
+// output can be read in place). silu(x) = x / (1 + exp(-x)); gelu is the tanh
+// approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (gemma's
+// gelu_pytorch_tanh, ggml's gelu). Math in f32 with expf/tanhf (no fast math).
+// add_f32: y[i] += x[i] (the residual stream stays f32).
+// cast_bf16: out[i] = bf16(x[i]) (round to nearest even).
+//
+// Launch: 1-D grid over elements, block 256 (gated: grid (ceil(n_cols/256), n_rows)).
+#include "common.cuh"
+
+#define ACT_SILU 0
+#define ACT_GELU 1
+
+template <int ACT>
+__device__ __forceinline__ float act(float x) {
+    if constexpr (ACT == ACT_SILU) {
+        return x / (1.0f + expf(-x));
+    } else {
+        const float k = 0.7978845608028654f;  // sqrt(2/pi)
+        return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+    }
+}
+
+template <int ACT, typename OUT>
+__device__ void gated(const float* __restrict__ gate, const float* __restrict__ up, OUT* __restrict__ out,
+                      int n_cols, long long gate_stride, long long up_stride, long long out_stride) {
+    const int r = blockIdx.y;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= n_cols) return;
+    const float g = gate[r * gate_stride + c], u = up[r * up_stride + c];
+    out[r * out_stride + c] = from_f32<OUT>(fmul(act<ACT>(g), u));
+}
+
+#define GATED(name, A, T)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256)                                            \
+        gated_##name(const float* gate, const float* up, T* out, int n_cols, long long gate_stride, \
+                     long long up_stride, long long out_stride) {                                \
+        gated<A, T>(gate, up, out, n_cols, gate_stride, up_stride, out_stride);                  \
+    }
+GATED(silu_f32, ACT_SILU, float)
+GATED(silu_bf16, ACT_SILU, bf16)
+GATED(gelu_f32, ACT_GELU, float)
+GATED(gelu_bf16, ACT_GELU, bf16)
+
+extern "C" __global__ void __launch_bounds__(256) add_f32(float* y, const float* x, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = fadd(y[i], x[i]);
+}
+
+extern "C" __global__ void __launch_bounds__(256) cast_bf16(const float* x, bf16* out, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = __float2bfloat16_rn(x[i]);
+}

@@ -1,0 +1,155 @@
+// lmhead.cu: per-row reduction of a tile of FP32 logits, so that nothing
+// vocabulary-sized leaves the GPU.
+//
+// The LM head runs in tiles of rows (positions): matmul_{bf16,f32}_<fmt>
+// writes a (n_rows_tile, n_vocab) f32 logits tile into a scratch buffer on the
+// device, then lmhead_reduce turns each row into:
+//   row_max[r]      max_v logits[r, v]
+//   row_sumexp[r]   sum_v exp(logits[r, v] - row_max[r])   (f64: exp and sum in double)
+//   target_logit[r] logits[r, targets[r]] (NaN when targets[r] is outside [0, n_vocab))
+//   topk_ids[r, :k], topk_logits[r, :k]: the k largest logits, ordered by
+//                   (logit descending, id ascending); k <= 64 (0 skips it).
+// The host forms log p(target) = target_logit - row_max - ln(row_sumexp) in f64.
+//
+// Algorithm: one block of 512 threads per row. Pass 1 max, pass 2 sum of exp
+// (both strided over the row, block reductions). Top-k: radix select of the
+// k-th largest key (floats mapped to order-preserving u32) in 4 passes of 8
+// bits with a 256-bin shared histogram; then one ordered pass collects every
+// key above the threshold and the lowest-id keys equal to it (block-wide
+// ballot prefix sums keep id order, so ties are deterministic); the <= 64
+// candidates are ranked in shared memory.
+//
+// Launch: grid (n_rows), block 512, static shared memory ~2.6 KiB.
+#include "common.cuh"
+
+#define LMH_THREADS 512
+#define LMH_WARPS (LMH_THREADS / 32)
+#define LMH_MAX_K 64
+
+__device__ __forceinline__ uint32_t order_key(float f) {
+    const uint32_t u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+extern "C" __global__ void __launch_bounds__(LMH_THREADS)
+    lmhead_reduce(const float* __restrict__ logits, long long ld, int n_vocab,
+                  const int32_t* __restrict__ targets, int k, float* __restrict__ row_max,
+                  double* __restrict__ row_sumexp, float* __restrict__ target_logit,
+                  int32_t* __restrict__ topk_ids, float* __restrict__ topk_logits) {
+    // logits: (n_rows, ld); targets, row_max, row_sumexp, target_logit: (n_rows);
+    // topk_ids, topk_logits: (n_rows, k)
+    __shared__ float scratch_f[32];
+    __shared__ double scratch_d[32];
+    __shared__ uint32_t hist[256];
+    __shared__ uint32_t s_sel, s_remaining;
+    __shared__ int warp_gt[LMH_WARPS], warp_eq[LMH_WARPS];
+    __shared__ uint32_t cand_key[LMH_MAX_K];
+    __shared__ int cand_id[LMH_MAX_K];
+    __shared__ float cand_val[LMH_MAX_K];
+
+    const int r = blockIdx.x, tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const float* row = logits + r * ld;
+
+    float mx = -INFINITY;
+    for (int i = tid; i < n_vocab; i += LMH_THREADS) mx = fmaxf(mx, row[i]);
+    mx = block_max(mx, scratch_f);
+
+    double se = 0.0;
+    for (int i = tid; i < n_vocab; i += LMH_THREADS) se += exp((double)row[i] - (double)mx);
+    se = block_sum(se, scratch_d);
+
+    if (tid == 0) {
+        row_max[r] = mx;
+        row_sumexp[r] = se;
+        const int t = targets[r];
+        target_logit[r] = (t >= 0 && t < n_vocab) ? row[t] : __int_as_float(0x7fc00000);
+    }
+    if (k <= 0) return;
+
+    // Radix select: after the 4 passes, prefix is the key of the k-th largest
+    // element and `remaining` how many elements equal to it belong to the top k.
+    uint32_t prefix = 0, mask = 0, remaining = (uint32_t)k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        if (tid < 256) hist[tid] = 0;
+        __syncthreads();
+        for (int i = tid; i < n_vocab; i += LMH_THREADS) {
+            const uint32_t key = order_key(row[i]);
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1u);
+        }
+        __syncthreads();
+        if (tid == 0) {
+            uint32_t cum = 0, sel = 0;
+            for (int b = 255; b >= 0; --b) {
+                const uint32_t c = hist[b];
+                if (cum + c >= remaining) {
+                    sel = (uint32_t)b;
+                    break;
+                }
+                cum += c;
+            }
+            s_sel = sel;
+            s_remaining = remaining - cum;
+        }
+        __syncthreads();
+        prefix |= s_sel << shift;
+        mask |= 255u << shift;
+        remaining = s_remaining;
+    }
+    const uint32_t thresh = prefix;
+    const int n_gt = k - (int)remaining;  // elements strictly above the threshold
+    const int n_eq = (int)remaining;      // threshold-equal elements to take, lowest ids first
+
+    // Ordered collection.
+    int base_gt = 0, base_eq = 0;
+    const uint32_t lt_mask = (1u << lane) - 1u;
+    for (int base = 0; base < n_vocab; base += LMH_THREADS) {
+        const int i = base + tid;
+        const uint32_t key = i < n_vocab ? order_key(row[i]) : 0u;
+        const bool gt = i < n_vocab && key > thresh;
+        const bool eq = i < n_vocab && key == thresh;
+        const uint32_t bg = __ballot_sync(0xffffffffu, gt), be = __ballot_sync(0xffffffffu, eq);
+        if (lane == 0) {
+            warp_gt[warp] = __popc(bg);
+            warp_eq[warp] = __popc(be);
+        }
+        __syncthreads();
+        int off_gt = base_gt + __popc(bg & lt_mask), off_eq = base_eq + __popc(be & lt_mask);
+        int tot_gt = 0, tot_eq = 0;
+        for (int w = 0; w < LMH_WARPS; ++w) {
+            if (w < warp) {
+                off_gt += warp_gt[w];
+                off_eq += warp_eq[w];
+            }
+            tot_gt += warp_gt[w];
+            tot_eq += warp_eq[w];
+        }
+        if (gt && off_gt < n_gt) {
+            cand_key[off_gt] = key;
+            cand_id[off_gt] = i;
+            cand_val[off_gt] = row[i];
+        }
+        if (eq && off_eq < n_eq) {
+            cand_key[n_gt + off_eq] = key;
+            cand_id[n_gt + off_eq] = i;
+            cand_val[n_gt + off_eq] = row[i];
+        }
+        base_gt += tot_gt;
+        base_eq += tot_eq;
+        __syncthreads();  // warp_gt / warp_eq are rewritten next chunk
+        if (base_gt >= n_gt && base_eq >= n_eq) break;  // uniform across the block
+    }
+    __syncthreads();
+
+    if (tid < k) {
+        const uint32_t key = cand_key[tid];
+        const int id = cand_id[tid];
+        int rank = 0;
+        for (int j = 0; j < k; ++j) {
+            const uint32_t kj = cand_key[j];
+            rank += (kj > key || (kj == key && cand_id[j] < id)) ? 1 : 0;
+        }
+        topk_ids[(long long)r * k + rank] = id;
+        topk_logits[(long long)r * k + rank] = cand_val[tid];
+    }
+}

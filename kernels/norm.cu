@@ -1,0 +1,40 @@
+// norm.cu: RMSNorm over rows (the layer norms, gemma3's post norms and the
+// final norm) and, with rows of d_head, the per-head QK norm.
+//
+// Algorithm: one block per row; sum of squares in f32 (each thread strided
+// over the row, then warp shuffles and one shared-memory step), then
+// out[i] = (x[i] * (1 / sqrt(mean + eps))) * w[i], the order of ggml's
+// rms_norm followed by its mul. Weights are f32 (norm weights are stored F32).
+// In place (out == x) is allowed: every element is read by the thread that
+// writes it, after the reduction.
+//
+// Launch: grid (n_rows), block 128. Strides are in elements between rows.
+// Variants: rmsnorm_f32 writes f32, rmsnorm_bf16 writes bf16 (the default
+// route's matmul input).
+#include "common.cuh"
+
+template <typename OUT>
+__device__ void rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w, OUT* out,
+                             int n_cols, long long x_stride, long long out_stride, float eps) {
+    // x: (n_rows, x_stride); w: (n_cols); out: (n_rows, out_stride)
+    __shared__ float scratch[32];
+    const float* xr = x + blockIdx.x * x_stride;
+    OUT* yr = out + blockIdx.x * out_stride;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n_cols; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
+    ss = block_sum(ss, scratch);
+    const float scale = 1.0f / sqrtf(ss / (float)n_cols + eps);
+    for (int i = threadIdx.x; i < n_cols; i += blockDim.x) yr[i] = from_f32<OUT>(fmul(fmul(xr[i], scale), w[i]));
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    rmsnorm_f32(const float* x, const float* w, float* out, int n_cols, long long x_stride,
+                long long out_stride, float eps) {
+    rmsnorm_rows<float>(x, w, out, n_cols, x_stride, out_stride, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    rmsnorm_bf16(const float* x, const float* w, bf16* out, int n_cols, long long x_stride,
+                 long long out_stride, float eps) {
+    rmsnorm_rows<bf16>(x, w, out, n_cols, x_stride, out_stride, eps);
+}

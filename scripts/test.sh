@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The test suite: fetches and converts the two real models when missing
+# (scripts/fetch-models.sh), then runs every test. The corpora and reference
+# figures come from ../shared (or INFERNIX_DATA / INFERNIX_REFERENCE).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+bash scripts/fetch-models.sh
+export INFERNIX_MODELS=${INFERNIX_MODELS:-$root/models}
+cargo test "$@"

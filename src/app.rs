@@ -1,0 +1,357 @@
+//! The evaluator's pipeline for one run: open the artifact, read and tokenize
+//! every stream, plan every window, then (unless `--dry-run`) score the
+//! windows on the chosen backend and write report.json plus the stdout table.
+//!
+//! Everything that can be checked is checked before the first window runs:
+//! inputs, checksums, tokenization, plans, the output folder.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use tracing::info;
+
+use crate::artifact::Artifact;
+use crate::backend::BackendKind;
+use crate::config::{prepare_output_dir, BackendChoice, Input, RunConfig};
+use crate::model::{load_model, ScoreOptions, WindowScorer};
+use crate::plan::{plan_windows, Window};
+use crate::report::{
+    self, ArtifactInfo, BosPolicy, CorpusInfo, DomainResult, Execution, Report, Results, StreamResult, Timing,
+    ToolInfo, WindowResult, Workload,
+};
+use crate::score::{domain_summaries, overall_summary, StreamStats, Summary, WindowScores, WindowStats};
+use crate::text::corpus;
+use crate::text::tokenizer::{token_ids_sha256, TextTokenizer};
+
+/// How a run that produced its report ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Success,
+    /// The report was written, but a check failed (non-finite scores).
+    ChecksFailed,
+}
+
+/// One tokenized input stream and its windows.
+pub struct Stream {
+    pub name: String,
+    pub domain: String,
+    pub tokens: Vec<u32>,
+    pub token_ids_sha256: String,
+    pub windows: Vec<Window>,
+}
+
+pub fn run(cfg: &RunConfig) -> Result<Outcome> {
+    let created = !cfg.output.exists();
+    prepare_output_dir(&cfg.output)?;
+    let result = run_inner(cfg);
+    if result.is_err() && created {
+        // Leave nothing behind: the folder is still empty (the report is written last).
+        let _ = std::fs::remove_dir(&cfg.output);
+    }
+    result
+}
+
+fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
+    let started = Instant::now();
+    let artifact = Artifact::open(&cfg.model)?;
+    if cfg.verify {
+        artifact.verify()?;
+        info!("verified every tensor's SHA-256");
+    }
+    let open_ms = started.elapsed().as_secs_f64() * 1e3;
+    let meta = &artifact.meta;
+    info!(
+        "artifact {} opened in {open_ms:.1} ms ({}, {} layers, d_model {}, vocabulary {})",
+        artifact.path.display(),
+        meta.architecture.name(),
+        meta.hparams.n_layers,
+        meta.hparams.d_model,
+        meta.hparams.n_vocab
+    );
+    let tokenizer = TextTokenizer::from_json(artifact.tokenizer_json(), &meta.tokenizer)
+        .with_context(|| format!("{}: tokenizer", artifact.path.display()))?;
+    let load_seconds = started.elapsed().as_secs_f64();
+
+    let t_tok = Instant::now();
+    let (texts, corpus_info) = read_inputs(cfg)?;
+    let bos = meta.tokenizer.add_bos.then_some(meta.tokenizer.bos_id).flatten();
+    let mut streams = Vec::with_capacity(texts.len());
+    for input in texts {
+        let tokens = match input.content {
+            Content::Text(t) => tokenizer.encode(&t).with_context(|| format!("stream {}: tokenize", input.name))?,
+            Content::Tokens(t) => t,
+        };
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= meta.hparams.n_vocab) {
+            bail!("stream {}: token id {bad} is outside the vocabulary ({} tokens)", input.name, meta.hparams.n_vocab);
+        }
+        let windows = plan_windows(tokens.len(), &cfg.method, bos, cfg.chunks_limit)
+            .with_context(|| format!("stream {} ({} tokens)", input.name, tokens.len()))?;
+        let sha = token_ids_sha256(&tokens);
+        info!("stream {}: {} tokens, {} windows, token ids sha256 {sha}", input.name, tokens.len(), windows.len());
+        streams.push(Stream { name: input.name, domain: input.domain, tokens, token_ids_sha256: sha, windows });
+    }
+    let tokenize_seconds = t_tok.elapsed().as_secs_f64();
+
+    let workload = Workload {
+        input: match cfg.input {
+            Input::Text(_) => "text",
+            Input::Tokens(_) => "tokens",
+            Input::Corpus { .. } => "corpus",
+        },
+        corpus: corpus_info,
+        method: cfg.method.name(),
+        context: cfg.method.context(),
+        stride: cfg.method.stride(),
+        chunks_limit: cfg.chunks_limit,
+        prefill_chunk_tokens: cfg.prefill_chunk,
+        bos: BosPolicy { add_bos: meta.tokenizer.add_bos, bos_id: bos, replace_window_first_token: bos.is_some() },
+    };
+
+    let mut report = Report {
+        schema_version: report::SCHEMA_VERSION,
+        tool: ToolInfo::current(),
+        artifact: ArtifactInfo::of(&artifact, cfg.verify),
+        workload,
+        execution: None,
+        results: Results { overall: None, domains: Vec::new(), streams: Vec::new() },
+        timing: Timing { load_seconds, tokenize_seconds, ..Default::default() },
+    };
+
+    if cfg.dry_run {
+        report.results.streams = streams.iter().map(|s| stream_result(s, None, Vec::new())).collect();
+        report.timing.elapsed_seconds = started.elapsed().as_secs_f64();
+        report::write_report(&cfg.output, &report)?;
+        info!("dry run: wrote {}", cfg.output.join(report::REPORT_FILE).display());
+        return Ok(Outcome::Success);
+    }
+
+    let kind = choose_backend(cfg.backend)?;
+    let t_load = Instant::now();
+    let mut scorer = load_model(&artifact, kind)?;
+    report.timing.load_seconds += t_load.elapsed().as_secs_f64();
+    info!("backend {} ready in {:.2} s", scorer.describe_backend(), t_load.elapsed().as_secs_f64());
+    report.execution = Some(Execution {
+        backend: kind.name().to_string(),
+        device: scorer.describe_backend(),
+        kv_dtype: "f32".to_string(),
+        threads: cfg.threads,
+        details: serde_json::json!({}),
+    });
+
+    let t_score = Instant::now();
+    let (stats, window_results) = score_streams(cfg, &streams, scorer.as_mut(), bos)?;
+    let scoring_seconds = t_score.elapsed().as_secs_f64();
+
+    let overall = overall_summary(&stats);
+    report.results.domains = domain_summaries(&stats)
+        .into_iter()
+        .map(|(domain, summary)| DomainResult {
+            streams: stats.iter().filter(|s| s.domain == domain).count(),
+            domain,
+            summary,
+        })
+        .collect();
+    report.results.streams = streams
+        .iter()
+        .zip(stats.iter().zip(window_results))
+        .map(|(s, (st, w))| stream_result(s, Some(st.summary()), w))
+        .collect();
+    let n_processed: usize = stats.iter().flat_map(|s| &s.windows).map(|w| w.input_tokens).sum();
+    report.timing = Timing {
+        elapsed_seconds: started.elapsed().as_secs_f64(),
+        scoring_seconds,
+        tokens_processed: n_processed,
+        tokens_scored: overall.scored_tokens,
+        tokens_per_second_processed: (scoring_seconds > 0.0).then(|| n_processed as f64 / scoring_seconds),
+        tokens_per_second_scored: (scoring_seconds > 0.0).then(|| overall.scored_tokens as f64 / scoring_seconds),
+        ..report.timing
+    };
+    let n_nonfinite = overall.n_nonfinite;
+    report.results.overall = Some(overall);
+    report::write_report(&cfg.output, &report)?;
+    print!("{}", report::domain_table(&report.results));
+    info!(
+        "wrote {} ({:.0} tokens/s processed, {:.0} scored)",
+        cfg.output.join(report::REPORT_FILE).display(),
+        report.timing.tokens_per_second_processed.unwrap_or(0.0),
+        report.timing.tokens_per_second_scored.unwrap_or(0.0)
+    );
+    if n_nonfinite > 0 {
+        if cfg.allow_nonfinite {
+            tracing::warn!("{n_nonfinite} non-finite scores were left out of every mean (--allow-nonfinite)");
+        } else {
+            tracing::error!("{n_nonfinite} scores are NaN or infinite (left out of every mean; --allow-nonfinite accepts them)");
+            return Ok(Outcome::ChecksFailed);
+        }
+    }
+    Ok(Outcome::Success)
+}
+
+enum Content {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+struct InputStream {
+    name: String,
+    domain: String,
+    content: Content,
+}
+
+fn file_name(p: &Path) -> String {
+    p.file_name().map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into_owned())
+}
+
+/// Reads every stream (checksums included) before any scoring.
+fn read_inputs(cfg: &RunConfig) -> Result<(Vec<InputStream>, Option<CorpusInfo>)> {
+    Ok(match &cfg.input {
+        Input::Text(p) => (
+            vec![InputStream { name: file_name(p), domain: "text".into(), content: Content::Text(corpus::read_text_file(p)?) }],
+            None,
+        ),
+        Input::Tokens(p) => (
+            vec![InputStream { name: file_name(p), domain: "tokens".into(), content: Content::Tokens(corpus::read_tokens_file(p)?) }],
+            None,
+        ),
+        Input::Corpus { manifest, quick, data_root } => {
+            let m = corpus::load_manifest(manifest)?;
+            let root: PathBuf = corpus::resolve_data_root(data_root.as_deref(), manifest);
+            let mut out = Vec::new();
+            for spec in corpus::select(&m, *quick) {
+                let text = corpus::read_stream(&root, spec)?;
+                out.push(InputStream { name: spec.id.clone(), domain: spec.domain.clone(), content: Content::Text(text) });
+            }
+            let info = CorpusInfo {
+                name: m.name.clone(),
+                manifest: manifest.display().to_string(),
+                manifest_sha256: m.sha256.clone(),
+                quick: *quick,
+                data_root: root.display().to_string(),
+            };
+            (out, Some(info))
+        }
+    })
+}
+
+fn choose_backend(choice: BackendChoice) -> Result<BackendKind> {
+    Ok(match choice {
+        BackendChoice::Cpu => BackendKind::Cpu,
+        BackendChoice::Cuda { .. } => BackendKind::Cuda,
+        BackendChoice::Auto => {
+            if crate::backend::cuda_available() {
+                BackendKind::Cuda
+            } else {
+                BackendKind::Cpu
+            }
+        }
+    })
+}
+
+fn stream_result(s: &Stream, summary: Option<Summary>, windows: Vec<WindowResult>) -> StreamResult {
+    StreamResult {
+        name: s.name.clone(),
+        domain: s.domain.clone(),
+        input_tokens: s.tokens.len(),
+        token_ids_sha256: s.token_ids_sha256.clone(),
+        summary,
+        windows,
+    }
+}
+
+/// Progress on stderr: a bar on a terminal, a log line every 10 s otherwise.
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    n_total: u64,
+    n_done: u64,
+    last_line: Instant,
+    started: Instant,
+}
+
+impl Progress {
+    fn new(n_total: u64) -> Self {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let b = indicatif::ProgressBar::new(n_total);
+            b.set_style(
+                indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} targets {per_sec} eta {eta}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            b
+        });
+        Self { bar, n_total, n_done: 0, last_line: Instant::now(), started: Instant::now() }
+    }
+
+    fn advance(&mut self, n: u64, stream: &str) {
+        self.n_done += n;
+        match &self.bar {
+            Some(b) => b.set_position(self.n_done),
+            None if self.last_line.elapsed() >= Duration::from_secs(10) => {
+                self.last_line = Instant::now();
+                let rate = self.n_done as f64 / self.started.elapsed().as_secs_f64().max(1e-9);
+                info!("progress: {}/{} targets ({stream}), {rate:.0} targets/s", self.n_done, self.n_total);
+            }
+            None => {}
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
+        }
+    }
+}
+
+fn score_streams(
+    cfg: &RunConfig,
+    streams: &[Stream],
+    scorer: &mut dyn WindowScorer,
+    bos: Option<u32>,
+) -> Result<(Vec<StreamStats>, Vec<Vec<WindowResult>>)> {
+    let opts = ScoreOptions { top_k: 0, prefill_chunk: Some(cfg.prefill_chunk) };
+    let n_total: usize = streams.iter().flat_map(|s| &s.windows).map(Window::scored).sum();
+    let mut progress = Progress::new(n_total as u64);
+    let mut all_stats = Vec::with_capacity(streams.len());
+    let mut all_windows = Vec::with_capacity(streams.len());
+    for s in streams {
+        let mut stats: Vec<WindowStats> = Vec::with_capacity(s.windows.len());
+        let mut results = Vec::with_capacity(s.windows.len());
+        let t_stream = Instant::now();
+        for w in &s.windows {
+            let mut tokens = s.tokens[w.begin..w.end].to_vec();
+            if w.replace_first_with_bos {
+                tokens[0] = bos.context("window asks for BOS but the vocabulary has none")?;
+            }
+            let t = Instant::now();
+            let scores = scorer
+                .score_window(&tokens, w.first_target - w.begin, &opts, &[])
+                .with_context(|| format!("stream {} window {} [{}, {})", s.name, w.index, w.begin, w.end))?;
+            let seconds = t.elapsed().as_secs_f64();
+            let ws = WindowScores { input_tokens: tokens.len(), nll: scores.iter().map(|r| r.nll).collect() }.stats();
+            results.push(WindowResult {
+                index: w.index,
+                begin: w.begin,
+                end: w.end,
+                first_target: w.first_target,
+                scored: ws.scored_tokens,
+                n_nonfinite: ws.n_nonfinite,
+                nll_sum: ws.nll_sum,
+                mean_nll: ws.mean_nll(),
+                perplexity: ws.perplexity(),
+                seconds,
+            });
+            progress.advance(w.scored() as u64, &s.name);
+            stats.push(ws);
+        }
+        let st = StreamStats { id: s.name.clone(), domain: s.domain.clone(), windows: stats };
+        let sum = st.summary();
+        progress.bar.as_ref().map_or_else(
+            || info!("stream {}: {} targets, mean NLL {:.6}, PPL {:.4} ({:.1} s)", s.name, sum.scored_tokens, sum.mean_nll, sum.perplexity, t_stream.elapsed().as_secs_f64()),
+            |b| b.suspend(|| info!("stream {}: {} targets, mean NLL {:.6}, PPL {:.4}", s.name, sum.scored_tokens, sum.mean_nll, sum.perplexity)),
+        );
+        all_stats.push(st);
+        all_windows.push(results);
+    }
+    progress.finish();
+    Ok((all_stats, all_windows))
+}

@@ -1,0 +1,215 @@
+//! The CUDA device: driver probe, context and stream on one GPU chosen by
+//! index, and every embedded PTX module loaded (JIT-compiled by the driver)
+//! when the device is opened, so a bad module fails before any work.
+//!
+//! This module owns the only calls that create driver state; it does not know
+//! about ops (see `ops`) or buffers (see `buffer`). One stream per device: all
+//! launches and copies are ordered on it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use anyhow::{anyhow, bail, Context, Result};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream};
+use cudarc::nvrtc::Ptx;
+
+use super::ptx::{self, build_info, KernelBuildInfo};
+
+/// The message of every CUDA entry point in a binary built without nvcc.
+pub const NO_KERNELS: &str = "CUDA backend unavailable: this binary was built without CUDA kernels \
+     (nvcc was not found at build time; set NVCC or CUDA_HOME and rebuild)";
+
+/// True when the CUDA driver library (libcuda) can be loaded. Calls nothing
+/// else in the driver, so it is safe on a machine without one.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen libcuda under its usual names; no driver call is made.
+    unsafe { sys::is_culib_present() }
+}
+
+/// The driver library, or the error every CUDA entry point gives without one.
+fn require_driver() -> Result<()> {
+    if !ptx::KERNELS_BUILT {
+        bail!(NO_KERNELS);
+    }
+    if !driver_present() {
+        bail!("no CUDA driver found (libcuda.so could not be loaded); use --backend cpu");
+    }
+    Ok(())
+}
+
+/// Number of CUDA devices; an error (not a panic) without kernels or driver.
+pub fn device_count() -> Result<usize> {
+    require_driver()?;
+    let n = CudaContext::device_count().map_err(|e| anyhow!("cuDeviceGetCount: {e}"))?;
+    Ok(n.max(0) as usize)
+}
+
+/// The driver's CUDA version as (major, minor); requires the driver.
+pub fn driver_version() -> Result<(i32, i32)> {
+    require_driver()?;
+    let mut v = 0i32;
+    // SAFETY: the library is present (checked above); cuDriverGetVersion writes one int.
+    unsafe { sys::cuDriverGetVersion(&mut v) }
+        .result()
+        .map_err(|e| anyhow!("cuDriverGetVersion: {e}"))?;
+    Ok((v / 1000, (v % 1000) / 10))
+}
+
+/// What we know about the opened GPU.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    pub index: usize,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub total_mem_bytes: usize,
+    pub n_sms: i32,
+    /// Opt-in shared memory per block (bytes).
+    pub max_smem_per_block_bytes: i32,
+    pub driver_version: (i32, i32),
+    pub kernels: KernelBuildInfo,
+}
+
+impl std::fmt::Display for DeviceInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "GPU {} {} (sm_{}{}, {} SMs, {:.1} GiB), driver CUDA {}.{}, kernels compute_{} from nvcc {}",
+            self.index,
+            self.name,
+            self.compute_capability.0,
+            self.compute_capability.1,
+            self.n_sms,
+            self.total_mem_bytes as f64 / (1u64 << 30) as f64,
+            self.driver_version.0,
+            self.driver_version.1,
+            self.kernels.arch,
+            self.kernels.nvcc_version
+        )
+    }
+}
+
+/// One GPU with its stream and every kernel loaded.
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    functions: HashMap<String, CudaFunction>,
+    info: DeviceInfo,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice").field("info", &self.info).field("n_kernels", &self.functions.len()).finish()
+    }
+}
+
+impl CudaDevice {
+    /// Opens GPU `index`: probes the driver first (an error, not a panic,
+    /// without one), checks the compute capability against the kernels' arch
+    /// and loads every PTX module.
+    pub fn open(index: usize) -> Result<Self> {
+        require_driver()?;
+        let n = device_count()?;
+        if index >= n {
+            bail!("CUDA device {index} requested but the driver reports {n} device(s)");
+        }
+        let driver_version = driver_version()?;
+        let ctx = CudaContext::new(index).map_err(|e| anyhow!("creating a context on CUDA device {index}: {e}"))?;
+        // SAFETY: this backend uses one stream per context, so cudarc's
+        // cross-stream event tracking is not needed; all work is ordered on `stream`.
+        unsafe { ctx.disable_event_tracking() };
+        let attr = |a: sys::CUdevice_attribute, what: &str| {
+            ctx.attribute(a).map_err(|e| anyhow!("reading {what} of CUDA device {index}: {e}"))
+        };
+        let cc = (
+            attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, "compute capability")?,
+            attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, "compute capability")?,
+        );
+        let info = DeviceInfo {
+            index,
+            name: ctx.name().map_err(|e| anyhow!("reading the name of CUDA device {index}: {e}"))?,
+            compute_capability: cc,
+            total_mem_bytes: ctx.total_mem().map_err(|e| anyhow!("reading memory of CUDA device {index}: {e}"))?,
+            n_sms: attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "SM count")?,
+            max_smem_per_block_bytes: attr(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                "shared memory per block",
+            )?,
+            driver_version,
+            kernels: build_info(),
+        };
+        let arch_num: i32 = info.kernels.arch.trim_end_matches('a').parse().unwrap_or(0);
+        if cc.0 * 10 + cc.1 < arch_num {
+            bail!(
+                "CUDA device {index} ({}) has compute capability {}.{}, below the kernels' target compute_{} \
+                 (rebuild with INFERNIX_CUDA_ARCH={}{})",
+                info.name,
+                cc.0,
+                cc.1,
+                info.kernels.arch,
+                cc.0,
+                cc.1
+            );
+        }
+        let stream = ctx.default_stream();
+        let mut functions = HashMap::new();
+        for (module_name, src) in ptx::MODULES {
+            let module = ctx.load_module(Ptx::from_src(*src)).map_err(|e| {
+                anyhow!(
+                    "loading CUDA module {module_name}.ptx on {} (sm_{}{}): {e}; driver CUDA {}.{}, \
+                     PTX for compute_{} from nvcc {} (kernel sources sha256 {})",
+                    info.name,
+                    cc.0,
+                    cc.1,
+                    driver_version.0,
+                    driver_version.1,
+                    info.kernels.arch,
+                    info.kernels.nvcc_version,
+                    info.kernels.sources_sha256
+                )
+            })?;
+            for entry in ptx::entry_names(src) {
+                let f = module
+                    .load_function(entry)
+                    .map_err(|e| anyhow!("loading kernel {entry} from module {module_name}: {e}"))?;
+                functions.insert(entry.to_string(), f);
+            }
+        }
+        Ok(Self { ctx, stream, functions, info })
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// A loaded kernel by its `extern "C"` name.
+    pub fn function(&self, name: &str) -> Result<&CudaFunction> {
+        self.functions.get(name).ok_or_else(|| {
+            anyhow!("CUDA kernel {name} is not in the embedded PTX modules (kernels sha256 {})", self.info.kernels.sources_sha256)
+        })
+    }
+
+    /// Names of every loaded kernel, sorted.
+    pub fn kernel_names(&self) -> Vec<&str> {
+        let mut v: Vec<&str> = self.functions.keys().map(|s| s.as_str()).collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Waits for all queued work; surfaces asynchronous kernel errors.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(|e| anyhow!("CUDA stream synchronize on GPU {}: {e}", self.info.index))
+    }
+
+    /// (free, total) device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.ctx.mem_get_info().context("cuMemGetInfo")
+    }
+}

@@ -1,0 +1,595 @@
+//! Typed launchers: one Rust function per kernel family, the only callers of
+//! the raw launches. Each checks shapes, lengths and alignment first (an error
+//! naming the op and the values), then launches on the device's stream
+//! without waiting; `CudaDevice::synchronize` or a download surfaces
+//! asynchronous errors.
+//!
+//! Kernel parameters are passed in the order of the `extern "C"` signatures in
+//! `kernels/*.cu`: pointers as u64 device addresses, `int` as i32,
+//! `long long` as i64, `float` as f32, `double` as f64.
+
+use anyhow::{anyhow, bail, ensure, Result};
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use super::buffer::{DevView, DevViewMut, DeviceBuffer, Elem, QuantMatrix};
+use super::device::CudaDevice;
+
+/// Element types a kernel can write as its activation output (f32 or bf16).
+pub trait OutElem: Elem {}
+impl OutElem for f32 {}
+impl OutElem for bf16 {}
+
+/// Matmul input element: bf16 selects the tensor-core route, f32 the FP32 route.
+pub trait MatmulInput: Elem {}
+impl MatmulInput for f32 {}
+impl MatmulInput for bf16 {}
+
+/// KV-cache element types (BF16 default, f32 for the FP32 route).
+pub trait KvElem: Elem {}
+impl KvElem for f32 {}
+impl KvElem for bf16 {}
+
+fn i32_of(v: usize, what: &str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| anyhow!("{what} = {v} does not fit the kernels' 32-bit index"))
+}
+
+fn grid_1d(n: usize, block: u32) -> Result<u32> {
+    u32::try_from(n.div_ceil(block as usize)).map_err(|_| anyhow!("{n} elements exceed one 1-D grid"))
+}
+
+fn launch_err(name: &str, e: cudarc::driver::DriverError) -> anyhow::Error {
+    anyhow!("launching CUDA kernel {name}: {e}")
+}
+
+fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem }
+}
+
+fn func<'a>(dev: &'a CudaDevice, name: &str) -> Result<&'a CudaFunction> {
+    dev.function(name)
+}
+
+// ------------------------------------------------------------------ embedding
+
+/// out[t, :] = dequant(table[ids[t], :]) * scale. ids: (n_tokens), out: (n_tokens, d_model).
+/// Ids must be in [0, n_vocab) (checked by the caller on the host; the kernel
+/// writes NaN rows for ids outside).
+pub fn embed(dev: &CudaDevice, ids: DevView<i32>, table: &QuantMatrix, out: DevViewMut<f32>, scale: f32) -> Result<()> {
+    let n_tokens = ids.len();
+    let d_model = table.n_cols;
+    ensure!(
+        out.len() == n_tokens * d_model,
+        "embed: out has {} elements, n_tokens * d_model = {n_tokens} * {d_model}",
+        out.len()
+    );
+    if n_tokens == 0 {
+        return Ok(());
+    }
+    let name = format!("embed_{}", table.kernel_suffix());
+    let f = func(dev, &name)?;
+    let (ip, tp, op) = (ids.ptr(), table.data.view().ptr(), out.ptr());
+    let (n_vocab, d, rb) = (i32_of(table.n_rows, "n_vocab")?, i32_of(d_model, "d_model")?, table.row_bytes as i64);
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&ip).arg(&tp).arg(&op).arg(&n_vocab).arg(&d).arg(&rb).arg(&scale);
+    // SAFETY: arguments match `embed_<fmt>` in kernels/embed.cu; out holds n_tokens * d_model
+    // f32 (checked), table holds n_vocab rows of row_bytes (QuantMatrix invariant, d_model % 32 == 0).
+    unsafe { b.launch(cfg((n_tokens as u32, 1, 1), 128, 0)) }.map_err(|e| launch_err(&name, e))?;
+    Ok(())
+}
+
+// ------------------------------------------------------------------ RMSNorm
+
+/// Row layout of a strided 2-D activation: n_rows rows of n_cols, `stride` elements apart.
+#[derive(Debug, Clone, Copy)]
+pub struct Rows {
+    pub n_rows: usize,
+    pub n_cols: usize,
+    pub stride: usize,
+}
+
+impl Rows {
+    pub fn contiguous(n_rows: usize, n_cols: usize) -> Self {
+        Self { n_rows, n_cols, stride: n_cols }
+    }
+    /// Elements a buffer must hold for this layout.
+    pub fn span(&self) -> usize {
+        if self.n_rows == 0 {
+            0
+        } else {
+            (self.n_rows - 1) * self.stride + self.n_cols
+        }
+    }
+    fn check(&self, len: usize, op: &str, what: &str) -> Result<()> {
+        ensure!(self.stride >= self.n_cols, "{op}: {what} row stride {} < n_cols {}", self.stride, self.n_cols);
+        ensure!(
+            len >= self.span(),
+            "{op}: {what} has {len} elements, ({} rows - 1) * stride {} + {} cols need {}",
+            self.n_rows,
+            self.stride,
+            self.n_cols,
+            self.span()
+        );
+        Ok(())
+    }
+}
+
+/// out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w. Rows of d_model for the
+/// layer norms, rows of d_head (n_rows = n_tokens * n_heads) for the QK norm.
+pub fn rmsnorm<O: OutElem>(
+    dev: &CudaDevice,
+    x: DevView<f32>,
+    x_rows: Rows,
+    w: DevView<f32>,
+    out: DevViewMut<O>,
+    out_stride: usize,
+    eps: f32,
+) -> Result<()> {
+    rmsnorm_raw::<O>(dev, x.ptr(), x.len(), x_rows, w, out.ptr(), out.len(), out_stride, eps)
+}
+
+/// RMSNorm in place on f32 rows.
+pub fn rmsnorm_inplace(dev: &CudaDevice, x: DevViewMut<f32>, rows: Rows, w: DevView<f32>, eps: f32) -> Result<()> {
+    rmsnorm_raw::<f32>(dev, x.ptr(), x.len(), rows, w, x.ptr(), x.len(), rows.stride, eps)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rmsnorm_raw<O: OutElem>(
+    dev: &CudaDevice,
+    xp: u64,
+    x_len: usize,
+    rows: Rows,
+    w: DevView<f32>,
+    op: u64,
+    out_len: usize,
+    out_stride: usize,
+    eps: f32,
+) -> Result<()> {
+    rows.check(x_len, "rmsnorm", "x")?;
+    Rows { stride: out_stride, ..rows }.check(out_len, "rmsnorm", "out")?;
+    ensure!(w.len() == rows.n_cols, "rmsnorm: weight has {} elements, rows have {}", w.len(), rows.n_cols);
+    if rows.n_rows == 0 {
+        return Ok(());
+    }
+    let name = format!("rmsnorm_{}", O::NAME);
+    let f = func(dev, &name)?;
+    let wp = w.ptr();
+    let (n_cols, xs, os) = (i32_of(rows.n_cols, "n_cols")?, rows.stride as i64, out_stride as i64);
+    let grid = u32::try_from(rows.n_rows).map_err(|_| anyhow!("rmsnorm: {} rows", rows.n_rows))?;
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&xp).arg(&wp).arg(&op).arg(&n_cols).arg(&xs).arg(&os).arg(&eps);
+    // SAFETY: arguments match `rmsnorm_<out>` in kernels/norm.cu; both layouts checked against the lengths.
+    unsafe { b.launch(cfg((grid, 1, 1), 128, 0)) }.map_err(|e| launch_err(&name, e))?;
+    Ok(())
+}
+
+// ------------------------------------------------------------------ RoPE
+
+/// Which dimensions RoPE pairs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeMode {
+    /// (2i, 2i+1): llama in GGUF layout.
+    Normal,
+    /// (i, i + n_rot/2): gemma, GPT-NeoX.
+    Neox,
+}
+
+/// RoPE parameters of one call (gemma3's local and global layers differ in `freq_base`).
+#[derive(Debug, Clone, Copy)]
+pub struct RopeParams {
+    pub n_heads: usize,
+    pub d_head: usize,
+    /// Rotated dimensions (<= d_head, even).
+    pub n_rot: usize,
+    pub mode: RopeMode,
+    pub freq_base: f64,
+    /// Linear position scaling: angle uses pos * freq_scale (1 = none).
+    pub freq_scale: f64,
+}
+
+/// Rotates x in place. x: (n_tokens, token_stride) with heads of d_head contiguous; pos: (n_tokens).
+pub fn rope(dev: &CudaDevice, x: DevViewMut<f32>, token_stride: usize, pos: DevView<i32>, p: &RopeParams) -> Result<()> {
+    let n_tokens = pos.len();
+    ensure!(p.n_rot % 2 == 0 && p.n_rot <= p.d_head && p.n_rot > 0, "rope: n_rot {} with d_head {}", p.n_rot, p.d_head);
+    Rows { n_rows: n_tokens, n_cols: p.n_heads * p.d_head, stride: token_stride }.check(x.len(), "rope", "x")?;
+    ensure!(p.freq_base > 0.0 && p.freq_scale > 0.0, "rope: base {} scale {}", p.freq_base, p.freq_scale);
+    if n_tokens == 0 {
+        return Ok(());
+    }
+    let f = func(dev, "rope_f32")?;
+    let (xp, pp) = (x.ptr(), pos.ptr());
+    let (nh, dh, nr) = (i32_of(p.n_heads, "n_heads")?, i32_of(p.d_head, "d_head")?, i32_of(p.n_rot, "n_rot")?);
+    let ts = token_stride as i64;
+    let mode: i32 = match p.mode {
+        RopeMode::Normal => 0,
+        RopeMode::Neox => 2,
+    };
+    let gx = grid_1d(p.n_heads * p.n_rot / 2, 128)?;
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&xp).arg(&pp).arg(&nh).arg(&dh).arg(&nr).arg(&ts).arg(&mode).arg(&p.freq_base).arg(&p.freq_scale);
+    // SAFETY: arguments match `rope_f32` in kernels/rope.cu; x covers n_tokens rows of n_heads * d_head.
+    unsafe { b.launch(cfg((gx, n_tokens as u32, 1), 128, 0)) }.map_err(|e| launch_err("rope_f32", e))?;
+    Ok(())
+}
+
+// ------------------------------------------------------------------ activations, residual, cast
+
+/// The gate nonlinearity of a gated FFN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    /// tanh approximation (gemma's gelu_pytorch_tanh).
+    GeluTanh,
+}
+
+/// out = act(gate) * up, row by row (gate, up and out with their own strides).
+pub fn gated<O: OutElem>(
+    dev: &CudaDevice,
+    act: Activation,
+    gate: DevView<f32>,
+    gate_rows: Rows,
+    up: DevView<f32>,
+    up_stride: usize,
+    out: DevViewMut<O>,
+    out_stride: usize,
+) -> Result<()> {
+    gate_rows.check(gate.len(), "gated", "gate")?;
+    Rows { stride: up_stride, ..gate_rows }.check(up.len(), "gated", "up")?;
+    Rows { stride: out_stride, ..gate_rows }.check(out.len(), "gated", "out")?;
+    if gate_rows.n_rows == 0 {
+        return Ok(());
+    }
+    let name = format!(
+        "gated_{}_{}",
+        match act {
+            Activation::Silu => "silu",
+            Activation::GeluTanh => "gelu",
+        },
+        O::NAME
+    );
+    let f = func(dev, &name)?;
+    let (gp, upp, op) = (gate.ptr(), up.ptr(), out.ptr());
+    let n_cols = i32_of(gate_rows.n_cols, "n_cols")?;
+    let (gs, us, os) = (gate_rows.stride as i64, up_stride as i64, out_stride as i64);
+    let gy = u32::try_from(gate_rows.n_rows).map_err(|_| anyhow!("gated: {} rows", gate_rows.n_rows))?;
+    ensure!(gy <= 65535, "gated: {gy} rows exceed the grid's y limit 65535");
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&gp).arg(&upp).arg(&op).arg(&n_cols).arg(&gs).arg(&us).arg(&os);
+    // SAFETY: arguments match `gated_<act>_<out>` in kernels/elementwise.cu; three layouts checked.
+    unsafe { b.launch(cfg((grid_1d(gate_rows.n_cols, 256)?, gy, 1), 256, 0)) }.map_err(|e| launch_err(&name, e))?;
+    Ok(())
+}
+
+/// y += x (same length), the residual add.
+pub fn add_inplace(dev: &CudaDevice, y: DevViewMut<f32>, x: DevView<f32>) -> Result<()> {
+    ensure!(y.len() == x.len(), "add: y has {} elements, x {}", y.len(), x.len());
+    if y.is_empty() {
+        return Ok(());
+    }
+    let f = func(dev, "add_f32")?;
+    let (yp, xp, n) = (y.ptr(), x.ptr(), y.len() as i64);
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&yp).arg(&xp).arg(&n);
+    // SAFETY: arguments match `add_f32` in kernels/elementwise.cu; both views hold n elements.
+    unsafe { b.launch(cfg((grid_1d(y.len(), 256)?, 1, 1), 256, 0)) }.map_err(|e| launch_err("add_f32", e))?;
+    Ok(())
+}
+
+/// out = bf16(x), round to nearest even.
+pub fn cast_bf16(dev: &CudaDevice, x: DevView<f32>, out: DevViewMut<bf16>) -> Result<()> {
+    ensure!(out.len() == x.len(), "cast_bf16: out has {} elements, x {}", out.len(), x.len());
+    if x.is_empty() {
+        return Ok(());
+    }
+    let f = func(dev, "cast_bf16")?;
+    let (xp, op, n) = (x.ptr(), out.ptr(), x.len() as i64);
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&xp).arg(&op).arg(&n);
+    // SAFETY: arguments match `cast_bf16` in kernels/elementwise.cu; both views hold n elements.
+    unsafe { b.launch(cfg((grid_1d(x.len(), 256)?, 1, 1), 256, 0)) }.map_err(|e| launch_err("cast_bf16", e))?;
+    Ok(())
+}
+
+// ------------------------------------------------------------------ matmul
+
+/// y = x · Wᵀ. x: (m, w.n_cols) contiguous, bf16 (tensor cores) or f32 (FP32
+/// route); y: (m, ldy) f32, columns [0, w.n_rows) written.
+pub fn matmul<X: MatmulInput>(
+    dev: &CudaDevice,
+    x: DevView<X>,
+    m: usize,
+    w: &QuantMatrix,
+    y: DevViewMut<f32>,
+    ldy: usize,
+) -> Result<()> {
+    let (n, k) = (w.n_rows, w.n_cols);
+    ensure!(k % 32 == 0, "matmul: K = {k} is not a multiple of 32");
+    ensure!(x.len() == m * k, "matmul: x has {} elements, m * K = {m} * {k}", x.len());
+    Rows { n_rows: m, n_cols: n, stride: ldy }.check(y.len(), "matmul", "y")?;
+    ensure!(x.ptr() % 16 == 0, "matmul: x is not 16-byte aligned");
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let name = format!("matmul_{}_{}", X::NAME, w.kernel_suffix());
+    let f = func(dev, &name)?;
+    let (xp, wp, yp) = (x.ptr(), w.data.view().ptr(), y.ptr());
+    let (mi, ni, ki) = (i32_of(m, "M")?, i32_of(n, "N")?, i32_of(k, "K")?);
+    let (rb, ld) = (w.row_bytes as i64, ldy as i64);
+    let gx = grid_1d(n, 64)?;
+    let gy = grid_1d(m, 64)?;
+    ensure!(gy <= 65535, "matmul: M = {m} needs {gy} row blocks, over the grid's y limit");
+    let block = if X::NAME == "bf16" { 128 } else { 256 };
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&xp).arg(&wp).arg(&yp).arg(&mi).arg(&ni).arg(&ki).arg(&rb).arg(&ld);
+    // SAFETY: arguments match `matmul_<route>_<fmt>` in kernels/matmul.cu; x holds (m, K),
+    // y covers (m, ldy) with ldy >= N, W holds N rows of row_bytes with K % 32 == 0.
+    unsafe { b.launch(cfg((gx, gy, 1), block, 0)) }.map_err(|e| launch_err(&name, e))?;
+    Ok(())
+}
+
+// ------------------------------------------------------------------ KV cache and attention
+
+/// Shape of one layer's KV cache: (n_kv_heads, n_ctx, d_head).
+#[derive(Debug, Clone, Copy)]
+pub struct KvShape {
+    pub n_kv_heads: usize,
+    pub n_ctx: usize,
+    pub d_head: usize,
+}
+
+impl KvShape {
+    pub fn len(&self) -> usize {
+        self.n_kv_heads * self.n_ctx * self.d_head
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// cache[h, pos0 + t, :] = src[t, h*d_head ..]. src: (n_tokens, src_stride) f32.
+pub fn kv_store<KV: KvElem>(
+    dev: &CudaDevice,
+    src: DevView<f32>,
+    n_tokens: usize,
+    src_stride: usize,
+    cache: DevViewMut<KV>,
+    shape: KvShape,
+    pos0: usize,
+) -> Result<()> {
+    Rows { n_rows: n_tokens, n_cols: shape.n_kv_heads * shape.d_head, stride: src_stride }.check(src.len(), "kv_store", "src")?;
+    ensure!(cache.len() == shape.len(), "kv_store: cache has {} elements, shape {shape:?} needs {}", cache.len(), shape.len());
+    ensure!(
+        pos0 + n_tokens <= shape.n_ctx,
+        "kv_store: positions {pos0}..{} past the cache's {} slots",
+        pos0 + n_tokens,
+        shape.n_ctx
+    );
+    if n_tokens == 0 {
+        return Ok(());
+    }
+    let name = format!("kv_store_{}", KV::NAME);
+    let f = func(dev, &name)?;
+    let (sp, cp) = (src.ptr(), cache.ptr());
+    let (dh, nc, p0, ss) = (i32_of(shape.d_head, "d_head")?, i32_of(shape.n_ctx, "n_ctx")?, i32_of(pos0, "pos0")?, src_stride as i64);
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&sp).arg(&cp).arg(&dh).arg(&nc).arg(&p0).arg(&ss);
+    // SAFETY: arguments match `kv_store_<kv>` in kernels/attention.cu; src rows and cache slots checked.
+    unsafe { b.launch(cfg((n_tokens as u32, shape.n_kv_heads as u32, 1), 128, 0)) }.map_err(|e| launch_err(&name, e))?;
+    Ok(())
+}
+
+/// Parameters of one prefill attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnParams {
+    pub n_tokens: usize,
+    pub n_heads: usize,
+    /// Keys visible to query t (position pos0 + t): kp <= pos0 + t, and with a
+    /// window w > 0 also pos0 + t - kp < w. The cache holds positions [0, pos0 + n_tokens).
+    pub pos0: usize,
+    /// Sliding window in positions (0 = full causal).
+    pub window: usize,
+    /// Multiplies q·k (1/sqrt(d_head), or gemma's query_pre_attn_scalar^-1/2).
+    pub scale: f32,
+    /// Elements between tokens in q and in out.
+    pub q_stride: usize,
+    pub out_stride: usize,
+}
+
+const ATTN_HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
+
+/// Dynamic shared memory of attn_prefill for d_head and cache element size.
+fn attn_smem_bytes(d_head: usize, kv_bytes: usize) -> usize {
+    let kpad = if kv_bytes == 2 { 2 } else { 1 };
+    16 * d_head * 4 + 32 * (d_head + kpad) * kv_bytes + 32 * d_head * kv_bytes
+}
+
+/// out[t, h*d_head ..] = softmax(q·Kᵀ * scale, causal/window mask) · V, per head with GQA.
+/// q: (n_tokens, q_stride) f32; caches: `shape`; out: (n_tokens, out_stride).
+pub fn attention<KV: KvElem, O: OutElem>(
+    dev: &CudaDevice,
+    q: DevView<f32>,
+    k_cache: DevView<KV>,
+    v_cache: DevView<KV>,
+    shape: KvShape,
+    out: DevViewMut<O>,
+    p: &AttnParams,
+) -> Result<()> {
+    let d = shape.d_head;
+    ensure!(ATTN_HEAD_DIMS.contains(&d), "attention: d_head {d} has no kernel (built: {ATTN_HEAD_DIMS:?})");
+    ensure!(
+        shape.n_kv_heads > 0 && p.n_heads % shape.n_kv_heads == 0,
+        "attention: n_heads {} is not a multiple of n_kv_heads {}",
+        p.n_heads,
+        shape.n_kv_heads
+    );
+    ensure!(k_cache.len() == shape.len() && v_cache.len() == shape.len(), "attention: caches ({}, {}) vs shape {shape:?}", k_cache.len(), v_cache.len());
+    ensure!(p.pos0 + p.n_tokens <= shape.n_ctx, "attention: positions up to {} past the cache's {} slots", p.pos0 + p.n_tokens, shape.n_ctx);
+    Rows { n_rows: p.n_tokens, n_cols: p.n_heads * d, stride: p.q_stride }.check(q.len(), "attention", "q")?;
+    Rows { n_rows: p.n_tokens, n_cols: p.n_heads * d, stride: p.out_stride }.check(out.len(), "attention", "out")?;
+    if p.n_tokens == 0 {
+        return Ok(());
+    }
+    let name = format!("attn_prefill_d{d}_{}_{}", KV::NAME, O::NAME);
+    let f = func(dev, &name)?;
+    let smem = attn_smem_bytes(d, size_of::<KV>());
+    ensure!(
+        smem <= dev.info().max_smem_per_block_bytes as usize,
+        "attention: d_head {d} needs {smem} bytes of shared memory, the device allows {}",
+        dev.info().max_smem_per_block_bytes
+    );
+    f.set_attribute(
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .map_err(|e| anyhow!("{name}: raising dynamic shared memory to {smem} bytes: {e}"))?;
+    let (qp, kp, vp, op) = (q.ptr(), k_cache.ptr(), v_cache.ptr(), out.ptr());
+    let nt = i32_of(p.n_tokens, "n_tokens")?;
+    let (nh, nkv, nc) = (i32_of(p.n_heads, "n_heads")?, i32_of(shape.n_kv_heads, "n_kv_heads")?, i32_of(shape.n_ctx, "n_ctx")?);
+    let (p0, win) = (i32_of(p.pos0, "pos0")?, i32_of(p.window, "window")?);
+    let (qs, os) = (p.q_stride as i64, p.out_stride as i64);
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&qp).arg(&kp).arg(&vp).arg(&op).arg(&nt).arg(&nh).arg(&nkv).arg(&nc).arg(&p0).arg(&win).arg(&p.scale).arg(&qs).arg(&os);
+    let grid = (grid_1d(p.n_tokens, 16)?, p.n_heads as u32, 1);
+    // SAFETY: arguments match `attn_prefill_d<D>_<kv>_<out>` in kernels/attention.cu; q, out
+    // and both caches checked above; dynamic shared memory set to the kernel's need.
+    unsafe { b.launch(cfg(grid, 128, smem as u32)) }.map_err(|e| launch_err(&name, e))?;
+    Ok(())
+}
+
+// ------------------------------------------------------------------ LM head
+
+/// Largest top-k the reduction keeps per row.
+pub const MAX_TOP_K: usize = 64;
+
+/// Device outputs of the LM head for `n_rows` positions.
+#[derive(Debug)]
+pub struct LmHeadOut {
+    /// (n_rows) max logit.
+    pub row_max: DeviceBuffer<f32>,
+    /// (n_rows) sum of exp(logit - max), f64.
+    pub row_sumexp: DeviceBuffer<f64>,
+    /// (n_rows) logit of the target (NaN without one).
+    pub target_logit: DeviceBuffer<f32>,
+    /// (n_rows, k)
+    pub topk_ids: DeviceBuffer<i32>,
+    /// (n_rows, k)
+    pub topk_logits: DeviceBuffer<f32>,
+    pub k: usize,
+}
+
+/// The same numbers on the host.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LmHeadHost {
+    pub row_max: Vec<f32>,
+    pub row_sumexp: Vec<f64>,
+    pub target_logit: Vec<f32>,
+    pub topk_ids: Vec<i32>,
+    pub topk_logits: Vec<f32>,
+    pub k: usize,
+}
+
+impl LmHeadOut {
+    pub fn new(dev: &CudaDevice, n_rows: usize, k: usize) -> Result<Self> {
+        ensure!(k <= MAX_TOP_K, "lm head: top-k {k} above the maximum {MAX_TOP_K}");
+        Ok(Self {
+            row_max: dev.alloc_zeros(n_rows)?,
+            row_sumexp: dev.alloc_zeros(n_rows)?,
+            target_logit: dev.alloc_zeros(n_rows)?,
+            topk_ids: dev.alloc_zeros(n_rows * k)?,
+            topk_logits: dev.alloc_zeros(n_rows * k)?,
+            k,
+        })
+    }
+
+    pub fn n_rows(&self) -> usize {
+        self.row_max.len()
+    }
+
+    pub fn download(&self, dev: &CudaDevice) -> Result<LmHeadHost> {
+        Ok(LmHeadHost {
+            row_max: dev.download(&self.row_max)?,
+            row_sumexp: dev.download(&self.row_sumexp)?,
+            target_logit: dev.download(&self.target_logit)?,
+            topk_ids: dev.download(&self.topk_ids)?,
+            topk_logits: dev.download(&self.topk_logits)?,
+            k: self.k,
+        })
+    }
+}
+
+/// Reduces a logits block (n_rows, ld) into rows [row0, row0 + n_rows) of `out`.
+pub fn lmhead_reduce(
+    dev: &CudaDevice,
+    logits: DevView<f32>,
+    n_rows: usize,
+    n_vocab: usize,
+    ld: usize,
+    targets: DevView<i32>,
+    out: &mut LmHeadOut,
+    row0: usize,
+) -> Result<()> {
+    Rows { n_rows, n_cols: n_vocab, stride: ld }.check(logits.len(), "lmhead_reduce", "logits")?;
+    ensure!(targets.len() == n_rows, "lmhead_reduce: {} targets for {n_rows} rows", targets.len());
+    ensure!(row0 + n_rows <= out.n_rows(), "lmhead_reduce: rows {row0}..{} past the {} outputs", row0 + n_rows, out.n_rows());
+    let k = out.k;
+    ensure!(k <= n_vocab, "lmhead_reduce: top-k {k} above the vocabulary {n_vocab}");
+    if n_rows == 0 {
+        return Ok(());
+    }
+    let f = func(dev, "lmhead_reduce")?;
+    let (lp, tp) = (logits.ptr(), targets.ptr());
+    let mx = out.row_max.slice(row0..row0 + n_rows)?.ptr();
+    let se = out.row_sumexp.slice(row0..row0 + n_rows)?.ptr();
+    let tl = out.target_logit.slice(row0..row0 + n_rows)?.ptr();
+    let ti = out.topk_ids.slice(row0 * k..(row0 + n_rows) * k)?.ptr();
+    let tv = out.topk_logits.slice(row0 * k..(row0 + n_rows) * k)?.ptr();
+    let (ldi, nv, ki) = (ld as i64, i32_of(n_vocab, "n_vocab")?, k as i32);
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&lp).arg(&ldi).arg(&nv).arg(&tp).arg(&ki).arg(&mx).arg(&se).arg(&tl).arg(&ti).arg(&tv);
+    // SAFETY: arguments match `lmhead_reduce` in kernels/lmhead.cu; logits layout, targets and
+    // the output row range checked above; k <= 64 (LmHeadOut::new).
+    unsafe { b.launch(cfg((n_rows as u32, 1, 1), 512, 0)) }.map_err(|e| launch_err("lmhead_reduce", e))?;
+    Ok(())
+}
+
+/// Rows per LM-head tile.
+pub const LM_HEAD_TILE_ROWS: usize = 64;
+
+/// The tiled FP32 LM head: for each tile of up to 64 rows of h (n_rows, d_model),
+/// logits = h_tile · embᵀ (FP32 accumulation, into `scratch`, (64, n_vocab) f32 on
+/// the device) then `lmhead_reduce`. Only `out`'s few numbers per row are ever
+/// copied to the host. h in bf16 uses the tensor-core matmul, in f32 the FP32 one.
+pub fn lm_head<X: MatmulInput>(
+    dev: &CudaDevice,
+    h: DevView<X>,
+    n_rows: usize,
+    emb: &QuantMatrix,
+    targets: DevView<i32>,
+    scratch: &mut DeviceBuffer<f32>,
+    out: &mut LmHeadOut,
+) -> Result<()> {
+    let (n_vocab, d_model) = (emb.n_rows, emb.n_cols);
+    ensure!(h.len() == n_rows * d_model, "lm_head: h has {} elements, n_rows * d_model = {n_rows} * {d_model}", h.len());
+    ensure!(targets.len() == n_rows, "lm_head: {} targets for {n_rows} rows", targets.len());
+    ensure!(out.n_rows() == n_rows, "lm_head: outputs sized for {} rows, h has {n_rows}", out.n_rows());
+    let tile_len = LM_HEAD_TILE_ROWS * n_vocab;
+    if scratch.len() < tile_len {
+        bail!("lm_head: scratch holds {} f32, a tile needs {LM_HEAD_TILE_ROWS} * {n_vocab}", scratch.len());
+    }
+    let mut row0 = 0;
+    while row0 < n_rows {
+        let rows = LM_HEAD_TILE_ROWS.min(n_rows - row0);
+        // Views of h and targets for this tile: re-derived from the raw ranges.
+        let h_tile = sub_view(h, row0 * d_model, rows * d_model)?;
+        let t_tile = sub_view(targets, row0, rows)?;
+        matmul::<X>(dev, h_tile, rows, emb, scratch.slice_mut(0..rows * n_vocab)?, n_vocab)?;
+        lmhead_reduce(dev, scratch.slice(0..rows * n_vocab)?, rows, n_vocab, n_vocab, t_tile, out, row0)?;
+        row0 += rows;
+    }
+    Ok(())
+}
+
+/// A sub-range of a read-only view.
+pub fn sub_view<T>(v: DevView<'_, T>, start: usize, len: usize) -> Result<DevView<'_, T>> {
+    v.sub(start, len)
+}

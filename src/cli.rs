@@ -1,0 +1,100 @@
+//! Raw command-line flags of `infernix-perplexity`, as clap parses them.
+//! Nothing here is validated beyond its type: `config` does that.
+
+use std::path::PathBuf;
+
+use clap::{Parser, ValueEnum};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum MethodArg {
+    /// Fixed windows of --context tokens advancing by --stride scored targets (default).
+    Sliding,
+    /// llama.cpp's perplexity method: non-overlapping chunks, second half scored.
+    Chunks,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendArg {
+    /// CUDA when a driver and a device exist, else the CPU.
+    Auto,
+    Cuda,
+    Cpu,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogLevel {
+    Error,
+    Warn,
+    Info,
+    Debug,
+    Trace,
+}
+
+/// Scores a text corpus with a .ninfer model and reports causal perplexity.
+///
+/// Exit codes: 0 success, 1 the run finished but failed a check (non-finite scores
+/// without --allow-nonfinite), 2 bad input or error.
+#[derive(Parser, Debug)]
+#[command(name = "infernix-perplexity", version, about, long_about = None)]
+pub struct Args {
+    /// The .ninfer v3 artifact to evaluate.
+    pub model: PathBuf,
+
+    /// Score one text file (read as raw UTF-8 bytes) as a single stream.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["tokens", "corpus"])]
+    pub text: Option<PathBuf>,
+    /// Score a JSON array of token ids as a single stream.
+    #[arg(long, value_name = "FILE", conflicts_with = "corpus")]
+    pub tokens: Option<PathBuf>,
+    /// A corpus manifest (e.g. eval/corpora/ppl-v1/manifest.json).
+    #[arg(long, value_name = "MANIFEST")]
+    pub corpus: Option<PathBuf>,
+    /// Only the first stream of each domain of the corpus.
+    #[arg(long, requires = "corpus")]
+    pub quick: bool,
+    /// Folder the manifest's paths are relative to (else $INFERNIX_DATA, else the manifest's folder).
+    #[arg(long, value_name = "DIR")]
+    pub data_root: Option<PathBuf>,
+
+    /// Window method.
+    #[arg(long, value_enum, default_value_t = MethodArg::Sliding)]
+    pub method: MethodArg,
+    /// Tokens per window (sliding) or per chunk (chunks).
+    #[arg(long, default_value_t = 4096)]
+    pub context: usize,
+    /// Scored targets a sliding window advances by.
+    #[arg(long, default_value_t = 2048)]
+    pub stride: usize,
+    /// Score only the first N windows (sliding) or chunks (chunks) of each stream.
+    #[arg(long, value_name = "N")]
+    pub chunks: Option<usize>,
+    /// Tokens per prefill pass (multiple of 128).
+    #[arg(long, default_value_t = 1024)]
+    pub prefill_chunk: usize,
+
+    /// Where the forward pass runs.
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    pub backend: BackendArg,
+    /// CUDA device index.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// CPU threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+
+    /// Output folder for report.json (must be new or empty); default profiles/perplexity/<timestamp>/.
+    #[arg(long, value_name = "DIR")]
+    pub output: Option<PathBuf>,
+    /// Open the artifact and tokenize, write report.json, but run no model.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Hash every tensor of the artifact against its recorded SHA-256 before use.
+    #[arg(long)]
+    pub verify: bool,
+    /// Finish (exit 0) even when some scores are NaN or infinite; they are still counted and reported.
+    #[arg(long)]
+    pub allow_nonfinite: bool,
+    /// Log verbosity on stderr.
+    #[arg(long, value_enum, default_value_t = LogLevel::Info)]
+    pub log_level: LogLevel,
+}

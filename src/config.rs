@@ -1,0 +1,162 @@
+//! Validated run configuration: turns raw flags (`cli::Args`) into a
+//! [`RunConfig`] whose every field is known to be usable, or a one-line error.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+
+use crate::cli::{Args, BackendArg, MethodArg};
+use crate::plan::{validate_prefill_chunk, Method};
+
+/// Where the streams come from.
+#[derive(Debug, Clone)]
+pub enum Input {
+    Text(PathBuf),
+    Tokens(PathBuf),
+    Corpus { manifest: PathBuf, quick: bool, data_root: Option<PathBuf> },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendChoice {
+    Auto,
+    Cuda { device: usize },
+    Cpu,
+}
+
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    pub model: PathBuf,
+    pub input: Input,
+    pub method: Method,
+    pub chunks_limit: Option<usize>,
+    pub prefill_chunk: usize,
+    pub backend: BackendChoice,
+    pub device: usize,
+    pub threads: usize,
+    /// The output folder; created (or checked empty) before any work.
+    pub output: PathBuf,
+    pub dry_run: bool,
+    pub verify: bool,
+    pub allow_nonfinite: bool,
+}
+
+impl RunConfig {
+    pub fn from_args(args: &Args) -> Result<Self> {
+        let input = match (&args.text, &args.tokens, &args.corpus) {
+            (Some(t), None, None) => Input::Text(t.clone()),
+            (None, Some(t), None) => Input::Tokens(t.clone()),
+            (None, None, Some(m)) => Input::Corpus { manifest: m.clone(), quick: args.quick, data_root: args.data_root.clone() },
+            (None, None, None) => bail!("no input: give --text FILE, --tokens FILE or --corpus MANIFEST"),
+            _ => bail!("give only one of --text, --tokens, --corpus"),
+        };
+        let method = match args.method {
+            MethodArg::Sliding => {
+                if args.stride == 0 {
+                    bail!("--stride 0: the stride must be at least 1");
+                }
+                if args.context <= args.stride {
+                    bail!("--context {} must be larger than --stride {}", args.context, args.stride);
+                }
+                Method::Sliding { context: args.context, stride: args.stride }
+            }
+            MethodArg::Chunks => {
+                if args.context < 4 {
+                    bail!("--context {}: a chunk needs at least 4 tokens", args.context);
+                }
+                Method::Chunks { context: args.context }
+            }
+        };
+        if args.chunks == Some(0) {
+            bail!("--chunks 0: nothing would be scored");
+        }
+        validate_prefill_chunk(args.prefill_chunk).context("--prefill-chunk")?;
+        let backend = match args.backend {
+            BackendArg::Auto => BackendChoice::Auto,
+            BackendArg::Cuda => BackendChoice::Cuda { device: args.device },
+            BackendArg::Cpu => BackendChoice::Cpu,
+        };
+        let threads = match args.threads {
+            Some(0) => bail!("--threads 0: at least one thread"),
+            Some(n) => n,
+            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        };
+        let output = match &args.output {
+            Some(dir) => dir.clone(),
+            None => PathBuf::from("profiles/perplexity").join(timestamp_utc()),
+        };
+        Ok(Self {
+            model: args.model.clone(),
+            input,
+            method,
+            chunks_limit: args.chunks,
+            prefill_chunk: args.prefill_chunk,
+            backend,
+            device: args.device,
+            threads,
+            output,
+            dry_run: args.dry_run,
+            verify: args.verify,
+            allow_nonfinite: args.allow_nonfinite,
+        })
+    }
+}
+
+/// Creates `dir` (and parents) or accepts it when it exists and is empty.
+pub fn prepare_output_dir(dir: &Path) -> Result<()> {
+    if dir.exists() {
+        let mut entries = std::fs::read_dir(dir).with_context(|| format!("--output {}: read folder", dir.display()))?;
+        if entries.next().is_some() {
+            bail!("--output {}: the folder is not empty", dir.display());
+        }
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("--output {}: create folder", dir.display()))
+}
+
+/// `YYYYMMDDTHHMMSSZ` for now, UTC.
+pub fn timestamp_utc() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs()) as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}{m:02}{d:02}T{:02}{:02}{:02}Z", rem / 3600, rem / 60 % 60, rem % 60)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn cfg(extra: &[&str]) -> Result<RunConfig> {
+        let mut argv = vec!["infernix-perplexity", "m.ninfer", "--text", "t.txt"];
+        argv.extend_from_slice(extra);
+        RunConfig::from_args(&Args::try_parse_from(argv)?)
+    }
+
+    #[test]
+    fn rejects_bad_windows() {
+        assert!(cfg(&["--context", "2048", "--stride", "2048"]).unwrap_err().to_string().contains("larger than --stride"));
+        assert!(cfg(&["--stride", "0"]).unwrap_err().to_string().contains("--stride 0"));
+        assert!(format!("{:#}", cfg(&["--prefill-chunk", "100"]).unwrap_err()).contains("--prefill-chunk"));
+        assert!(cfg(&["--chunks", "0"]).is_err());
+        let ok = cfg(&["--method", "chunks", "--context", "512"]).unwrap();
+        assert_eq!(ok.method, Method::Chunks { context: 512 });
+    }
+
+    #[test]
+    fn timestamp_shape() {
+        let t = timestamp_utc();
+        assert_eq!(t.len(), 16);
+        assert!(t.starts_with("20") && t.ends_with('Z'));
+    }
+}

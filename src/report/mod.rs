@@ -1,0 +1,199 @@
+//! `report.json` (schema version 3) and the stdout domain table.
+//!
+//! This module owns the report's shape and its atomic write; it computes no
+//! statistics (that is `score`) and runs nothing.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+
+use crate::artifact::Artifact;
+use crate::score::Summary;
+
+pub const SCHEMA_VERSION: u32 = 3;
+pub const REPORT_FILE: &str = "report.json";
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub schema_version: u32,
+    pub tool: ToolInfo,
+    pub artifact: ArtifactInfo,
+    pub workload: Workload,
+    pub execution: Option<Execution>,
+    pub results: Results,
+    pub timing: Timing,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ToolInfo {
+    pub name: &'static str,
+    pub version: &'static str,
+    pub git_revision: &'static str,
+}
+
+impl ToolInfo {
+    pub fn current() -> Self {
+        Self {
+            name: "infernix-perplexity",
+            version: env!("CARGO_PKG_VERSION"),
+            git_revision: option_env!("INFERNIX_GIT_REVISION").unwrap_or("unknown"),
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct ArtifactInfo {
+    pub path: String,
+    pub architecture: &'static str,
+    pub public_name: String,
+    /// SHA-256 of the artifact's metadata block (which holds every tensor's SHA-256).
+    pub digest: String,
+    pub file_bytes: u64,
+    /// Source files the artifact was converted from, with their SHA-256.
+    pub sources: Vec<crate::artifact::meta::SourceFile>,
+    /// Tensor counts by format for each tensor group.
+    pub weight_formats: std::collections::BTreeMap<String, std::collections::BTreeMap<String, usize>>,
+    pub tokenizer_sha256: String,
+    pub verified: bool,
+}
+
+impl ArtifactInfo {
+    pub fn of(a: &Artifact, verified: bool) -> Self {
+        Self {
+            path: a.path.display().to_string(),
+            architecture: a.meta.architecture.name(),
+            public_name: a.meta.public_name.clone(),
+            digest: a.digest.clone(),
+            file_bytes: a.n_file_bytes,
+            sources: a.meta.provenance.sources.clone(),
+            weight_formats: a.formats_by_group(),
+            tokenizer_sha256: a.meta.tokenizer.blob.sha256.clone(),
+            verified,
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct Workload {
+    /// `corpus`, `text` or `tokens`.
+    pub input: &'static str,
+    pub corpus: Option<CorpusInfo>,
+    pub method: &'static str,
+    pub context: usize,
+    pub stride: Option<usize>,
+    pub chunks_limit: Option<usize>,
+    pub prefill_chunk_tokens: usize,
+    pub bos: BosPolicy,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CorpusInfo {
+    pub name: String,
+    pub manifest: String,
+    pub manifest_sha256: String,
+    pub quick: bool,
+    pub data_root: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct BosPolicy {
+    /// The tokenizer prepends BOS to each stream.
+    pub add_bos: bool,
+    pub bos_id: Option<u32>,
+    /// Windows not starting at the stream's first token have their first
+    /// (context-only) token replaced by BOS.
+    pub replace_window_first_token: bool,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Execution {
+    pub backend: String,
+    pub device: String,
+    pub kv_dtype: String,
+    pub threads: usize,
+    /// Everything else that can change a number (kernels, fast paths, PTX arch, nvcc).
+    pub details: serde_json::Value,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Results {
+    pub overall: Option<Summary>,
+    pub domains: Vec<DomainResult>,
+    pub streams: Vec<StreamResult>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct DomainResult {
+    pub domain: String,
+    pub streams: usize,
+    #[serde(flatten)]
+    pub summary: Summary,
+}
+
+#[derive(Debug, Serialize)]
+pub struct StreamResult {
+    pub name: String,
+    pub domain: String,
+    pub input_tokens: usize,
+    pub token_ids_sha256: String,
+    #[serde(flatten)]
+    pub summary: Option<Summary>,
+    pub windows: Vec<WindowResult>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct WindowResult {
+    pub index: usize,
+    pub begin: usize,
+    pub end: usize,
+    pub first_target: usize,
+    pub scored: usize,
+    pub n_nonfinite: usize,
+    pub nll_sum: f64,
+    pub mean_nll: f64,
+    pub perplexity: f64,
+    pub seconds: f64,
+}
+
+#[derive(Debug, Serialize, Default)]
+pub struct Timing {
+    pub elapsed_seconds: f64,
+    pub load_seconds: f64,
+    pub tokenize_seconds: f64,
+    pub scoring_seconds: f64,
+    pub tokens_processed: usize,
+    pub tokens_scored: usize,
+    /// Input tokens evaluated by the model per second of scoring time.
+    pub tokens_per_second_processed: Option<f64>,
+    /// Scored targets per second of scoring time.
+    pub tokens_per_second_scored: Option<f64>,
+}
+
+/// Writes `dir/report.json` atomically (temporary file, then rename).
+pub fn write_report(dir: &Path, report: &Report) -> Result<()> {
+    let json = serde_json::to_vec_pretty(report).context("serialize report")?;
+    crate::util::fs::write_atomic(&dir.join(REPORT_FILE), &json)
+}
+
+/// The stdout table: one row per domain and an `overall` row.
+pub fn domain_table(results: &Results) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let _ = writeln!(out, "{:<16} {:>7} {:>10} {:>10} {:>12} {:>10}", "domain", "streams", "scored", "mean_nll", "ppl", "+-");
+    let mut row = |name: &str, streams: usize, s: &Summary| {
+        let unc = s.ppl_uncertainty_llama.map_or("-".to_string(), |u| format!("{u:.4}"));
+        let _ = writeln!(
+            out,
+            "{:<16} {:>7} {:>10} {:>10.6} {:>12.4} {:>10}",
+            name, streams, s.scored_tokens, s.mean_nll, s.perplexity, unc
+        );
+    };
+    for d in &results.domains {
+        row(&d.domain, d.streams, &d.summary);
+    }
+    if let Some(o) = &results.overall {
+        row("overall", results.streams.len(), o);
+    }
+    out
+}

@@ -1,0 +1,200 @@
+//! The evaluator binary end to end: dry runs on the real models (token ids
+//! equal llama.cpp's through the artifact's embedded tokenizer), bad input
+//! (one-line error, exit code 2, nothing left behind) and bit-identical
+//! reports across two identical CPU runs.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use common::{data_root, models_dir, reference_dir};
+
+const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.ninfer";
+const GEMMA3: &str = "gemma-3-270m-q4_k_m.ninfer";
+
+fn artifact(name: &str) -> PathBuf {
+    let p = models_dir().join(name);
+    assert!(p.exists(), "{} missing: run scripts/fetch-models.sh", p.display());
+    p
+}
+
+fn run(args: &[&std::ffi::OsStr]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_infernix-perplexity")).args(args).output().expect("run infernix-perplexity")
+}
+
+fn os<S: AsRef<std::ffi::OsStr> + ?Sized>(s: &S) -> &std::ffi::OsStr {
+    s.as_ref()
+}
+
+/// llama.cpp's token-id hash for (model file, corpus path).
+fn reference_hash(model_gguf: &str, corpus_path: &str) -> (usize, String) {
+    let text = std::fs::read_to_string(reference_dir().join("llama-cpp-token-ids.txt")).unwrap();
+    let line = text
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|f| f.len() == 4 && f[0] == model_gguf && f[1] == corpus_path)
+        .unwrap_or_else(|| panic!("no reference line for {model_gguf} {corpus_path}"));
+    (line[2].parse().unwrap(), line[3].to_string())
+}
+
+fn read_report(dir: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn dry_run_text_matches_llama_cpp_token_ids() {
+    let out = tempfile::tempdir().unwrap();
+    let dir = out.path().join("r");
+    let text = data_root().join("wikitext-2-raw/wiki.test.raw");
+    let o = run(&[os(&artifact(SMOLLM2)), os("--text"), os(&text), os("--dry-run"), os("--output"), os(&dir)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(o.stdout.is_empty(), "a dry run prints no table");
+    let r = read_report(&dir);
+    assert_eq!(r["schema_version"], 3);
+    assert_eq!(r["artifact"]["architecture"], "llama");
+    assert_eq!(r["artifact"]["weight_formats"]["attn_q"]["Q4_1"], 30);
+    assert_eq!(r["artifact"]["sources"][0]["sha256"], "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53");
+    let s = &r["results"]["streams"][0];
+    let (n, sha) = reference_hash("SmolLM2-135M-Instruct.Q4_1.gguf", "wikitext-2-raw/wiki.test.raw");
+    assert_eq!(s["input_tokens"], n);
+    assert_eq!(s["token_ids_sha256"], sha.as_str());
+    assert_eq!(r["workload"]["method"], "sliding");
+    assert_eq!(r["workload"]["context"], 4096);
+}
+
+#[test]
+fn dry_run_corpus_quick_gemma3() {
+    let out = tempfile::tempdir().unwrap();
+    let dir = out.path().join("r");
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("eval/corpora/ppl-v1/manifest.json");
+    let o = run(&[
+        os(&artifact(GEMMA3)),
+        os("--corpus"),
+        os(&manifest),
+        os("--quick"),
+        os("--data-root"),
+        os(&data_root()),
+        os("--dry-run"),
+        os("--output"),
+        os(&dir),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r = read_report(&dir);
+    let manifest_json: serde_json::Value = serde_json::from_slice(&std::fs::read(&manifest).unwrap()).unwrap();
+    let streams = r["results"]["streams"].as_array().unwrap();
+    let domains: std::collections::BTreeSet<&str> =
+        manifest_json["streams"].as_array().unwrap().iter().map(|s| s["domain"].as_str().unwrap()).collect();
+    assert_eq!(streams.len(), domains.len(), "--quick: one stream per domain");
+    for s in streams {
+        let spec = manifest_json["streams"].as_array().unwrap().iter().find(|m| m["id"] == s["name"]).unwrap();
+        let (n, sha) = reference_hash("gemma-3-270m-q4_k_m.gguf", spec["path"].as_str().unwrap());
+        assert_eq!(s["input_tokens"], n, "{}", s["name"]);
+        assert_eq!(s["token_ids_sha256"], sha.as_str(), "{}", s["name"]);
+    }
+    assert_eq!(r["workload"]["bos"]["add_bos"], true);
+    assert_eq!(r["workload"]["bos"]["bos_id"], 2);
+    assert_eq!(r["workload"]["corpus"]["name"], "ppl-v1");
+}
+
+/// Runs with `args` expecting exit 2, exactly one stderr line containing each
+/// of `expect`, and no report.
+fn assert_rejected(args: &[&std::ffi::OsStr], out_dir: &Path, expect: &[&str]) {
+    let mut all: Vec<&std::ffi::OsStr> = args.to_vec();
+    all.extend([os("--log-level"), os("error"), os("--output"), os(out_dir)]);
+    let o = run(&all);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "stderr: {stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "one line expected: {stderr}");
+    for e in expect {
+        assert!(stderr.contains(e), "expected {e:?} in {stderr}");
+    }
+    assert!(o.stdout.is_empty());
+    assert!(!out_dir.join("report.json").exists());
+}
+
+#[test]
+fn bad_input_is_one_line_exit_2_and_no_report() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = artifact(SMOLLM2);
+    let text = data_root().join("wikitext-2-raw/wiki.test.raw");
+    let fresh = |n: &str| tmp.path().join(n);
+
+    // Output folder not empty.
+    let full = fresh("full");
+    std::fs::create_dir(&full).unwrap();
+    std::fs::write(full.join("x"), b"x").unwrap();
+    assert_rejected(&[os(&model), os("--text"), os(&text)], &full, &["--output", "not empty"]);
+
+    let common = [os(&model), os("--text"), os(&text)];
+    let with = |extra: &[&'static str]| -> Vec<&std::ffi::OsStr> {
+        let mut v = common.to_vec();
+        v.extend(extra.iter().map(|s| os(*s)));
+        v
+    };
+    assert_rejected(&with(&["--context", "1024", "--stride", "1024"]), &fresh("a"), &["--context 1024", "--stride 1024"]);
+    assert_rejected(&with(&["--stride", "0"]), &fresh("b"), &["--stride 0"]);
+    assert_rejected(&with(&["--prefill-chunk", "100"]), &fresh("c"), &["--prefill-chunk", "100"]);
+    for d in ["a", "b", "c"] {
+        assert!(!fresh(d).exists(), "no folder left behind for a rejected run");
+    }
+
+    // An empty stream.
+    let empty = fresh("empty.txt");
+    std::fs::write(&empty, b"").unwrap();
+    assert_rejected(&[os(&model), os("--text"), os(&empty)], &fresh("d"), &["empty.txt"]);
+
+    // A stream shorter than two chunks in chunks mode.
+    let short = fresh("short.txt");
+    std::fs::write(&short, "The quick brown fox jumps over the lazy dog. ".repeat(20)).unwrap();
+    assert_rejected(
+        &[os(&model), os("--text"), os(&short), os("--method"), os("chunks"), os("--context"), os("512")],
+        &fresh("e"),
+        &["short.txt", "two chunks"],
+    );
+
+    // Not UTF-8.
+    let bad = fresh("latin1.txt");
+    std::fs::write(&bad, b"caf\xe9 au lait").unwrap();
+    assert_rejected(&[os(&model), os("--text"), os(&bad)], &fresh("f"), &["latin1.txt", "UTF-8"]);
+
+    // A manifest with a duplicate stream id.
+    let manifest = fresh("manifest.json");
+    let stream = serde_json::json!({"id": "a", "domain": "d", "path": "x.txt", "bytes": 1, "sha256": "0".repeat(64),
+        "url": "https://example.org/x.txt", "license": "none", "source": "test"});
+    let m = serde_json::json!({"name": "dup", "version": 1, "description": "", "streams": [stream, stream]});
+    std::fs::write(&manifest, serde_json::to_vec(&m).unwrap()).unwrap();
+    assert_rejected(&[os(&model), os("--corpus"), os(&manifest)], &fresh("g"), &["manifest.json", "duplicate", "\"a\""]);
+
+    // Not an artifact.
+    assert_rejected(&[os(&text), os("--text"), os(&text)], &fresh("h"), &["wiki.test.raw", "magic"]);
+}
+
+#[test]
+fn two_identical_cpu_runs_give_bit_identical_results() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = artifact(SMOLLM2);
+    let text = data_root().join("wikitext-2-raw/wiki.test.raw");
+    let mut results = Vec::new();
+    for name in ["one", "two"] {
+        let dir = tmp.path().join(name);
+        let o = run(&[
+            os(&model), os("--text"), os(&text), os("--method"), os("chunks"), os("--context"), os("128"),
+            os("--chunks"), os("3"), os("--backend"), os("cpu"), os("--output"), os(&dir),
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let table = String::from_utf8(o.stdout).unwrap();
+        assert!(table.lines().any(|l| l.starts_with("overall")), "{table}");
+        let mut r = read_report(&dir);
+        let windows = r["results"]["streams"][0]["windows"].as_array_mut().unwrap();
+        assert_eq!(windows.len(), 3);
+        for w in windows.iter_mut() {
+            assert_eq!(w["scored"], 63);
+            w.as_object_mut().unwrap().remove("seconds");
+        }
+        results.push(r["results"].clone());
+    }
+    assert_eq!(results[0], results[1]);
+    let ppl = results[0]["overall"]["perplexity"].as_f64().unwrap();
+    assert!(ppl.is_finite() && ppl > 1.0 && ppl < 1000.0, "ppl {ppl}");
+}

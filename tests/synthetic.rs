@@ -1,0 +1,58 @@
+//! `--synthetic`: seeded random weights with a real shape, written as an
+//! artifact and as a GGUF twin holding the same bytes; same seed, same
+//! artifact; the model runs and gives finite scores.
+
+mod common;
+
+use common::{model, SMOLLM2_GGUF};
+use infernix_perplexity::artifact::container::sha256_hex;
+use infernix_perplexity::artifact::{Artifact, TensorFormat};
+use infernix_perplexity::backend::BackendKind;
+use infernix_perplexity::convert::gguf::GgufFile;
+use infernix_perplexity::convert::synthetic::{geometry, write_synthetic};
+use infernix_perplexity::model::{load_model, ScoreOptions};
+
+#[test]
+fn synthetic_smollm2_shape_with_gguf_twin() {
+    let tmp = tempfile::tempdir().unwrap();
+    let geo = geometry("smollm2-135m").unwrap();
+    let (a_path, g_path) = (tmp.path().join("s.ninfer"), tmp.path().join("s.gguf"));
+    let meta = write_synthetic(&geo, TensorFormat::Q8_0, 7, &model(SMOLLM2_GGUF), &a_path, Some(&g_path)).unwrap();
+    assert_eq!(meta.provenance.synthetic.as_ref().unwrap()["seed"], 7);
+    let a = Artifact::open(&a_path).unwrap();
+    a.verify().unwrap();
+    assert_eq!(a.meta.hparams.n_layers, 30);
+    assert_eq!(a.tensor("blk.3.attn_k.weight").unwrap().entry.shape, vec![192, 576]);
+    assert_eq!(a.tensor("blk.3.ffn_down.weight").unwrap().format(), TensorFormat::Q8_0);
+
+    // The twin holds the same bytes under the same names.
+    let g = GgufFile::open(&g_path).unwrap();
+    assert_eq!(g.get_str("general.architecture").unwrap(), "llama");
+    assert_eq!(g.tensors.len(), a.meta.tensors.len());
+    for t in &g.tensors {
+        let v = a.tensor(&t.name).unwrap();
+        assert_eq!(t.shape(), v.entry.shape, "{}", t.name);
+        assert_eq!(sha256_hex(g.tensor_bytes(t)), v.entry.sha256, "{}", t.name);
+    }
+
+    // Same seed, same artifact; another seed, other weights.
+    let again = tmp.path().join("again.ninfer");
+    write_synthetic(&geo, TensorFormat::Q8_0, 7, &model(SMOLLM2_GGUF), &again, None).unwrap();
+    assert_eq!(Artifact::open(&again).unwrap().digest, a.digest);
+    let other = tmp.path().join("other.ninfer");
+    write_synthetic(&geo, TensorFormat::Q8_0, 8, &model(SMOLLM2_GGUF), &other, None).unwrap();
+    let o = Artifact::open(&other).unwrap();
+    assert_ne!(o.tensor("blk.0.attn_q.weight").unwrap().entry.sha256, a.tensor("blk.0.attn_q.weight").unwrap().entry.sha256);
+
+    // It runs: random weights give finite scores near ln(n_vocab).
+    let mut m = load_model(&a, BackendKind::Cpu).unwrap();
+    let tokens: Vec<u32> = (0..64u32).map(|i| i * 701 % 49152).collect();
+    let s = m.score_window(&tokens, 1, &ScoreOptions::default(), &[]).unwrap();
+    assert_eq!(s.len(), 63);
+    let mean = s.iter().map(|r| r.nll).sum::<f64>() / s.len() as f64;
+    assert!(mean.is_finite() && mean > 1.0 && mean < 40.0, "mean NLL {mean}");
+
+    let err = write_synthetic(&geo, TensorFormat::Q4K, 1, &model(SMOLLM2_GGUF), &tmp.path().join("k.ninfer"), None).unwrap_err();
+    assert!(format!("{err:#}").contains("Q4_K"), "{err:#}");
+    assert!(!tmp.path().join("k.ninfer").exists());
+}
