@@ -26,6 +26,7 @@ fn main() {
     for var in ENV_VARS {
         println!("cargo:rerun-if-env-changed={var}");
     }
+    emit_git_revision();
     let out_dir = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let arch = env::var("INFERNIX_CUDA_ARCH").unwrap_or_else(|_| "90".to_string());
     if arch.is_empty() || !arch.trim_end_matches('a').chars().all(|c| c.is_ascii_digit()) {
@@ -181,4 +182,24 @@ fn write_generated(out_dir: &Path, nvcc_version: Option<&str>, arch: &str, sha: 
     s.push_str("];\n");
     let dst = out_dir.join("cuda_kernels.rs");
     std::fs::write(&dst, s).unwrap_or_else(|e| panic!("write {}: {e}", dst.display()));
+}
+
+/// Records `git rev-parse HEAD` (plus `-dirty` for uncommitted changes) as
+/// `INFERNIX_GIT_REVISION` for the report; `unknown` outside a git checkout.
+fn emit_git_revision() {
+    let git = |args: &[&str]| {
+        Command::new("git").args(args).output().ok().filter(|o| o.status.success()).map(|o| {
+            String::from_utf8_lossy(&o.stdout).trim().to_string()
+        })
+    };
+    if let Some(dir) = git(&["rev-parse", "--git-dir"]) {
+        println!("cargo:rerun-if-changed={dir}/HEAD");
+        println!("cargo:rerun-if-changed={dir}/index");
+    }
+    let rev = match (git(&["rev-parse", "HEAD"]), git(&["status", "--porcelain", "--untracked-files=no"])) {
+        (Some(rev), Some(status)) if !status.is_empty() => format!("{rev}-dirty"),
+        (Some(rev), _) => rev,
+        _ => "unknown".to_string(),
+    };
+    println!("cargo:rustc-env=INFERNIX_GIT_REVISION={rev}");
 }

@@ -56,3 +56,36 @@ fn synthetic_smollm2_shape_with_gguf_twin() {
     assert!(format!("{err:#}").contains("Q4_K"), "{err:#}");
     assert!(!tmp.path().join("k.ninfer").exists());
 }
+
+/// NaN scores are counted and reported, fail the run (exit 1) unless
+/// `--allow-nonfinite`, and never enter a mean.
+#[test]
+fn nonfinite_scores_are_counted_and_fail_the_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let geo = geometry("smollm2-135m").unwrap();
+    let path = tmp.path().join("nan.ninfer");
+    write_synthetic(&geo, TensorFormat::Q8_0, 3, &model(SMOLLM2_GGUF), &path, None).unwrap();
+    // Poison one element of the final norm: every logit row becomes NaN.
+    let off = Artifact::open(&path).unwrap().tensor("output_norm.weight").unwrap().entry.offset as usize;
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[off..off + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&path, bytes).unwrap();
+    let text = common::data_root().join("wikitext-2-raw/wiki.test.raw");
+    for (allow, code) in [(false, 1), (true, 0)] {
+        let out = tmp.path().join(format!("out-{allow}"));
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_infernix-perplexity"));
+        cmd.arg(&path).arg("--text").arg(&text).args(["--method", "chunks", "--context", "128", "--chunks", "2", "--backend", "cpu", "--output"]).arg(&out);
+        if allow {
+            cmd.arg("--allow-nonfinite");
+        }
+        let o = cmd.output().unwrap();
+        assert_eq!(o.status.code(), Some(code), "{}", String::from_utf8_lossy(&o.stderr));
+        let r: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+        let overall = &r["results"]["overall"];
+        assert_eq!(overall["n_nonfinite"], 126);
+        assert_eq!(overall["scored_tokens"], 126);
+        assert_eq!(overall["nll_sum"], 0.0);
+        assert!(overall["perplexity"].is_null(), "no finite score, no perplexity: {overall}");
+        assert!(String::from_utf8_lossy(&o.stderr).contains("126"), "the count is reported on stderr");
+    }
+}
