@@ -19,7 +19,7 @@ fn llama_cpp_chunks(model_gguf: &str) -> Vec<f64> {
     let text = std::fs::read_to_string(reference_dir().join("llama-cpp-ppl-test.txt")).unwrap();
     let mut running = Vec::new();
     let mut inside = false;
-    for line in text.lines() {
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
         if let Some(h) = line.strip_prefix("# ") {
             if h.contains("c=512") {
                 inside = h.starts_with(model_gguf);
