@@ -27,7 +27,11 @@ freedom, and the sign test is exact. See docs/quality-gate.md.";
 
 /// Compares two report.json files window by window and gives a verdict.
 #[derive(Parser, Debug)]
-#[command(name = "infernix-perplexity compare", bin_name = "infernix-perplexity compare", version, about, long_about = None, after_help = AFTER_HELP)]
+#[command(name = "infernix-perplexity compare", bin_name = "infernix-perplexity compare",
+    version,
+    about = "Compares two report.json files window by window and gives a verdict (the CI quality gate)",
+    long_about = None,
+    after_help = AFTER_HELP)]
 pub struct CompareArgs {
     /// The baseline: a report.json, or a folder holding one.
     pub base: PathBuf,
