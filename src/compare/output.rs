@@ -49,7 +49,7 @@ pub fn table(c: &Comparison) -> String {
     let _ = writeln!(o, "NEW  {}", describe(&c.new));
     let _ = writeln!(
         o,
-        "{} windows paired over {} streams, {} scored tokens ({} method, context {})",
+        "{} windows paired over {} stream(s), {} scored tokens ({} method, context {})",
         c.overall.n_windows, c.n_streams, c.overall.scored_tokens, c.base.method, c.base.context
     );
     let _ = writeln!(o);
@@ -116,7 +116,7 @@ pub fn markdown(c: &Comparison) -> String {
     let _ = writeln!(o, "- NEW: `{}`", describe(&c.new));
     let _ = writeln!(
         o,
-        "- {} windows over {} streams, {} scored tokens; PPL change {:+.4} % (95 % CI {}), paired t p = {}, sign test p = {}",
+        "- {} windows over {} stream(s), {} scored tokens; PPL change {:+.4} % (95 % CI {}), paired t p = {}, sign test p = {}",
         c.overall.n_windows,
         c.n_streams,
         c.overall.scored_tokens,
@@ -149,7 +149,7 @@ pub fn markdown(c: &Comparison) -> String {
     let _ = writeln!(o, "| check | scope | result | detail |");
     let _ = writeln!(o, "|---|---|---|---|");
     for ch in &c.checks {
-        let _ = writeln!(o, "| {} | {} | {} | {} |", ch.name, ch.scope, ch.status.name(), ch.detail.replace('|', "¦"));
+        let _ = writeln!(o, "| {} | {} | {} | {} |", ch.name, ch.scope, ch.status.name(), ch.detail.replace('|', "\\|"));
     }
     for n in &c.notes {
         let _ = writeln!(o, "\n> note: {n}");
@@ -170,7 +170,7 @@ pub fn markdown(c: &Comparison) -> String {
                 w.dnll,
                 w.dnll_per_token,
                 window_label(w),
-                w.excerpt.as_deref().map_or(String::new(), |e| format!("`{}`", e.replace('`', "'")))
+                w.excerpt.as_deref().map_or(String::new(), |e| format!("`{}`", e.replace('`', "'").replace('|', "\\|")))
             );
         }
         let _ = writeln!(o);
