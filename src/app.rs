@@ -14,6 +14,9 @@ use tracing::info;
 
 use crate::artifact::Artifact;
 use crate::backend::BackendKind;
+use crate::compare::floor::alternate_prefill_chunk;
+use crate::compare::stats::PairedWindow;
+use crate::compare::NoiseFloor;
 use crate::config::{prepare_output_dir, BackendChoice, Input, RunConfig};
 use crate::model::{load_model, ScoreOptions, WindowScorer};
 use crate::plan::{plan_windows, Window};
@@ -100,6 +103,10 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
             Input::Tokens(_) => "tokens",
             Input::Corpus { .. } => "corpus",
         },
+        input_path: match &cfg.input {
+            Input::Text(p) | Input::Tokens(p) => Some(p.display().to_string()),
+            Input::Corpus { .. } => None,
+        },
         corpus: corpus_info,
         method: cfg.method.name(),
         context: cfg.method.context(),
@@ -117,6 +124,7 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         execution: None,
         results: Results { overall: None, domains: Vec::new(), streams: Vec::new() },
         timing: Timing { load_seconds, tokenize_seconds, ..Default::default() },
+        noise_floor: None,
     };
 
     if cfg.dry_run {
@@ -141,8 +149,11 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
     });
 
     let t_score = Instant::now();
-    let (stats, window_results) = score_streams(cfg, &streams, scorer.as_mut(), bos)?;
+    let (stats, window_results) = score_streams(&streams, scorer.as_mut(), bos, cfg.prefill_chunk)?;
     let scoring_seconds = t_score.elapsed().as_secs_f64();
+    if cfg.noise_floor {
+        report.noise_floor = Some(noise_floor(cfg, &streams, &stats, scorer.as_mut(), bos)?);
+    }
 
     let overall = overall_summary(&stats);
     report.results.domains = domain_summaries(&stats)
@@ -302,13 +313,48 @@ impl Progress {
     }
 }
 
-fn score_streams(
+/// `--noise-floor`: scores every window again with another prefill chunk and
+/// pairs the result with the reported scores (`stats`).
+fn noise_floor(
     cfg: &RunConfig,
+    streams: &[Stream],
+    stats: &[StreamStats],
+    scorer: &mut dyn WindowScorer,
+    bos: Option<u32>,
+) -> Result<NoiseFloor> {
+    let longest = streams.iter().flat_map(|s| &s.windows).map(|w| w.end - w.begin).max().unwrap_or(0);
+    let alternate = alternate_prefill_chunk(cfg.prefill_chunk, longest);
+    info!("noise floor: scoring every window again with prefill chunk {alternate} (reported: {})", cfg.prefill_chunk);
+    let t = Instant::now();
+    let (again, _) = score_streams(streams, scorer, bos, alternate)?;
+    let seconds = t.elapsed().as_secs_f64();
+    let mut rows = Vec::new();
+    let mut n_excluded = 0;
+    for (a, b) in stats.iter().zip(&again) {
+        for (wa, wb) in a.windows.iter().zip(&b.windows) {
+            if wa.n_nonfinite > 0 || wb.n_nonfinite > 0 {
+                n_excluded += 1;
+                continue;
+            }
+            let w = PairedWindow { n_scored: wa.scored_tokens, base_nll_sum: wa.nll_sum, new_nll_sum: wb.nll_sum };
+            rows.push((a.domain.clone(), w));
+        }
+    }
+    let f = crate::compare::floor::noise_floor(&rows, n_excluded, cfg.prefill_chunk, alternate, longest, seconds);
+    info!(
+        "noise floor: {}; PPL change {:+.3e} %, floor {:.3e} % ({:.1} s)",
+        f.note, f.overall.ppl_change_pct, f.floor_pct, seconds
+    );
+    Ok(f)
+}
+
+fn score_streams(
     streams: &[Stream],
     scorer: &mut dyn WindowScorer,
     bos: Option<u32>,
+    prefill_chunk: usize,
 ) -> Result<(Vec<StreamStats>, Vec<Vec<WindowResult>>)> {
-    let opts = ScoreOptions { top_k: 0, prefill_chunk: Some(cfg.prefill_chunk) };
+    let opts = ScoreOptions { top_k: 0, prefill_chunk: Some(prefill_chunk) };
     let n_total: usize = streams.iter().flat_map(|s| &s.windows).map(Window::scored).sum();
     let mut progress = Progress::new(n_total as u64);
     let mut all_stats = Vec::with_capacity(streams.len());
@@ -334,6 +380,7 @@ fn score_streams(
                 end: w.end,
                 first_target: w.first_target,
                 scored: ws.scored_tokens,
+                tokens_sha256: report::window_tokens_sha256(&tokens),
                 n_nonfinite: ws.n_nonfinite,
                 nll_sum: ws.nll_sum,
                 mean_nll: ws.mean_nll(),

@@ -35,7 +35,14 @@ pub enum LogLevel {
 /// Exit codes: 0 success, 1 the run finished but failed a check (non-finite scores
 /// without --allow-nonfinite), 2 bad input or error.
 #[derive(Parser, Debug)]
-#[command(name = "infernix-perplexity", version, about, long_about = None)]
+#[command(
+    name = "infernix-perplexity",
+    version,
+    about,
+    long_about = None,
+    after_help = "Compare two reports (CI quality gate): infernix-perplexity compare BASE NEW\n\
+                  (exit codes 0 PASS, 3 WARN, 1 FAIL, 2 error; see infernix-perplexity compare --help)."
+)]
 pub struct Args {
     /// The .ninfer v3 artifact to evaluate.
     pub model: PathBuf,
@@ -94,6 +101,10 @@ pub struct Args {
     /// Finish (exit 0) even when some scores are NaN or infinite; they are still counted and reported.
     #[arg(long)]
     pub allow_nonfinite: bool,
+    /// Score every window a second time with another prefill chunk and record
+    /// the difference as `noise_floor` in report.json (for `compare --max-delta-over-floor`).
+    #[arg(long)]
+    pub noise_floor: bool,
     /// Log verbosity on stderr.
     #[arg(long, value_enum, default_value_t = LogLevel::Info)]
     pub log_level: LogLevel,

@@ -38,6 +38,8 @@ pub struct RunConfig {
     pub dry_run: bool,
     pub verify: bool,
     pub allow_nonfinite: bool,
+    /// Score twice (second time with another prefill chunk) and record the noise floor.
+    pub noise_floor: bool,
 }
 
 impl RunConfig {
@@ -97,6 +99,7 @@ impl RunConfig {
             dry_run: args.dry_run,
             verify: args.verify,
             allow_nonfinite: args.allow_nonfinite,
+            noise_floor: args.noise_floor,
         })
     }
 }

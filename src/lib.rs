@@ -5,12 +5,14 @@
 //! The modules follow the pipeline: `artifact` (the `.ninfer` container),
 //! `convert` (GGUF / Hugging Face sources into artifacts), `text` (corpus and
 //! tokenizer), `plan` (windows), `model` + `backend` (the forward pass),
-//! `score` (NLL statistics) and `report` (report.json and the table).
+//! `score` (NLL statistics) and `report` (report.json and the table);
+//! `compare` is the CI quality gate between two reports.
 
 pub mod app;
 pub mod artifact;
 pub mod backend;
 pub mod cli;
+pub mod compare;
 pub mod config;
 pub mod convert;
 pub mod model;

@@ -1,5 +1,9 @@
 //! `infernix-perplexity`: flags -> validated configuration -> `app::run` ->
 //! exit code (0 success, 1 a check failed, 2 bad input or error).
+//!
+//! `infernix-perplexity compare BASE NEW` is dispatched on the first argument
+//! before any parsing (clap cannot mix the positional MODEL with
+//! subcommands); its exit codes are 0 PASS, 3 WARN, 1 FAIL, 2 error.
 
 use std::process::ExitCode;
 
@@ -24,8 +28,29 @@ fn init_logging(level: LogLevel) {
         .init();
 }
 
+/// `infernix-perplexity compare ...`: the quality gate between two reports.
+fn compare_main(argv: Vec<std::ffi::OsString>) -> ExitCode {
+    use infernix_perplexity::compare::{self, CompareArgs};
+    // Usage errors exit 2 (clap's code for errors), --help and --version 0.
+    let args = CompareArgs::parse_from(argv);
+    init_logging(LogLevel::Warn);
+    match compare::run(&args) {
+        Ok(c) => ExitCode::from(c.exit_code),
+        Err(e) => {
+            eprintln!("infernix-perplexity compare: error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
 fn main() -> ExitCode {
-    let args = Args::parse();
+    let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if argv.get(1).is_some_and(|a| a == "compare") {
+        // "infernix-perplexity compare" becomes the program name in usage lines.
+        argv.remove(0);
+        return compare_main(argv);
+    }
+    let args = Args::parse_from(argv);
     init_logging(args.log_level);
     let result = RunConfig::from_args(&args).and_then(|cfg| {
         if let Some(n) = args.threads {

@@ -23,6 +23,9 @@ pub struct Report {
     pub execution: Option<Execution>,
     pub results: Results,
     pub timing: Timing,
+    /// `--noise-floor`: the same windows scored with another prefill chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub noise_floor: Option<crate::compare::NoiseFloor>,
 }
 
 #[derive(Debug, Serialize)]
@@ -78,6 +81,9 @@ impl ArtifactInfo {
 pub struct Workload {
     /// `corpus`, `text` or `tokens`.
     pub input: &'static str,
+    /// The `--text` / `--tokens` file as given (absent for a corpus).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub input_path: Option<String>,
     pub corpus: Option<CorpusInfo>,
     pub method: &'static str,
     pub context: usize,
@@ -149,6 +155,8 @@ pub struct WindowResult {
     pub end: usize,
     pub first_target: usize,
     pub scored: usize,
+    /// [`window_tokens_sha256`] of the window's input tokens (after BOS replacement).
+    pub tokens_sha256: String,
     pub n_nonfinite: usize,
     pub nll_sum: f64,
     pub mean_nll: f64,
@@ -168,6 +176,13 @@ pub struct Timing {
     pub tokens_per_second_processed: Option<f64>,
     /// Scored targets per second of scoring time.
     pub tokens_per_second_scored: Option<f64>,
+}
+
+/// The fingerprint of one window: SHA-256 of its input token ids as the
+/// model saw them (after BOS replacement), each id as 4 little-endian bytes;
+/// lowercase hex. `compare` refuses windows whose fingerprints differ.
+pub fn window_tokens_sha256(tokens: &[u32]) -> String {
+    crate::text::tokenizer::token_ids_sha256(tokens)
 }
 
 /// Writes `dir/report.json` atomically (temporary file, then rename).

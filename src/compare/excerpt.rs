@@ -1,0 +1,136 @@
+//! Text excerpts of the windows that moved most (`compare --model ARTIFACT`).
+//!
+//! Reports hold no tokens, only positions and fingerprints, so the excerpt is
+//! rebuilt: the stream is read again from what BASE's workload recorded (the
+//! corpus manifest and data root, or the `--text` / `--tokens` file),
+//! tokenized with the artifact's tokenizer, checked against the stream's
+//! `token_ids_sha256`, and the window's scored targets are decoded. Anything
+//! that fails leaves a note and the token range instead; it never fails the
+//! comparison.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+
+use super::input::{ReportView, WindowRow};
+use crate::artifact::Artifact;
+use crate::text::corpus;
+use crate::text::tokenizer::{token_ids_sha256, TextTokenizer};
+
+/// Characters of decoded text per excerpt.
+pub const EXCERPT_CHARS: usize = 100;
+
+/// Decoded excerpts keyed by `(stream_index, window index)`, plus notes about
+/// streams that could not be rebuilt.
+pub fn excerpts(
+    model: &Path,
+    data_root: Option<&Path>,
+    base: &ReportView,
+    rows: &[&WindowRow],
+) -> (BTreeMap<(usize, usize), String>, Vec<String>) {
+    let mut out = BTreeMap::new();
+    let mut notes = Vec::new();
+    let tokenizer = match open_tokenizer(model) {
+        Ok(t) => t,
+        Err(e) => {
+            notes.push(format!("no excerpts: {e:#}"));
+            return (out, notes);
+        }
+    };
+    let mut streams: Vec<usize> = rows.iter().map(|r| r.stream_index).collect();
+    streams.sort_unstable();
+    streams.dedup();
+    for si in streams {
+        let stream = &base.results.streams[si];
+        match stream_tokens(&tokenizer, data_root, base, si) {
+            Ok(tokens) => {
+                for r in rows.iter().filter(|r| r.stream_index == si) {
+                    let ids = tokens.get(r.first_target..r.end).unwrap_or(&[]);
+                    out.insert((si, r.index), clip(&tokenizer.decode(ids), EXCERPT_CHARS));
+                }
+            }
+            Err(e) => notes.push(format!("no excerpts for stream '{}': {e:#}", stream.name)),
+        }
+    }
+    (out, notes)
+}
+
+fn open_tokenizer(model: &Path) -> Result<TextTokenizer> {
+    let artifact = Artifact::open(model)?;
+    TextTokenizer::from_json(artifact.tokenizer_json(), &artifact.meta.tokenizer)
+        .with_context(|| format!("{}: tokenizer", model.display()))
+}
+
+/// The stream's token ids, rebuilt from BASE's workload and checked against
+/// its recorded fingerprint.
+fn stream_tokens(tok: &TextTokenizer, data_root: Option<&Path>, base: &ReportView, si: usize) -> Result<Vec<u32>> {
+    let stream = &base.results.streams[si];
+    let w = &base.workload;
+    let tokens = match w.input.as_str() {
+        "corpus" => {
+            let c = w.corpus.as_ref().context("the report's workload has no corpus block")?;
+            let manifest_path = PathBuf::from(&c.manifest);
+            let manifest = corpus::load_manifest(&manifest_path)?;
+            let root = match (data_root, &c.data_root) {
+                (Some(d), _) => d.to_path_buf(),
+                (None, Some(d)) => PathBuf::from(d),
+                (None, None) => corpus::resolve_data_root(None, &manifest_path),
+            };
+            let spec = manifest
+                .streams
+                .iter()
+                .find(|s| s.id == stream.name)
+                .with_context(|| format!("manifest {} has no stream '{}'", c.manifest, stream.name))?;
+            tok.encode(&corpus::read_stream(&root, spec)?)?
+        }
+        "text" | "tokens" => {
+            let p = w.input_path.as_ref().context("the report does not record its input file (workload.input_path)")?;
+            if w.input == "text" {
+                tok.encode(&corpus::read_text_file(Path::new(p))?)?
+            } else {
+                corpus::read_tokens_file(Path::new(p))?
+            }
+        }
+        other => bail!("unknown workload input '{other}'"),
+    };
+    if let Some(expected) = &stream.token_ids_sha256 {
+        let got = token_ids_sha256(&tokens);
+        if &got != expected {
+            bail!("re-tokenized ids have sha256 {got}, the report recorded {expected} (another tokenizer or file?)");
+        }
+    }
+    Ok(tokens)
+}
+
+/// The first `n` characters of `s` on one line (newlines and tabs shown as
+/// `\n` and `\t`), with `...` when cut.
+pub fn clip(s: &str, n: usize) -> String {
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i == n {
+            out.push_str("...");
+            break;
+        }
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\t' => out.push_str("\\t"),
+            '\r' => out.push_str("\\r"),
+            c if c.is_control() => out.push(' '),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clip_keeps_one_line() {
+        assert_eq!(clip("a\nb\tc", 10), "a\\nb\\tc");
+        assert_eq!(clip("héllo wörld", 5), "héllo...");
+        assert_eq!(clip("a\u{7}b", 5), "a b");
+    }
+}
