@@ -88,19 +88,32 @@ pub fn hparams_from_gguf(g: &GgufFile, arch: Architecture, n_vocab: usize, tied:
                 .map(|il| if (il + 1) % GEMMA3_SWA_PATTERN != 0 { Some(w) } else { None })
                 .collect();
             hp.rope_base_local = GEMMA3_ROPE_BASE_LOCAL;
-            hp.embed_scale = (d_model as f64).sqrt();
-            hp.activation = Activation::GeluTanh;
-            hp.qk_norm = true;
-            hp.post_norms = true;
             // llama.cpp: 1/sqrt(n_embd_head_k), except Gemma-3-27B (query_pre_attn_scalar = d_model/n_heads).
             if n_layers == 62 {
                 hp.attn_scale = 1.0 / ((d_model / n_heads) as f64).sqrt();
             }
         }
+        Architecture::Qwen2 | Architecture::Qwen3 => {}
+    }
+    apply_family_flags(&mut hp, arch);
+    Ok(hp)
+}
+
+/// What follows from the family alone, whatever the source: gemma3's
+/// embedding scale, GeGLU, QK norm and post-norms; qwen2's QKV biases;
+/// qwen3's QK norm.
+fn apply_family_flags(hp: &mut HParams, arch: Architecture) {
+    match arch {
+        Architecture::Llama => {}
+        Architecture::Gemma3 => {
+            hp.embed_scale = (hp.d_model as f64).sqrt();
+            hp.activation = Activation::GeluTanh;
+            hp.qk_norm = true;
+            hp.post_norms = true;
+        }
         Architecture::Qwen2 => hp.qkv_bias = true,
         Architecture::Qwen3 => hp.qk_norm = true,
     }
-    Ok(hp)
 }
 
 fn cfg_usize(cfg: &Value, k: &str) -> Option<usize> {
@@ -192,16 +205,12 @@ pub fn hparams_from_config(cfg_root: &Value, arch: Architecture, tied: bool) -> 
                 })
                 .collect();
             hp.rope_base_local = cfg_f64(cfg, "rope_local_base_freq").unwrap_or(GEMMA3_ROPE_BASE_LOCAL);
-            hp.embed_scale = (d_model as f64).sqrt();
-            hp.activation = Activation::GeluTanh;
-            hp.qk_norm = true;
-            hp.post_norms = true;
             let q = cfg_f64(cfg, "query_pre_attn_scalar").unwrap_or(d_head as f64);
             hp.attn_scale = 1.0 / q.sqrt();
         }
-        Architecture::Qwen2 => hp.qkv_bias = true,
-        Architecture::Qwen3 => hp.qk_norm = true,
+        Architecture::Qwen2 | Architecture::Qwen3 => {}
     }
+    apply_family_flags(&mut hp, arch);
     Ok(hp)
 }
 
