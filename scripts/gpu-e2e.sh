@@ -14,7 +14,7 @@
 #   which copies whatever the call carried into /tmp/ix (kept while the machine
 #   stays warm) and reassembles each model once all its parts have arrived.
 #   Then, in the call that has what it needs:
-#       bash .devcarry/gpu-e2e/gpu-e2e.sh test [FILTER]   gpu_e2e tests ($OUT/e2e.log)
+#       bash .devcarry/gpu-e2e/gpu-e2e.sh test [FILTER]   gpu_e2e tests ($OUT/e2e[-FILTER].log)
 #       bash .devcarry/gpu-e2e/gpu-e2e.sh ops             gpu_ops parity tests ($OUT/gpu_ops.log)
 #       bash .devcarry/gpu-e2e/gpu-e2e.sh wiki STEM [ARGS] whole wiki.test.raw, chunks c=512 and
 #                                                     sliding 4096/2048, with the evaluator binary
@@ -80,7 +80,7 @@ build)
     du -sh "$carry" "${carry}"-p*
     ;;
 stash)
-    mkdir -p "$ix/bin" "$ix/models" "$ix/corpora/wikitext-2-raw" "$ix/reference" "$ix/parts"
+    mkdir -p "$ix/bin" "$ix/models" "$ix/runs" "$ix/corpora/wikitext-2-raw" "$ix/reference" "$ix/parts"
     if [[ -d "$carry" ]]; then
         cp "$carry"/gpu_e2e "$carry"/gpu_ops "$carry"/infernix-perplexity "$carry"/gpu-e2e.sh "$ix/bin/"
         cp "$carry"/wiki.test.raw "$ix/corpora/wikitext-2-raw/"
@@ -108,7 +108,7 @@ stash)
 test)
     export INFERNIX_MODELS="$ix/models" INFERNIX_DATA="$ix/corpora" INFERNIX_REFERENCE="$ix/reference"
     export INFERNIX_E2E_GOLDEN="$ix/golden.json"
-    log="${OUT:-.}/e2e.log"
+    log="${OUT:-.}/e2e${2:+-$2}.log"
     set +e
     "$ix/bin/gpu_e2e" --test-threads=1 --nocapture ${2:+"$2"} 2>&1 | tee "$log"
     status=${PIPESTATUS[0]}

@@ -516,7 +516,7 @@ pub fn attention<KV: KvElem, O: OutElem>(
     ensure!(p.softcap >= 0.0 && p.softcap.is_finite(), "attention: soft-cap {}", p.softcap);
     let (qs, os) = (p.q_stride as i64, p.out_stride as i64);
     let mut b = dev.stream().launch_builder(f);
-    b.arg(&qp).arg(&kp).arg(&vp).arg(&op).arg(&nt).arg(&nh).arg(&nkv).arg(&nc).arg(&p0).arg(&win).arg(&p.scale).arg(&qs).arg(&os);
+    b.arg(&qp).arg(&kp).arg(&vp).arg(&op).arg(&nt).arg(&nh).arg(&nkv).arg(&nc).arg(&p0).arg(&win).arg(&p.scale).arg(&p.softcap).arg(&qs).arg(&os);
     let grid = (grid_1d(p.n_tokens, 16)?, p.n_heads as u32, 1);
     // SAFETY: arguments match `attn_prefill_d<D>_<kv>_<out>` in kernels/attention.cu; q, out
     // and both caches checked above; dynamic shared memory set to the kernel's need.
