@@ -18,7 +18,8 @@
 // queries can see; K and V tiles are staged in shared memory (K rows padded
 // to an odd word stride, so lane j reading key j is conflict-free). Scores:
 // lane j computes q·k_j for its warp's 4 queries (f32 FMA over d_head),
-// masks, then (max, sum) are updated with warp shuffles; each lane owns
+// applies the optional tanh soft-cap (softcap > 0: s = softcap * tanh(s /
+// softcap) on the scaled logits, gemma2-style), masks, then (max, sum) are updated with warp shuffles; each lane owns
 // d_head/32 output dimensions and accumulates p_j * v_j[dim] in f32.
 // Output = acc / l. The math is f32 on the CUDA cores: exact enough for both
 // routes; moving QKᵀ and PV onto mma.sync (bf16) is the speed step after this.
@@ -55,7 +56,8 @@ template <int D, typename KV, typename OUT>
 __device__ void attn_prefill_impl(const float* __restrict__ q, const KV* __restrict__ k_cache,
                                   const KV* __restrict__ v_cache, OUT* __restrict__ out, int n_tokens,
                                   int n_heads, int n_kv_heads, int n_ctx, int pos0, int window,
-                                  float scale, long long q_stride, long long out_stride) {
+                                  float scale, float softcap, long long q_stride,
+                                  long long out_stride) {
     // q: (n_tokens, q_stride), head h at h*D; k/v_cache: (n_kv_heads, n_ctx, D);
     // out: (n_tokens, out_stride), head h at h*D.
     constexpr int DPL = D / 32;  // output dims per lane
@@ -124,7 +126,9 @@ __device__ void attn_prefill_impl(const float* __restrict__ q, const KV* __restr
             const int t = t0 + warp * 4 + qi;
             const int qp = pos0 + t;
             const bool vis = t < n_tokens && kp <= qp && kp < kv_len && (window <= 0 || qp - kp < window);
-            const float sc = vis ? s[qi] * scale : -INFINITY;
+            float sc = s[qi] * scale;
+            if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+            sc = vis ? sc : -INFINITY;
             const float m_new = fmaxf(m[qi], warp_max(sc));
             if (m_new == -INFINITY) {  // nothing visible yet for this query
                 p[qi] = 0.0f;
@@ -165,10 +169,10 @@ __device__ void attn_prefill_impl(const float* __restrict__ q, const KV* __restr
 #define ATTN(D, kvn, KV, outn, OUT)                                                              \
     extern "C" __global__ void __launch_bounds__(128) attn_prefill_d##D##_##kvn##_##outn(         \
         const float* q, const KV* k_cache, const KV* v_cache, OUT* out, int n_tokens, int n_heads, \
-        int n_kv_heads, int n_ctx, int pos0, int window, float scale, long long q_stride,         \
-        long long out_stride) {                                                                  \
+        int n_kv_heads, int n_ctx, int pos0, int window, float scale, float softcap,              \
+        long long q_stride, long long out_stride) {                                              \
         attn_prefill_impl<D, KV, OUT>(q, k_cache, v_cache, out, n_tokens, n_heads, n_kv_heads,    \
-                                      n_ctx, pos0, window, scale, q_stride, out_stride);         \
+                                      n_ctx, pos0, window, scale, softcap, q_stride, out_stride); \
     }
 #define ATTN_D(D)                       \
     ATTN(D, bf16, bf16, f32, float)     \

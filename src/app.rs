@@ -135,17 +135,32 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         return Ok(Outcome::Success);
     }
 
-    let kind = choose_backend(cfg.backend)?;
+    let kind = choose_backend(cfg.backend, cfg.device, cfg.lossless)?;
     let t_load = Instant::now();
     let mut scorer = load_model(&artifact, kind)?;
+    // Size memory from the model and the plan before the first window.
+    let n_max_window = streams.iter().flat_map(|s| &s.windows).map(|w| w.end - w.begin).max().unwrap_or(1);
+    scorer
+        .prepare(n_max_window, cfg.prefill_chunk)
+        .with_context(|| format!("windows of up to {n_max_window} tokens, prefill passes of {}", cfg.prefill_chunk))?;
     report.timing.load_seconds += t_load.elapsed().as_secs_f64();
     info!("backend {} ready in {:.2} s", scorer.describe_backend(), t_load.elapsed().as_secs_f64());
+    let exec = scorer.execution();
+    let mut details = exec.details;
+    if let serde_json::Value::Object(map) = &mut details {
+        map.insert("route".into(), exec.route.clone().into());
+        map.insert("lossless_flag".into(), cfg.lossless.into());
+        map.insert("prefill_chunk_tokens".into(), cfg.prefill_chunk.min(n_max_window).into());
+        map.insert("max_window_tokens".into(), n_max_window.into());
+        map.insert("passes_per_max_window".into(), n_max_window.div_ceil(cfg.prefill_chunk).into());
+        map.insert("windows_per_pass".into(), 1.into());
+    }
     report.execution = Some(Execution {
-        backend: kind.name().to_string(),
-        device: scorer.describe_backend(),
-        kv_dtype: "f32".to_string(),
+        backend: exec.backend,
+        device: exec.device,
+        kv_dtype: exec.kv_dtype,
         threads: cfg.threads,
-        details: serde_json::json!({}),
+        details,
     });
 
     let t_score = Instant::now();
@@ -246,13 +261,13 @@ fn read_inputs(cfg: &RunConfig) -> Result<(Vec<InputStream>, Option<CorpusInfo>)
     })
 }
 
-fn choose_backend(choice: BackendChoice) -> Result<BackendKind> {
+fn choose_backend(choice: BackendChoice, auto_device: usize, lossless: bool) -> Result<BackendKind> {
     Ok(match choice {
         BackendChoice::Cpu => BackendKind::Cpu,
-        BackendChoice::Cuda { .. } => BackendKind::Cuda,
+        BackendChoice::Cuda { device } => BackendKind::Cuda { device, lossless },
         BackendChoice::Auto => {
             if crate::backend::cuda_available() {
-                BackendKind::Cuda
+                BackendKind::Cuda { device: auto_device, lossless }
             } else {
                 BackendKind::Cpu
             }

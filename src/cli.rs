@@ -85,6 +85,11 @@ pub struct Args {
     /// CUDA device index.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
+    /// FP32 route on CUDA: f32 activations, matmuls and KV cache (the default
+    /// route feeds bf16 into tensor cores and keeps a bf16 KV cache). The CPU
+    /// backend is always f32: there the flag changes nothing and is recorded.
+    #[arg(long)]
+    pub lossless: bool,
     /// CPU threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,

@@ -32,6 +32,8 @@ pub struct RunConfig {
     pub prefill_chunk: usize,
     pub backend: BackendChoice,
     pub device: usize,
+    /// The FP32 route on CUDA (`--lossless`); recorded, and a no-op, on the CPU.
+    pub lossless: bool,
     pub threads: usize,
     /// The output folder; created (or checked empty) before any work.
     pub output: PathBuf,
@@ -94,6 +96,7 @@ impl RunConfig {
             prefill_chunk: args.prefill_chunk,
             backend,
             device: args.device,
+            lossless: args.lossless,
             threads,
             output,
             dry_run: args.dry_run,

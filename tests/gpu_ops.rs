@@ -469,6 +469,8 @@ struct AttnCase {
     /// Tokens per pass; the passes fill the cache back to back.
     passes: Vec<usize>,
     window: usize,
+    /// tanh soft-cap on the scaled logits (0 = none).
+    softcap: f32,
 }
 
 fn attention_case<KV: Elem + Poison + ops::KvElem, O: Elem + Poison + ops::OutElem>(
@@ -510,10 +512,19 @@ fn attention_case<KV: Elem + Poison + ops::KvElem, O: Elem + Poison + ops::OutEl
         let qd = dev.upload(&q).unwrap();
         let width = c.n_heads * d;
         let mut out = poisoned::<O>(dev, n_tokens * width);
-        let p = AttnParams { n_tokens, n_heads: c.n_heads, pos0, window: c.window, scale, q_stride: width, out_stride: width };
+        let p = AttnParams {
+            n_tokens,
+            n_heads: c.n_heads,
+            pos0,
+            window: c.window,
+            scale,
+            softcap: c.softcap,
+            q_stride: width,
+            out_stride: width,
+        };
         ops::attention::<KV, O>(dev, qd.view(), kc.view(), vc.view(), shape, out.view_mut(), &p).unwrap();
         let gpu: Vec<f32> = dev.download(&out).unwrap().into_iter().map(Poison::as_f32).collect();
-        let cpu = twin::attention_f64(&q, &k_ref, &v_ref, n_tokens, c.n_heads, c.n_kv_heads, d, c.n_ctx, pos0, c.window, scale);
+        let cpu = twin::attention_f64(&q, &k_ref, &v_ref, n_tokens, c.n_heads, c.n_kv_heads, d, c.n_ctx, pos0, c.window, scale, c.softcap);
         let tol = if O::NAME == "bf16" { TOL_BF16_OUT } else { Tol { atol_rel: 2e-5, rtol: 1e-4, nmse: 1e-9 } };
         last = check(
             &format!(
@@ -548,25 +559,25 @@ fn attention_prefill_gqa_window_multi_pass() {
     let Some(dev) = device() else { return };
     let mut rng = rng_for("attention");
     // SmolLM2-like: 9 heads over 3 KV heads of 64, one pass, full causal.
-    let c = AttnCase { n_heads: 9, n_kv_heads: 3, d_head: 64, n_ctx: 160, passes: vec![150], window: 0 };
+    let c = AttnCase { n_heads: 9, n_kv_heads: 3, d_head: 64, n_ctx: 160, passes: vec![150], window: 0, softcap: 0.0 };
     attention_case::<bf16, f32>(dev, &mut rng, &c);
     attention_case::<f32, f32>(dev, &mut rng, &c);
     // gemma3-like: 4 heads over 1 KV head of 256, sliding window 50, three passes.
-    let c = AttnCase { n_heads: 4, n_kv_heads: 1, d_head: 256, n_ctx: 200, passes: vec![64, 37, 80], window: 50 };
+    let c = AttnCase { n_heads: 4, n_kv_heads: 1, d_head: 256, n_ctx: 200, passes: vec![64, 37, 80], window: 50, softcap: 0.0 };
     attention_case::<bf16, f32>(dev, &mut rng, &c);
     attention_case::<f32, bf16>(dev, &mut rng, &c);
     // 128-d heads, 8 over 2, window larger than the context, two passes, bf16 out.
-    let c = AttnCase { n_heads: 8, n_kv_heads: 2, d_head: 128, n_ctx: 300, passes: vec![128, 100], window: 1000 };
+    let c = AttnCase { n_heads: 8, n_kv_heads: 2, d_head: 128, n_ctx: 300, passes: vec![128, 100], window: 1000, softcap: 0.5 };
     attention_case::<bf16, bf16>(dev, &mut rng, &c);
     // 96-d heads, MHA, window 1 (each query sees only itself).
-    let c = AttnCase { n_heads: 2, n_kv_heads: 2, d_head: 96, n_ctx: 40, passes: vec![33], window: 1 };
+    let c = AttnCase { n_heads: 2, n_kv_heads: 2, d_head: 96, n_ctx: 40, passes: vec![33], window: 1, softcap: 0.0 };
     attention_case::<f32, f32>(dev, &mut rng, &c);
     // Unsupported head size is an error naming it.
     let shape = KvShape { n_kv_heads: 1, n_ctx: 8, d_head: 80 };
     let kc = dev.alloc_zeros::<f32>(shape.len()).unwrap();
     let q = dev.alloc_zeros::<f32>(80).unwrap();
     let mut o = dev.alloc_zeros::<f32>(80).unwrap();
-    let p = AttnParams { n_tokens: 1, n_heads: 1, pos0: 0, window: 0, scale: 1.0, q_stride: 80, out_stride: 80 };
+    let p = AttnParams { n_tokens: 1, n_heads: 1, pos0: 0, window: 0, scale: 1.0, softcap: 0.0, q_stride: 80, out_stride: 80 };
     let err = ops::attention::<f32, f32>(dev, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p).unwrap_err();
     assert!(format!("{err:#}").contains("d_head 80"), "{err:#}");
 }

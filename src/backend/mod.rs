@@ -189,20 +189,58 @@ pub trait Backend {
     /// final-normed), the logits row `x[rows[r]] · headᵀ` reduced as
     /// [`HeadRequest`] asks. Nothing of vocabulary size is returned.
     fn score_rows(&self, x: &Self::Act, rows: &[usize], head: &Self::Matrix, req: &HeadRequest) -> Result<Vec<RowScore>>;
+
+    /// What the report records about this backend. The default describes a
+    /// backend that keeps everything in f32 (the CPU reference).
+    fn execution(&self) -> ExecutionInfo {
+        ExecutionInfo {
+            backend: "cpu".into(),
+            device: self.describe(),
+            kv_dtype: "f32".into(),
+            route: "fp32".into(),
+            details: serde_json::json!({}),
+        }
+    }
+
+    /// Checks, before any window runs, that a model of `hp`-sized buffers
+    /// fits: a KV cache of `kv.max_pos` positions, passes of `n_pass_tokens`
+    /// tokens with `n_pass_cols` as the widest activation row, and an LM head
+    /// over `n_vocab`. The default (host memory) accepts every plan.
+    fn check_memory(&self, _kv: KvGeometry, _n_pass_tokens: usize, _n_pass_cols: usize, _n_vocab: usize) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// What a run's report says about where and how the forward pass ran.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExecutionInfo {
+    /// `cpu` or `cuda`.
+    pub backend: String,
+    /// The device in words (`cpu (2 threads)`, `NVIDIA H200 ...`).
+    pub device: String,
+    /// Element type of the KV cache (`f32`, `bf16`).
+    pub kv_dtype: String,
+    /// Numeric route: `fp32` (f32 everywhere) or `bf16-tc` (bf16 activations
+    /// into tensor-core matmuls, f32 accumulation).
+    pub route: String,
+    /// Everything else that can change a number (kernels, PTX arch, nvcc, driver).
+    pub details: serde_json::Value,
 }
 
 /// Which backend runs the forward pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BackendKind {
     Cpu,
-    Cuda,
+    /// GPU `device`; `lossless` selects the FP32 route (f32 activations,
+    /// matmuls and KV cache) instead of the default bf16 tensor-core route.
+    Cuda { device: usize, lossless: bool },
 }
 
 impl BackendKind {
     pub fn name(self) -> &'static str {
         match self {
             Self::Cpu => "cpu",
-            Self::Cuda => "cuda",
+            Self::Cuda { .. } => "cuda",
         }
     }
 }

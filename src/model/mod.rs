@@ -30,7 +30,8 @@ use crate::artifact::meta::{Architecture, HParams};
 use crate::artifact::names::{self, blk};
 use crate::artifact::{Artifact, TensorView};
 use crate::backend::cpu::CpuBackend;
-use crate::backend::{AttnParams, Backend, BackendKind, HeadRequest, KvGeometry, RopeParams, MAX_TOP_K};
+use crate::backend::cuda::{CudaBackend, Route};
+use crate::backend::{AttnParams, Backend, BackendKind, ExecutionInfo, HeadRequest, KvGeometry, RopeParams, MAX_TOP_K};
 
 /// The score of one target position `j` of a window: `-log p(tokens[j] |
 /// tokens[..j])` and the numbers it came from.
@@ -278,6 +279,25 @@ impl<B: Backend> Transformer<B> {
         Ok(scores)
     }
 
+    /// Before the first window: checks with the backend that windows of up to
+    /// `n_max_window` tokens, prefilled in passes of `prefill_chunk`, fit its
+    /// memory (an error that gives the sizes, before any work), then allocates
+    /// the KV cache for that many positions once.
+    pub fn prepare(&mut self, n_max_window: usize, prefill_chunk: usize) -> Result<()> {
+        ensure!(n_max_window > 0 && prefill_chunk > 0, "prepare: windows of {n_max_window} tokens, passes of {prefill_chunk}");
+        let hp = &self.hp;
+        let g = KvGeometry {
+            n_layers: hp.n_layers,
+            n_kv_heads: hp.n_kv_heads,
+            d_head: hp.d_head,
+            d_head_v: hp.d_head_v,
+            max_pos: n_max_window,
+        };
+        let widest = [hp.d_model, hp.n_heads * hp.d_head, hp.n_heads * hp.d_head_v, hp.d_ffn].into_iter().max().unwrap_or(0);
+        self.backend.check_memory(g, prefill_chunk.min(n_max_window), widest, hp.n_vocab)?;
+        self.ensure_cache(n_max_window)
+    }
+
     fn ensure_cache(&mut self, n_positions: usize) -> Result<()> {
         if self.cache.is_none() || self.cache_positions < n_positions {
             let hp = &self.hp;
@@ -361,6 +381,10 @@ pub trait WindowScorer: Send {
     fn hparams(&self) -> &HParams;
     /// The backend, for logs and the report (`cpu (2 threads)`).
     fn describe_backend(&self) -> String;
+    /// What the report records about the backend (device, routes, kernels).
+    fn execution(&self) -> ExecutionInfo;
+    /// See [`Transformer::prepare`].
+    fn prepare(&mut self, n_max_window: usize, prefill_chunk: usize) -> Result<()>;
 }
 
 impl<B: Backend> WindowScorer for Transformer<B>
@@ -382,13 +406,23 @@ where
     fn describe_backend(&self) -> String {
         self.backend.describe()
     }
+    fn execution(&self) -> ExecutionInfo {
+        self.backend.execution()
+    }
+    fn prepare(&mut self, n_max_window: usize, prefill_chunk: usize) -> Result<()> {
+        Transformer::prepare(self, n_max_window, prefill_chunk)
+    }
 }
 
 /// Loads `artifact` on the chosen backend.
 pub fn load_model(artifact: &Artifact, kind: BackendKind) -> Result<Box<dyn WindowScorer>> {
     match kind {
         BackendKind::Cpu => Ok(Box::new(Transformer::load(CpuBackend, artifact)?)),
-        BackendKind::Cuda => bail!("backend cuda: not available in this build"),
+        BackendKind::Cuda { device, lossless } => {
+            let route = if lossless { Route::Fp32 } else { Route::Bf16TensorCore };
+            let backend = CudaBackend::open(device, route).context("backend cuda")?;
+            Ok(Box::new(Transformer::load(backend, artifact)?))
+        }
     }
 }
 

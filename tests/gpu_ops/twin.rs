@@ -314,6 +314,7 @@ pub fn attention_f64(
     pos0: usize,
     window: usize,
     scale: f32,
+    softcap: f32,
 ) -> Vec<f64> {
     let mut out = vec![0f64; n_tokens * n_heads * d];
     for t in 0..n_tokens {
@@ -326,7 +327,12 @@ pub fn attention_f64(
                 .iter()
                 .map(|&kp| {
                     let kr = &k[(kvh * n_ctx + kp) * d..][..d];
-                    scale as f64 * qv.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>()
+                    let x = scale as f64 * qv.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>();
+                    if softcap > 0.0 {
+                        softcap as f64 * (x / softcap as f64).tanh()
+                    } else {
+                        x
+                    }
                 })
                 .collect();
             let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);

@@ -156,6 +156,16 @@ impl CudaDevice {
         Ok(DeviceBuffer { slice })
     }
 
+    /// A new buffer of `len` elements whose contents are unspecified (every
+    /// caller writes all of it before reading; no memset is queued).
+    pub fn alloc_uninit<T: Elem>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        // SAFETY: the memory is only ever read after a kernel or copy wrote it
+        // (each op allocates its output and fully writes it); T is plain data.
+        let slice = unsafe { self.stream().alloc::<T>(len) }
+            .map_err(|e| anyhow!("allocating {len} x {} ({} bytes) on the GPU: {e}", T::NAME, len * size_of::<T>()))?;
+        Ok(DeviceBuffer { slice })
+    }
+
     /// Copies `host` into the start of `dst` (which must be at least as long).
     pub fn copy_to_device<T: Elem>(&self, host: &[T], dst: &mut DeviceBuffer<T>) -> Result<()> {
         if host.len() > dst.len() {

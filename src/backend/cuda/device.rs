@@ -88,6 +88,33 @@ impl std::fmt::Display for DeviceInfo {
     }
 }
 
+/// Lets the device's default memory pool (the one `cuMemAllocAsync` draws
+/// from) keep freed memory instead of returning it to the driver at every
+/// synchronization: the backend allocates and frees its activations per op,
+/// and with the default release threshold of 0 each window's first
+/// allocations would go back to the driver after the host waited.
+fn keep_pool_memory(ctx: &CudaContext) -> Result<()> {
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: the context is current on this thread (CudaContext::new binds it);
+    // the call writes one pool handle.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
+        .result()
+        .map_err(|e| anyhow!("cuDeviceGetDefaultMemPool: {e}"))?;
+    let mut threshold = u64::MAX;
+    // SAFETY: the release threshold attribute takes a pointer to a cuuint64_t,
+    // read during the call.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+    }
+    .result()
+    .map_err(|e| anyhow!("cuMemPoolSetAttribute(release threshold): {e}"))?;
+    Ok(())
+}
+
 /// One GPU with its stream and every kernel loaded.
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
@@ -150,6 +177,7 @@ impl CudaDevice {
                 cc.1
             );
         }
+        keep_pool_memory(&ctx).with_context(|| format!("CUDA device {index}"))?;
         let stream = ctx.default_stream();
         let mut functions = HashMap::new();
         for (module_name, src) in ptx::MODULES {

@@ -5,14 +5,17 @@
 //! `device` opens a GPU (driver probe first: "no CUDA driver found" is an
 //! error, never a panic) and loads every module; `buffer` holds device memory
 //! and weight matrices in their stored formats; `ops` has one typed launcher
-//! per kernel family. A binary built without nvcc still compiles this module;
+//! per kernel family; `backend` implements the backend seam on top of them
+//! (the model's forward pass, two numeric routes). A binary built without nvcc still compiles this module;
 //! every entry point then reports "built without CUDA kernels".
 
+pub mod backend;
 pub mod buffer;
 pub mod device;
 pub mod ops;
 pub mod ptx;
 
+pub use backend::{CudaBackend, Route};
 pub use buffer::{DevView, DevViewMut, DeviceBuffer, Elem, QuantMatrix};
 pub use device::{device_count, driver_present, driver_version, CudaDevice, DeviceInfo, NO_KERNELS};
 pub use ptx::{build_info, KernelBuildInfo};

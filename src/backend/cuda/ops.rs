@@ -290,6 +290,71 @@ pub fn cast_bf16(dev: &CudaDevice, x: DevView<f32>, out: DevViewMut<bf16>) -> Re
     Ok(())
 }
 
+/// x[r, c] += b[c] for every row of x (n_rows, b.len()) contiguous.
+pub fn add_bias(dev: &CudaDevice, x: DevViewMut<f32>, b: DevView<f32>) -> Result<()> {
+    ensure!(!b.is_empty() && x.len() % b.len() == 0, "add_bias: x has {} elements, not whole rows of the bias's {}", x.len(), b.len());
+    if x.is_empty() {
+        return Ok(());
+    }
+    let f = func(dev, "add_bias_f32")?;
+    let (xp, bp, nc, n) = (x.ptr(), b.ptr(), i32_of(b.len(), "n_cols")?, x.len() as i64);
+    let mut l = dev.stream().launch_builder(f);
+    l.arg(&xp).arg(&bp).arg(&nc).arg(&n);
+    // SAFETY: arguments match `add_bias_f32` in kernels/elementwise.cu; x holds whole rows of b.len().
+    unsafe { l.launch(cfg((grid_1d(x.len(), 256)?, 1, 1), 256, 0)) }.map_err(|e| launch_err("add_bias_f32", e))?;
+    Ok(())
+}
+
+/// x = cap * tanh(x / cap), in place.
+pub fn softcap(dev: &CudaDevice, x: DevViewMut<f32>, cap: f32) -> Result<()> {
+    ensure!(cap > 0.0 && cap.is_finite(), "softcap: cap {cap} is not a positive number");
+    if x.is_empty() {
+        return Ok(());
+    }
+    let f = func(dev, "softcap_f32")?;
+    let (xp, n) = (x.ptr(), x.len() as i64);
+    let mut l = dev.stream().launch_builder(f);
+    l.arg(&xp).arg(&n).arg(&cap);
+    // SAFETY: arguments match `softcap_f32` in kernels/elementwise.cu; x holds n elements.
+    unsafe { l.launch(cfg((grid_1d(x.len(), 256)?, 1, 1), 256, 0)) }.map_err(|e| launch_err("softcap_f32", e))?;
+    Ok(())
+}
+
+/// out[r, :] = x[rows[r], :]. x: (n_x_rows, n_cols); rows: (n) device ids,
+/// each < n_x_rows (checked by the caller on the host); out: (n, n_cols).
+pub fn gather_rows(dev: &CudaDevice, x: DevView<f32>, n_cols: usize, rows: DevView<i32>, out: DevViewMut<f32>) -> Result<()> {
+    ensure!(n_cols > 0 && x.len() % n_cols == 0, "gather_rows: x has {} elements, not rows of {n_cols}", x.len());
+    ensure!(out.len() == rows.len() * n_cols, "gather_rows: out has {} elements for {} rows of {n_cols}", out.len(), rows.len());
+    if out.is_empty() {
+        return Ok(());
+    }
+    let f = func(dev, "gather_rows_f32")?;
+    let (xp, rp, op, nc, n) = (x.ptr(), rows.ptr(), out.ptr(), i32_of(n_cols, "n_cols")?, out.len() as i64);
+    let mut l = dev.stream().launch_builder(f);
+    l.arg(&xp).arg(&rp).arg(&op).arg(&nc).arg(&n);
+    // SAFETY: arguments match `gather_rows_f32` in kernels/elementwise.cu; out holds rows * n_cols,
+    // every row id is below x's row count (caller's contract, checked on the host).
+    unsafe { l.launch(cfg((grid_1d(out.len(), 256)?, 1, 1), 256, 0)) }.map_err(|e| launch_err("gather_rows_f32", e))?;
+    Ok(())
+}
+
+/// out[i] = x[rows[i] * ld + cols[i]]: listed logits out of a (n_rows, ld)
+/// tile; rows[i] < n_rows and cols[i] < ld (checked by the caller on the host).
+pub fn gather_pairs(dev: &CudaDevice, x: DevView<f32>, ld: usize, rows: DevView<i32>, cols: DevView<i32>, out: DevViewMut<f32>) -> Result<()> {
+    ensure!(rows.len() == cols.len() && out.len() == rows.len(), "gather_pairs: {} rows, {} cols, {} outputs", rows.len(), cols.len(), out.len());
+    if out.is_empty() {
+        return Ok(());
+    }
+    let f = func(dev, "gather_pairs_f32")?;
+    let (xp, rp, cp, op, ldi, n) = (x.ptr(), rows.ptr(), cols.ptr(), out.ptr(), ld as i64, i32_of(out.len(), "n")?);
+    let mut l = dev.stream().launch_builder(f);
+    l.arg(&xp).arg(&ldi).arg(&rp).arg(&cp).arg(&op).arg(&n);
+    // SAFETY: arguments match `gather_pairs_f32` in kernels/elementwise.cu; the (row, col) pairs
+    // lie inside x (caller's contract, checked on the host).
+    unsafe { l.launch(cfg((grid_1d(out.len(), 256)?, 1, 1), 256, 0)) }.map_err(|e| launch_err("gather_pairs_f32", e))?;
+    Ok(())
+}
+
 // ------------------------------------------------------------------ matmul
 
 /// y = x · Wᵀ. x: (m, w.n_cols) contiguous, bf16 (tensor cores) or f32 (FP32
@@ -390,6 +455,8 @@ pub struct AttnParams {
     pub window: usize,
     /// Multiplies q·k (1/sqrt(d_head), or gemma's query_pre_attn_scalar^-1/2).
     pub scale: f32,
+    /// tanh soft-cap on the scaled logits (0 = none).
+    pub softcap: f32,
     /// Elements between tokens in q and in out.
     pub q_stride: usize,
     pub out_stride: usize,
@@ -446,9 +513,10 @@ pub fn attention<KV: KvElem, O: OutElem>(
     let nt = i32_of(p.n_tokens, "n_tokens")?;
     let (nh, nkv, nc) = (i32_of(p.n_heads, "n_heads")?, i32_of(shape.n_kv_heads, "n_kv_heads")?, i32_of(shape.n_ctx, "n_ctx")?);
     let (p0, win) = (i32_of(p.pos0, "pos0")?, i32_of(p.window, "window")?);
+    ensure!(p.softcap >= 0.0 && p.softcap.is_finite(), "attention: soft-cap {}", p.softcap);
     let (qs, os) = (p.q_stride as i64, p.out_stride as i64);
     let mut b = dev.stream().launch_builder(f);
-    b.arg(&qp).arg(&kp).arg(&vp).arg(&op).arg(&nt).arg(&nh).arg(&nkv).arg(&nc).arg(&p0).arg(&win).arg(&p.scale).arg(&qs).arg(&os);
+    b.arg(&qp).arg(&kp).arg(&vp).arg(&op).arg(&nt).arg(&nh).arg(&nkv).arg(&nc).arg(&p0).arg(&win).arg(&p.scale).arg(&p.softcap).arg(&qs).arg(&os);
     let grid = (grid_1d(p.n_tokens, 16)?, p.n_heads as u32, 1);
     // SAFETY: arguments match `attn_prefill_d<D>_<kv>_<out>` in kernels/attention.cu; q, out
     // and both caches checked above; dynamic shared memory set to the kernel's need.

@@ -1,0 +1,541 @@
+//! [`CudaBackend`]: the backend seam ([`Backend`]) on one GPU, built from the
+//! typed launchers in `ops`. Every op of the forward pass runs on the device;
+//! there is no CPU fallback (an unsupported shape or format is an error that
+//! names the op). Only [`Backend::score_rows`] copies anything back: per
+//! scored position the max logit, the sum of exponentials, the target's logit
+//! and, when asked, top-k entries and listed ids' logits.
+//!
+//! Two numeric routes ([`Route`]):
+//! - `Bf16TensorCore` (the default): each matmul input is rounded to bf16 and
+//!   multiplied on the tensor cores with f32 accumulation (the weight tile is
+//!   dequantized and rounded to bf16 in shared memory); the KV cache is bf16.
+//! - `Fp32` (`--lossless`): f32 matmul inputs, f32 FFMA accumulation, f32 KV.
+//!
+//! Common to both: activations and the residual stream are f32 device
+//! matrices; norms, RoPE, attention math, activations and the LM head are f32
+//! (the LM head multiplies f32 rows with FFMA into f32 logits, reduced with an
+//! f64 sum of exponentials). Weights stay in their stored block format
+//! (`QuantMatrix`); 1-D weights (norms, biases) are decoded to f32 at load.
+//!
+//! Buffers are allocated per op from the driver's stream-ordered pool
+//! (`cuMemAllocAsync`) and freed in stream order when dropped, so nothing
+//! waits on the host except `score_rows`' final copy.
+//!
+//! This module does not plan windows or decode formats on the host (except
+//! the small 1-D weights, via the CPU reference decoder).
+
+use std::cell::RefCell;
+
+use anyhow::{bail, ensure, Context, Result};
+use half::bf16;
+
+use super::buffer::{DevView, DeviceBuffer, QuantMatrix};
+use super::device::CudaDevice;
+use super::ops::{self, LmHeadOut, Rows, LM_HEAD_TILE_ROWS};
+use crate::artifact::meta::{Activation, RopeStyle};
+use crate::artifact::TensorView;
+use crate::backend::cpu::{dequant, head::check_request};
+use crate::backend::{AttnParams, Backend, ExecutionInfo, HeadRequest, KvGeometry, RopeParams, RowScore};
+
+/// The numeric route of the CUDA backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// bf16 activations into tensor-core matmuls, f32 accumulation, bf16 KV cache.
+    Bf16TensorCore,
+    /// f32 everywhere (`--lossless`).
+    Fp32,
+}
+
+impl Route {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Bf16TensorCore => "bf16-tc",
+            Self::Fp32 => "fp32",
+        }
+    }
+    pub fn kv_dtype(self) -> &'static str {
+        match self {
+            Self::Bf16TensorCore => "bf16",
+            Self::Fp32 => "f32",
+        }
+    }
+    fn kv_elem_bytes(self) -> usize {
+        match self {
+            Self::Bf16TensorCore => 2,
+            Self::Fp32 => 4,
+        }
+    }
+}
+
+/// Row-major `(n_rows, n_cols)` f32 activations on the device.
+#[derive(Debug)]
+pub struct CudaAct {
+    pub n_rows: usize,
+    pub n_cols: usize,
+    pub buf: DeviceBuffer<f32>,
+}
+
+/// A weight `(n_out, n_in)` in its stored format on the device.
+#[derive(Debug)]
+pub struct CudaMatrix {
+    pub name: String,
+    pub q: QuantMatrix,
+}
+
+/// Per layer: K `(n_kv_heads, max_pos, d_head)` and V of the same shape.
+#[derive(Debug)]
+enum KvLayers {
+    Bf16(Vec<[DeviceBuffer<bf16>; 2]>),
+    F32(Vec<[DeviceBuffer<f32>; 2]>),
+}
+
+/// The KV cache of one window on the device.
+#[derive(Debug)]
+pub struct CudaKvCache {
+    pub geometry: KvGeometry,
+    layers: KvLayers,
+}
+
+/// The CUDA backend on one GPU.
+pub struct CudaBackend {
+    dev: CudaDevice,
+    route: Route,
+    /// Positions 0..len as i32 (RoPE reads a sub-range), grown on demand.
+    positions: RefCell<Option<DeviceBuffer<i32>>>,
+    /// The LM head's logits tile `(LM_HEAD_TILE_ROWS, n_vocab)`, kept between calls.
+    head_scratch: RefCell<Option<DeviceBuffer<f32>>>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend").field("device", self.dev.info()).field("route", &self.route).finish()
+    }
+}
+
+/// Bytes kept free on the device beyond the estimate (driver, pool rounding,
+/// module code).
+const MEMORY_MARGIN_BYTES: usize = 512 << 20;
+
+fn same_shape(op: &str, a: &CudaAct, b: &CudaAct) -> Result<()> {
+    ensure!(
+        a.n_rows == b.n_rows && a.n_cols == b.n_cols,
+        "{op}: shapes differ ({} x {} and {} x {})",
+        a.n_rows,
+        a.n_cols,
+        b.n_rows,
+        b.n_cols
+    );
+    Ok(())
+}
+
+fn gib(bytes: usize) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+impl CudaBackend {
+    /// Opens GPU `index` (driver probe first: no driver is an error, not a
+    /// panic) and loads every kernel.
+    pub fn open(index: usize, route: Route) -> Result<Self> {
+        let dev = CudaDevice::open(index)?;
+        Ok(Self { dev, route, positions: RefCell::new(None), head_scratch: RefCell::new(None) })
+    }
+
+    pub fn device(&self) -> &CudaDevice {
+        &self.dev
+    }
+
+    pub fn route(&self) -> Route {
+        self.route
+    }
+
+    fn new_act(&self, n_rows: usize, n_cols: usize) -> Result<CudaAct> {
+        Ok(CudaAct { n_rows, n_cols, buf: self.dev.alloc_uninit(n_rows * n_cols)? })
+    }
+
+    /// Runs `f` on positions `pos0..pos0 + n` as a device view.
+    fn with_positions<R>(&self, pos0: usize, n: usize, f: impl FnOnce(DevView<i32>) -> Result<R>) -> Result<R> {
+        let end = pos0 + n;
+        let mut cell = self.positions.borrow_mut();
+        if cell.as_ref().is_none_or(|b| b.len() < end) {
+            let len = end.next_power_of_two().max(4096);
+            let host: Vec<i32> = (0..len).map(|p| i32::try_from(p).context("rope: position past i32")).collect::<Result<_>>()?;
+            *cell = Some(self.dev.upload(&host)?);
+        }
+        let buf = cell.as_ref().context("rope: positions buffer")?;
+        f(buf.slice(pos0..end)?)
+    }
+
+    fn kv_store_and_attend<KV: ops::KvElem>(
+        &self,
+        kv: &mut [DeviceBuffer<KV>; 2],
+        shape: ops::KvShape,
+        q: &CudaAct,
+        k: &CudaAct,
+        v: &CudaAct,
+        out: &mut CudaAct,
+        p: &ops::AttnParams,
+    ) -> Result<()> {
+        let [kc, vc] = kv;
+        let n = q.n_rows;
+        ops::kv_store(&self.dev, k.buf.view(), n, k.n_cols, kc.view_mut(), shape, p.pos0)?;
+        ops::kv_store(&self.dev, v.buf.view(), n, v.n_cols, vc.view_mut(), shape, p.pos0)?;
+        ops::attention::<KV, f32>(&self.dev, q.buf.view(), kc.view(), vc.view(), shape, out.buf.view_mut(), p)
+    }
+}
+
+impl Backend for CudaBackend {
+    type Act = CudaAct;
+    type Matrix = CudaMatrix;
+    type Vector = DeviceBuffer<f32>;
+    type KvCache = CudaKvCache;
+
+    fn describe(&self) -> String {
+        format!("cuda {} (route {}, KV {})", self.dev.info(), self.route.name(), self.route.kv_dtype())
+    }
+
+    fn load_matrix(&self, view: &TensorView) -> Result<CudaMatrix> {
+        let shape = &view.entry.shape;
+        ensure!(shape.len() == 2, "tensor {}: shape {shape:?} is not a matrix", view.entry.name);
+        let (n_out, n_in) = view.rows_cols();
+        let q = QuantMatrix::upload(&self.dev, view.format(), n_out, n_in, view.bytes)
+            .with_context(|| format!("load {} onto the GPU", view.entry.name))?;
+        Ok(CudaMatrix { name: view.entry.name.clone(), q })
+    }
+
+    fn load_vector(&self, view: &TensorView) -> Result<DeviceBuffer<f32>> {
+        let shape = &view.entry.shape;
+        ensure!(shape.len() == 1, "tensor {}: shape {shape:?} is not a vector", view.entry.name);
+        self.dev.upload(&dequant::dequantize(view)?)
+    }
+
+    fn new_kv_cache(&self, g: KvGeometry) -> Result<CudaKvCache> {
+        ensure!(
+            g.d_head == g.d_head_v,
+            "attention on CUDA: d_head_v {} differs from d_head {} (not supported by the kernels)",
+            g.d_head_v,
+            g.d_head
+        );
+        let len = g.n_kv_heads * g.max_pos * g.d_head;
+        let layers = match self.route {
+            Route::Bf16TensorCore => KvLayers::Bf16(
+                (0..g.n_layers).map(|_| Ok([self.dev.alloc_zeros(len)?, self.dev.alloc_zeros(len)?])).collect::<Result<_>>()?,
+            ),
+            Route::Fp32 => KvLayers::F32(
+                (0..g.n_layers).map(|_| Ok([self.dev.alloc_zeros(len)?, self.dev.alloc_zeros(len)?])).collect::<Result<_>>()?,
+            ),
+        };
+        Ok(CudaKvCache { geometry: g, layers })
+    }
+
+    fn embed(&self, table: &CudaMatrix, tokens: &[u32], scale: f64) -> Result<CudaAct> {
+        let n_vocab = table.q.n_rows;
+        let ids: Vec<i32> = tokens
+            .iter()
+            .map(|&t| {
+                ensure!((t as usize) < n_vocab, "embed: token {t} is outside the vocabulary of {n_vocab}");
+                Ok(t as i32)
+            })
+            .collect::<Result<_>>()?;
+        let mut out = self.new_act(tokens.len(), table.q.n_cols)?;
+        if tokens.is_empty() {
+            return Ok(out);
+        }
+        let ids = self.dev.upload(&ids)?;
+        ops::embed(&self.dev, ids.view(), &table.q, out.buf.view_mut(), scale as f32).with_context(|| format!("embed {}", table.name))?;
+        Ok(out)
+    }
+
+    fn rms_norm(&self, x: &CudaAct, w: &DeviceBuffer<f32>, eps: f64) -> Result<CudaAct> {
+        ensure!(w.len() == x.n_cols, "rms_norm: weight has {} elements, rows have {}", w.len(), x.n_cols);
+        let mut out = self.new_act(x.n_rows, x.n_cols)?;
+        let rows = Rows::contiguous(x.n_rows, x.n_cols);
+        ops::rmsnorm::<f32>(&self.dev, x.buf.view(), rows, w.view(), out.buf.view_mut(), x.n_cols, eps as f32)?;
+        Ok(out)
+    }
+
+    fn rms_norm_heads(&self, x: &mut CudaAct, w: &DeviceBuffer<f32>, d_head: usize, eps: f64) -> Result<()> {
+        ensure!(w.len() == d_head, "rms_norm_heads: weight has {} elements, d_head is {d_head}", w.len());
+        ensure!(d_head > 0 && x.n_cols % d_head == 0, "rms_norm_heads: rows of {} are not whole heads of {d_head}", x.n_cols);
+        let rows = Rows::contiguous(x.n_rows * (x.n_cols / d_head), d_head);
+        ops::rmsnorm_inplace(&self.dev, x.buf.view_mut(), rows, w.view(), eps as f32)
+    }
+
+    fn matmul(&self, x: &CudaAct, w: &CudaMatrix) -> Result<CudaAct> {
+        ensure!(
+            x.n_cols == w.q.n_cols,
+            "matmul {}: x has {} columns, the weight takes {}",
+            w.name,
+            x.n_cols,
+            w.q.n_cols
+        );
+        let mut y = self.new_act(x.n_rows, w.q.n_rows)?;
+        let ldy = y.n_cols;
+        let mut run = || -> Result<()> {
+            match self.route {
+                Route::Bf16TensorCore => {
+                    let mut xb = self.dev.alloc_uninit::<bf16>(x.buf.len())?;
+                    ops::cast_bf16(&self.dev, x.buf.view(), xb.view_mut())?;
+                    ops::matmul::<bf16>(&self.dev, xb.view(), x.n_rows, &w.q, y.buf.view_mut(), ldy)
+                }
+                Route::Fp32 => ops::matmul::<f32>(&self.dev, x.buf.view(), x.n_rows, &w.q, y.buf.view_mut(), ldy),
+            }
+        };
+        run().with_context(|| format!("matmul {}", w.name))?;
+        Ok(y)
+    }
+
+    fn add_bias(&self, x: &mut CudaAct, b: &DeviceBuffer<f32>) -> Result<()> {
+        ensure!(b.len() == x.n_cols, "add_bias: bias has {} elements, rows have {}", b.len(), x.n_cols);
+        ops::add_bias(&self.dev, x.buf.view_mut(), b.view())
+    }
+
+    fn rope(&self, x: &mut CudaAct, n_heads: usize, d_head: usize, pos0: usize, p: &RopeParams) -> Result<()> {
+        ensure!(
+            x.n_cols == n_heads * d_head,
+            "rope: rows have {} columns, expected {n_heads} heads x {d_head}",
+            x.n_cols
+        );
+        ensure!(p.rope_dim % 2 == 0 && p.rope_dim <= d_head, "rope: rope_dim {} is odd or exceeds d_head {d_head}", p.rope_dim);
+        ensure!(p.scale > 0.0, "rope: scale {} is not positive", p.scale);
+        if p.rope_dim == 0 || x.n_rows == 0 {
+            return Ok(());
+        }
+        let params = ops::RopeParams {
+            n_heads,
+            d_head,
+            n_rot: p.rope_dim,
+            mode: match p.style {
+                RopeStyle::Normal => ops::RopeMode::Normal,
+                RopeStyle::Neox => ops::RopeMode::Neox,
+            },
+            freq_base: p.base,
+            // The seam divides the position by `scale`; the kernel multiplies by freq_scale.
+            freq_scale: 1.0 / p.scale,
+        };
+        let n_cols = x.n_cols;
+        let n_rows = x.n_rows;
+        self.with_positions(pos0, n_rows, |pos| ops::rope(&self.dev, x.buf.view_mut(), n_cols, pos, &params))
+    }
+
+    fn attention(
+        &self,
+        cache: &mut CudaKvCache,
+        layer: usize,
+        q: &CudaAct,
+        k: &CudaAct,
+        v: &CudaAct,
+        pos0: usize,
+        p: &AttnParams,
+    ) -> Result<CudaAct> {
+        let g = cache.geometry;
+        let n = q.n_rows;
+        ensure!(layer < g.n_layers, "attention: layer {layer} of a cache for {}", g.n_layers);
+        ensure!(pos0 + n <= g.max_pos, "attention: positions {pos0}..{} exceed the KV cache's {}", pos0 + n, g.max_pos);
+        ensure!(k.n_rows == n && v.n_rows == n, "attention: q, k, v have {n}, {}, {} rows", k.n_rows, v.n_rows);
+        ensure!(
+            p.d_head == p.d_head_v && p.d_head == g.d_head && p.n_kv_heads == g.n_kv_heads,
+            "attention on CUDA: d_head {} / d_head_v {} / {} KV heads do not match the cache ({} / {} / {}); \
+             d_head_v != d_head is not supported by the kernels",
+            p.d_head,
+            p.d_head_v,
+            p.n_kv_heads,
+            g.d_head,
+            g.d_head_v,
+            g.n_kv_heads
+        );
+        let kv_cols = g.n_kv_heads * g.d_head;
+        ensure!(
+            k.n_cols == kv_cols && v.n_cols == kv_cols && q.n_cols == p.n_heads * p.d_head,
+            "attention: k has {} columns, v {} (cache {kv_cols}), q {} ({} heads x {})",
+            k.n_cols,
+            v.n_cols,
+            q.n_cols,
+            p.n_heads,
+            p.d_head
+        );
+        let shape = ops::KvShape { n_kv_heads: g.n_kv_heads, n_ctx: g.max_pos, d_head: g.d_head };
+        let width = p.n_heads * p.d_head;
+        let params = ops::AttnParams {
+            n_tokens: n,
+            n_heads: p.n_heads,
+            pos0,
+            window: p.window.unwrap_or(0),
+            scale: p.scale as f32,
+            softcap: p.softcap.unwrap_or(0.0) as f32,
+            q_stride: width,
+            out_stride: width,
+        };
+        ensure!(p.window != Some(0), "attention: a sliding window of 0 positions");
+        let mut out = self.new_act(n, width)?;
+        if n == 0 {
+            return Ok(out);
+        }
+        match &mut cache.layers {
+            KvLayers::Bf16(l) => self.kv_store_and_attend(&mut l[layer], shape, q, k, v, &mut out, &params)?,
+            KvLayers::F32(l) => self.kv_store_and_attend(&mut l[layer], shape, q, k, v, &mut out, &params)?,
+        }
+        Ok(out)
+    }
+
+    fn gated_act(&self, gate: &CudaAct, up: &CudaAct, act: Activation) -> Result<CudaAct> {
+        same_shape("gated_act", gate, up)?;
+        let mut out = self.new_act(gate.n_rows, gate.n_cols)?;
+        let a = match act {
+            Activation::Silu => ops::Activation::Silu,
+            Activation::GeluTanh => ops::Activation::GeluTanh,
+        };
+        let (rows, c) = (Rows::contiguous(gate.n_rows, gate.n_cols), gate.n_cols);
+        ops::gated::<f32>(&self.dev, a, gate.buf.view(), rows, up.buf.view(), c, out.buf.view_mut(), c)?;
+        Ok(out)
+    }
+
+    fn add_assign(&self, x: &mut CudaAct, y: &CudaAct) -> Result<()> {
+        same_shape("add", x, y)?;
+        ops::add_inplace(&self.dev, x.buf.view_mut(), y.buf.view())
+    }
+
+    fn score_rows(&self, x: &CudaAct, rows: &[usize], head: &CudaMatrix, req: &HeadRequest) -> Result<Vec<RowScore>> {
+        let (d, n_vocab) = (x.n_cols, head.q.n_rows);
+        ensure!(d == head.q.n_cols, "score_rows: rows have {d} columns, the head {} takes {}", head.name, head.q.n_cols);
+        let n = rows.len();
+        check_request(n, n_vocab, req)?;
+        if let Some(&bad) = rows.iter().find(|&&r| r >= x.n_rows) {
+            bail!("score_rows: row {bad} of {}", x.n_rows);
+        }
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let dev = &self.dev;
+        // (n, d): a sub-range when the rows are consecutive (the model's case), else gathered.
+        let gathered;
+        let h: DevView<f32> = if rows.windows(2).all(|w| w[1] == w[0] + 1) {
+            x.buf.slice(rows[0] * d..(rows[0] + n) * d)?
+        } else {
+            let ids: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+            let ids = dev.upload(&ids)?;
+            let mut g = dev.alloc_uninit::<f32>(n * d)?;
+            ops::gather_rows(dev, x.buf.view(), d, ids.view(), g.view_mut())?;
+            gathered = g;
+            gathered.view()
+        };
+        let targets: Vec<i32> = req.targets.iter().map(|&t| t as i32).collect();
+        let targets = dev.upload(&targets)?;
+        let mut out = LmHeadOut::new(dev, n, req.top_k)?;
+
+        // Listed ids: flattened (row, id) pairs, row-major, with each row's offset.
+        let mut offsets = vec![0usize; n + 1];
+        let mut pair_rows = Vec::new();
+        let mut pair_ids = Vec::new();
+        for r in 0..n {
+            if let Some(ids) = req.extra_ids.get(r) {
+                pair_ids.extend(ids.iter().map(|&i| i as i32));
+            }
+            offsets[r + 1] = pair_ids.len();
+        }
+        let mut extra_dev = if pair_ids.is_empty() { None } else { Some(dev.alloc_uninit::<f32>(pair_ids.len())?) };
+
+        let tile_len = LM_HEAD_TILE_ROWS * n_vocab;
+        let mut scratch_cell = self.head_scratch.borrow_mut();
+        if scratch_cell.as_ref().is_none_or(|s| s.len() < tile_len) {
+            *scratch_cell = None;
+            *scratch_cell = Some(dev.alloc_uninit::<f32>(tile_len)?);
+        }
+        let scratch = scratch_cell.as_mut().context("score_rows: LM-head scratch")?;
+        for row0 in (0..n).step_by(LM_HEAD_TILE_ROWS) {
+            let n_tile = LM_HEAD_TILE_ROWS.min(n - row0);
+            let h_tile = h.sub(row0 * d, n_tile * d)?;
+            // (n_tile, n_vocab) f32 logits: f32 rows times the head with FFMA in both routes.
+            ops::matmul::<f32>(dev, h_tile, n_tile, &head.q, scratch.slice_mut(0..n_tile * n_vocab)?, n_vocab)
+                .with_context(|| format!("LM head {}", head.name))?;
+            if let Some(cap) = req.softcap {
+                ops::softcap(dev, scratch.slice_mut(0..n_tile * n_vocab)?, cap as f32)?;
+            }
+            ops::lmhead_reduce(dev, scratch.slice(0..n_tile * n_vocab)?, n_tile, n_vocab, n_vocab, targets.slice(row0..row0 + n_tile)?, &mut out, row0)?;
+            if let Some(extra) = extra_dev.as_mut() {
+                let (p0, p1) = (offsets[row0], offsets[row0 + n_tile]);
+                if p1 > p0 {
+                    pair_rows.clear();
+                    for r in row0..row0 + n_tile {
+                        pair_rows.extend(std::iter::repeat_n((r - row0) as i32, offsets[r + 1] - offsets[r]));
+                    }
+                    let rows_d = dev.upload(&pair_rows)?;
+                    let ids_d = dev.upload(&pair_ids[p0..p1])?;
+                    ops::gather_pairs(dev, scratch.slice(0..n_tile * n_vocab)?, n_vocab, rows_d.view(), ids_d.view(), extra.slice_mut(p0..p1)?)?;
+                    // The uploads are freed in stream order after the gather.
+                }
+            }
+        }
+        drop(scratch_cell);
+        let host = out.download(dev)?;
+        let extra_host = match &extra_dev {
+            Some(e) => dev.download(e)?,
+            None => Vec::new(),
+        };
+        let k = req.top_k;
+        Ok((0..n)
+            .map(|r| {
+                let max_logit = host.row_max[r] as f64;
+                RowScore {
+                    max_logit,
+                    lse: max_logit + host.row_sumexp[r].ln(),
+                    target_logit: host.target_logit[r] as f64,
+                    top: (0..k).map(|i| (host.topk_ids[r * k + i] as u32, host.topk_logits[r * k + i])).collect(),
+                    extra: extra_host.get(offsets[r]..offsets[r + 1]).map_or_else(Vec::new, <[f32]>::to_vec),
+                }
+            })
+            .collect())
+    }
+
+    fn execution(&self) -> ExecutionInfo {
+        let info = self.dev.info();
+        ExecutionInfo {
+            backend: "cuda".into(),
+            device: format!("GPU {} {}", info.index, info.name),
+            kv_dtype: self.route.kv_dtype().into(),
+            route: self.route.name().into(),
+            details: serde_json::json!({
+                "compute_capability": format!("{}.{}", info.compute_capability.0, info.compute_capability.1),
+                "n_sms": info.n_sms,
+                "total_mem_bytes": info.total_mem_bytes,
+                "driver_cuda_version": format!("{}.{}", info.driver_version.0, info.driver_version.1),
+                "ptx_arch": format!("compute_{}", info.kernels.arch),
+                "nvcc_version": info.kernels.nvcc_version,
+                "kernel_sources_sha256": info.kernels.sources_sha256,
+                "matmul": match self.route {
+                    Route::Bf16TensorCore => "bf16 inputs (weights dequantized to bf16 in shared memory), mma.sync tensor cores, f32 accumulation",
+                    Route::Fp32 => "f32 inputs, weights dequantized to f32 in shared memory, FFMA, f32 accumulation",
+                },
+                "attention": "f32 math on the CUDA cores (online softmax), cache read as stored",
+                "lm_head": "f32 rows x head (FFMA, f32 logits) in tiles of 64 rows; max, f64 sum of exp, target on the GPU",
+            }),
+        }
+    }
+
+    fn check_memory(&self, kv: KvGeometry, n_pass_tokens: usize, n_pass_cols: usize, n_vocab: usize) -> Result<()> {
+        let kv_bytes = 2 * kv.n_layers * kv.n_kv_heads * kv.max_pos * kv.d_head * self.route.kv_elem_bytes();
+        // Live activations of one pass: the residual stream, a normed copy, q/k/v,
+        // attention out, gate/up/product (widest row), a bf16 copy of a matmul input.
+        let act_bytes = 12 * n_pass_tokens * n_pass_cols * 4;
+        let head_bytes = LM_HEAD_TILE_ROWS * n_vocab * 4 + n_pass_tokens * (4 * 4 + 8 + 2 * 4 * crate::backend::MAX_TOP_K);
+        let need = kv_bytes + act_bytes + head_bytes;
+        let (free, total) = self.dev.mem_info()?;
+        if need + MEMORY_MARGIN_BYTES > free {
+            bail!(
+                "the plan does not fit GPU {} ({:.2} GiB free of {:.2}): it needs {:.2} GiB \
+                 (KV cache {:.2} GiB for windows of {} tokens, activations {:.2} GiB for prefill passes of {} tokens, \
+                 LM head {:.2} GiB) plus {:.2} GiB of margin; lower --context or --prefill-chunk",
+                self.dev.info().index,
+                gib(free),
+                gib(total),
+                gib(need),
+                gib(kv_bytes),
+                kv.max_pos,
+                gib(act_bytes),
+                n_pass_tokens,
+                gib(head_bytes),
+                gib(MEMORY_MARGIN_BYTES)
+            );
+        }
+        Ok(())
+    }
+}
