@@ -38,6 +38,12 @@ pub struct RunConfig {
     pub dry_run: bool,
     pub verify: bool,
     pub allow_nonfinite: bool,
+    /// `--save-top-tokens FILE`.
+    pub save_top_tokens: Option<PathBuf>,
+    /// `--kl-reference FILE`.
+    pub kl_reference: Option<PathBuf>,
+    /// `--save-tokens FILE`.
+    pub save_tokens: Option<PathBuf>,
 }
 
 impl RunConfig {
@@ -80,6 +86,18 @@ impl RunConfig {
             Some(n) => n,
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
+        if args.dry_run && args.save_top_tokens.is_some() {
+            bail!("--save-top-tokens needs scoring: drop --dry-run");
+        }
+        let outputs = [("--save-top-tokens", &args.save_top_tokens), ("--save-tokens", &args.save_tokens)];
+        for (flag, path) in outputs.iter().filter_map(|(f, p)| p.as_ref().map(|p| (*f, p))) {
+            if args.kl_reference.as_ref() == Some(path) {
+                bail!("{flag} {} is also the --kl-reference file", path.display());
+            }
+        }
+        if args.save_top_tokens.is_some() && args.save_top_tokens == args.save_tokens {
+            bail!("--save-top-tokens and --save-tokens name the same file");
+        }
         let output = match &args.output {
             Some(dir) => dir.clone(),
             None => PathBuf::from("profiles/perplexity").join(timestamp_utc()),
@@ -97,6 +115,9 @@ impl RunConfig {
             dry_run: args.dry_run,
             verify: args.verify,
             allow_nonfinite: args.allow_nonfinite,
+            save_top_tokens: args.save_top_tokens.clone(),
+            kl_reference: args.kl_reference.clone(),
+            save_tokens: args.save_tokens.clone(),
         })
     }
 }
@@ -151,6 +172,15 @@ mod tests {
         assert!(cfg(&["--chunks", "0"]).is_err());
         let ok = cfg(&["--method", "chunks", "--context", "512"]).unwrap();
         assert_eq!(ok.method, Method::Chunks { context: 512 });
+    }
+
+    #[test]
+    fn rejects_clashing_top_token_files() {
+        assert!(cfg(&["--save-top-tokens", "a", "--dry-run"]).unwrap_err().to_string().contains("--dry-run"));
+        assert!(cfg(&["--save-top-tokens", "a", "--kl-reference", "a"]).unwrap_err().to_string().contains("--kl-reference"));
+        assert!(cfg(&["--save-tokens", "a", "--save-top-tokens", "a"]).is_err());
+        let ok = cfg(&["--save-top-tokens", "a", "--kl-reference", "b", "--save-tokens", "c"]).unwrap();
+        assert_eq!(ok.kl_reference.as_deref(), Some(Path::new("b")));
     }
 
     #[test]

@@ -11,6 +11,7 @@ pub mod app;
 pub mod artifact;
 pub mod backend;
 pub mod cli;
+pub mod compare;
 pub mod config;
 pub mod convert;
 pub mod model;
