@@ -506,29 +506,43 @@ impl KlAccumulator {
     }
 }
 
-/// llama.cpp-style summary lines (`llama-perplexity --kl-divergence`), for stderr.
+/// A figure as llama.cpp prints it (`%10.6f`), or in scientific notation
+/// when that would show only zeros (KLs of a lossless route are ~1e-11).
+fn fixed_or_sci(v: f64, width: usize, decimals: usize) -> String {
+    if v != 0.0 && v.abs() < 0.5 * 10f64.powi(-(decimals as i32)) * 100.0 {
+        format!("{v:width$.3e}")
+    } else {
+        format!("{v:width$.decimals$}")
+    }
+}
+
+/// llama.cpp-style summary lines (`llama-perplexity --kl-divergence`), for
+/// stderr. Values too small for llama.cpp's fixed format are printed in
+/// scientific notation.
 pub fn summary_lines(s: &KlSummary, k: usize) -> Vec<String> {
-    let pm = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:10.6}"));
+    let f6 = |v: f64| fixed_or_sci(v, 10, 6);
+    let pm6 = |v: Option<f64>| v.map_or("-".to_string(), f6);
+    let pct = |v: f64| fixed_or_sci(100.0 * v, 6, 3);
+    let pm_pct = |v: Option<f64>| v.map_or("-".to_string(), pct);
     let ppl_q = s.mean_nll.exp();
     let ppl_b = s.mean_nll_reference.exp();
     let mut out = vec![
         format!("====== KL divergence (lower bound: reference top-{k} + one bucket for the rest) ======"),
-        format!("Mean PPL(Q)                   : {ppl_q:10.6} ± {}", pm(s.mean_nll_se.map(|se| se * ppl_q))),
-        format!("Mean PPL(base)                : {ppl_b:10.6} ± {}", pm(s.mean_nll_reference_se.map(|se| se * ppl_b))),
-        format!("Mean ln(PPL(Q)/PPL(base))     : {:10.6} ± {}", s.mean_nll_delta, pm(s.mean_nll_delta_se)),
-        format!("Mean    KLD: {:10.6} ± {}", s.mean, pm(s.mean_se)),
+        format!("Mean PPL(Q)                   : {} ± {}", f6(ppl_q), pm6(s.mean_nll_se.map(|se| se * ppl_q))),
+        format!("Mean PPL(base)                : {} ± {}", f6(ppl_b), pm6(s.mean_nll_reference_se.map(|se| se * ppl_b))),
+        format!("Mean ln(PPL(Q)/PPL(base))     : {} ± {}", f6(s.mean_nll_delta), pm6(s.mean_nll_delta_se)),
+        format!("Mean    KLD: {} ± {}", f6(s.mean), pm6(s.mean_se)),
     ];
     if let Some(q) = &s.quantiles {
-        out.push(format!("Maximum KLD: {:10.6}", q.max));
-        out.push(format!("99.9%   KLD: {:10.6}", q.p99_9));
-        out.push(format!("99.0%   KLD: {:10.6}", q.p99));
-        out.push(format!("90.0%   KLD: {:10.6}", q.p90));
-        out.push(format!("Median  KLD: {:10.6}", q.p50));
+        out.push(format!("Maximum KLD: {}", f6(q.max)));
+        out.push(format!("99.9%   KLD: {}", f6(q.p99_9)));
+        out.push(format!("99.0%   KLD: {}", f6(q.p99)));
+        out.push(format!("90.0%   KLD: {}", f6(q.p90)));
+        out.push(format!("Median  KLD: {}", f6(q.p50)));
     }
-    let pct = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{:5.3}", 100.0 * x));
-    out.push(format!("Mean    Δp: {:6.3} %", 100.0 * s.delta_p_mean));
-    out.push(format!("RMS Δp    : {:6.3} ± {} %", 100.0 * s.delta_p_rms, pct(s.delta_p_rms_se)));
-    out.push(format!("Same top p: {:6.3} ± {} %", 100.0 * s.top1_agreement, pct(s.top1_agreement_se)));
+    out.push(format!("Mean    Δp: {} %", pct(s.delta_p_mean)));
+    out.push(format!("RMS Δp    : {} ± {} %", pct(s.delta_p_rms), pm_pct(s.delta_p_rms_se)));
+    out.push(format!("Same top p: {} ± {} %", pct(s.top1_agreement), pm_pct(s.top1_agreement_se)));
     out.push(format!(
         "Confident flips (reference top-1 p > {CONFIDENT_FLIP_P}): {} of {} positions",
         s.n_confident_flips, s.positions
@@ -723,6 +737,15 @@ mod tests {
             vec![(0, 1024, 1), (1024, 2048, 1), (4096, 8192, 2)]);
         // Two windows: (2, 4) and (1, 2) -> clustered SE defined.
         assert!(s.mean_se_clustered.is_some());
+    }
+
+    #[test]
+    fn small_figures_switch_to_scientific() {
+        assert_eq!(fixed_or_sci(0.0, 10, 6), "  0.000000");
+        assert_eq!(fixed_or_sci(0.017475, 10, 6), "  0.017475");
+        assert_eq!(fixed_or_sci(8.5e-12, 10, 6), " 8.500e-12");
+        assert_eq!(fixed_or_sci(100.0, 6, 3), "100.000");
+        assert_eq!(fixed_or_sci(8.3e-5, 6, 3), "8.300e-5");
     }
 
     #[test]
