@@ -14,7 +14,7 @@ use tracing::info;
 
 use crate::artifact::Artifact;
 use crate::backend::BackendKind;
-use crate::compare::{window_tokens, TopTokensRun};
+use crate::top_tokens::{window_tokens, TopTokensRun};
 use crate::config::{prepare_output_dir, BackendChoice, Input, RunConfig};
 use crate::model::{load_model, ScoreOptions, WindowScorer};
 use crate::plan::{plan_windows, Window};
@@ -317,13 +317,17 @@ impl Progress {
     }
 }
 
+/// Per stream: its window statistics, its report windows, and its KL
+/// statistics against `--kl-reference` (when given).
+type StreamScores = (Vec<StreamStats>, Vec<Vec<WindowResult>>, Vec<Option<KlSummary>>);
+
 fn score_streams(
     cfg: &RunConfig,
     streams: &[Stream],
     scorer: &mut dyn WindowScorer,
     bos: Option<u32>,
     mut top_tokens: Option<&mut TopTokensRun>,
-) -> Result<(Vec<StreamStats>, Vec<Vec<WindowResult>>, Vec<Option<KlSummary>>)> {
+) -> Result<StreamScores> {
     let top_k = top_tokens.as_ref().map_or(0, |t| t.top_k());
     let opts = ScoreOptions { top_k, prefill_chunk: Some(cfg.prefill_chunk) };
     let n_total: usize = streams.iter().flat_map(|s| &s.windows).map(Window::scored).sum();

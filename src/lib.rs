@@ -11,7 +11,7 @@ pub mod app;
 pub mod artifact;
 pub mod backend;
 pub mod cli;
-pub mod compare;
+pub mod top_tokens;
 pub mod config;
 pub mod convert;
 pub mod model;

@@ -132,6 +132,7 @@ fn self_comparison_is_exactly_zero_and_mismatches_are_refused() {
     assert_eq!(kl["delta_p_rms"], 0.0);
     assert_eq!(kl["n_confident_flips"], 0);
     assert_eq!(kl["reference"]["top_k"], 64);
+    assert_eq!(kl["reference"]["sha256"].as_str().unwrap().len(), 64);
     assert!(kl["bound"].as_str().unwrap().starts_with("lower bound"));
     let mass = kl["mean_reference_top_mass"].as_f64().unwrap();
     assert!(mass > 0.5 && mass < 1.0, "top-64 mass {mass}");

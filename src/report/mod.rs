@@ -145,6 +145,10 @@ impl KlReport {
 #[derive(Debug, Serialize)]
 pub struct KlReferenceInfo {
     pub path: String,
+    /// SHA-256 of the reference file's records (its trailer's): two reports
+    /// with the same value were compared with the same reference (`compare`'s
+    /// KL gates read it).
+    pub sha256: String,
     /// The reference file's `producer` (tool, model, backend).
     pub producer: serde_json::Value,
     pub top_k: usize,

@@ -24,7 +24,7 @@
 //! record's ids and values) before the first window is scored.
 //!
 //! This module owns bytes and fingerprints; the KL arithmetic is `kl`, the
-//! scoring loop `crate::compare`.
+//! scoring loop `crate::top_tokens`.
 
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};
@@ -341,6 +341,9 @@ pub struct TopTokensReader {
     pub path: PathBuf,
     pub header: FileHeader,
     pub k: usize,
+    /// SHA-256 of every record byte (the trailer's, checked): identifies
+    /// the reference's content.
+    pub records_sha256: String,
     input: BufReader<File>,
     n_read: usize,
 }
@@ -412,13 +415,15 @@ impl TopTokensReader {
         ensure!(&trailer[0..8] == TRAILER_MAGIC, "{}: no trailer (not finished; {regen})", path.display());
         let n_trailer = u64::from_le_bytes(trailer[8..16].try_into().expect("8 bytes"));
         ensure!(n_trailer as usize == n, "{}: trailer counts {n_trailer} records, header {n}", path.display());
-        ensure!(hash.finalize().as_slice() == &trailer[16..48], "{}: the records' SHA-256 does not match the trailer (corrupted; {regen})", path.display());
+        let digest = hash.finalize();
+        ensure!(digest.as_slice() == &trailer[16..48], "{}: the records' SHA-256 does not match the trailer (corrupted; {regen})", path.display());
+        let records_sha256: String = digest.iter().map(|b| format!("{b:02x}")).collect();
 
         // Rewind to the first record for the scoring pass.
         let mut file = input.into_inner();
         use std::io::Seek;
         file.seek(std::io::SeekFrom::Start(PREAMBLE_BYTES as u64 + n_header)).with_context(|| format!("seek {}", path.display()))?;
-        Ok(Self { path: path.to_path_buf(), header, k, input: BufReader::with_capacity(1 << 20, file), n_read: 0 })
+        Ok(Self { path: path.to_path_buf(), header, k, records_sha256, input: BufReader::with_capacity(1 << 20, file), n_read: 0 })
     }
 
     /// The next `n` records (the targets of the next window, in order).

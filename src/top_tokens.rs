@@ -274,7 +274,12 @@ impl TopTokensRun {
             info!("{line}");
         }
         Ok(Some(KlReport {
-            reference: KlReferenceInfo { path: r.path.display().to_string(), producer: r.header.producer.clone(), top_k: r.k },
+            reference: KlReferenceInfo {
+                path: r.path.display().to_string(),
+                sha256: r.records_sha256.clone(),
+                producer: r.header.producer.clone(),
+                top_k: r.k,
+            },
             bound: KlReport::BOUND,
             summary,
         }))
