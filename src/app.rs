@@ -24,9 +24,11 @@ use crate::report::{
     self, ArtifactInfo, BosPolicy, CorpusInfo, DomainResult, Execution, Report, Results, StreamResult, Timing,
     ToolInfo, WindowResult, Workload,
 };
+use crate::score::kl::KlSummary;
 use crate::score::{domain_summaries, overall_summary, StreamStats, Summary, WindowScores, WindowStats};
 use crate::text::corpus;
 use crate::text::tokenizer::{token_ids_sha256, TextTokenizer};
+use crate::top_tokens::{window_tokens, TopTokensRun};
 
 /// How a run that produced its report ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,10 +124,12 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         artifact: ArtifactInfo::of(&artifact, cfg.verify),
         workload,
         execution: None,
-        results: Results { overall: None, domains: Vec::new(), streams: Vec::new() },
+        results: Results { overall: None, domains: Vec::new(), streams: Vec::new(), kl_divergence: None },
         timing: Timing { load_seconds, tokenize_seconds, ..Default::default() },
         noise_floor: None,
     };
+    // --save-tokens is written and --kl-reference checked here, before any scoring.
+    let mut top_tokens = TopTokensRun::prepare(cfg, &artifact, report.workload.corpus.as_ref(), &streams, bos)?;
 
     if cfg.dry_run {
         report.results.streams = streams.iter().map(|s| stream_result(s, None, Vec::new())).collect();
@@ -162,10 +166,21 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         threads: cfg.threads,
         details,
     });
+    if let Some(t) = &mut top_tokens {
+        let producer = serde_json::json!({
+            "tool": report.tool,
+            "model": artifact.meta.public_name,
+            "artifact_digest": artifact.digest,
+            "backend": scorer.describe_backend(),
+        });
+        t.create_writer(cfg, producer)?;
+    }
 
     let t_score = Instant::now();
-    let (stats, window_results) = score_streams(&streams, scorer.as_mut(), bos, cfg.prefill_chunk)?;
+    let (stats, window_results, stream_kl) =
+        score_streams(&streams, scorer.as_mut(), bos, cfg.prefill_chunk, top_tokens.as_mut())?;
     let scoring_seconds = t_score.elapsed().as_secs_f64();
+    report.results.kl_divergence = top_tokens.map(TopTokensRun::finish).transpose()?.flatten();
     if cfg.noise_floor {
         report.noise_floor = Some(noise_floor(cfg, &streams, &stats, scorer.as_mut(), bos)?);
     }
@@ -181,8 +196,8 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         .collect();
     report.results.streams = streams
         .iter()
-        .zip(stats.iter().zip(window_results))
-        .map(|(s, (st, w))| stream_result(s, Some(st.summary()), w))
+        .zip(stats.iter().zip(window_results).zip(stream_kl))
+        .map(|(s, ((st, w), kl))| StreamResult { kl_divergence: kl, ..stream_result(s, Some(st.summary()), w) })
         .collect();
     let n_processed: usize = stats.iter().flat_map(|s| &s.windows).map(|w| w.input_tokens).sum();
     report.timing = Timing {
@@ -282,6 +297,7 @@ fn stream_result(s: &Stream, summary: Option<Summary>, windows: Vec<WindowResult
         input_tokens: s.tokens.len(),
         token_ids_sha256: s.token_ids_sha256.clone(),
         summary,
+        kl_divergence: None,
         windows,
     }
 }
@@ -328,6 +344,10 @@ impl Progress {
     }
 }
 
+/// Per stream: its window statistics, its report windows, and its KL
+/// statistics against `--kl-reference` (when given).
+type StreamScores = (Vec<StreamStats>, Vec<Vec<WindowResult>>, Vec<Option<KlSummary>>);
+
 /// `--noise-floor`: scores every window again with another prefill chunk and
 /// pairs the result with the reported scores (`stats`).
 fn noise_floor(
@@ -341,7 +361,7 @@ fn noise_floor(
     let alternate = alternate_prefill_chunk(cfg.prefill_chunk, longest);
     info!("noise floor: scoring every window again with prefill chunk {alternate} (reported: {})", cfg.prefill_chunk);
     let t = Instant::now();
-    let (again, _) = score_streams(streams, scorer, bos, alternate)?;
+    let (again, _, _) = score_streams(streams, scorer, bos, alternate, None)?;
     let seconds = t.elapsed().as_secs_f64();
     let mut rows = Vec::new();
     let mut n_excluded = 0;
@@ -368,26 +388,33 @@ fn score_streams(
     scorer: &mut dyn WindowScorer,
     bos: Option<u32>,
     prefill_chunk: usize,
-) -> Result<(Vec<StreamStats>, Vec<Vec<WindowResult>>)> {
-    let opts = ScoreOptions { top_k: 0, prefill_chunk: Some(prefill_chunk) };
+    mut top_tokens: Option<&mut TopTokensRun>,
+) -> Result<StreamScores> {
+    let top_k = top_tokens.as_ref().map_or(0, |t| t.top_k());
+    let opts = ScoreOptions { top_k, prefill_chunk: Some(prefill_chunk) };
     let n_total: usize = streams.iter().flat_map(|s| &s.windows).map(Window::scored).sum();
     let mut progress = Progress::new(n_total as u64);
     let mut all_stats = Vec::with_capacity(streams.len());
     let mut all_windows = Vec::with_capacity(streams.len());
+    let mut all_kl = Vec::with_capacity(streams.len());
     for s in streams {
         let mut stats: Vec<WindowStats> = Vec::with_capacity(s.windows.len());
         let mut results = Vec::with_capacity(s.windows.len());
         let t_stream = Instant::now();
         for w in &s.windows {
-            let mut tokens = s.tokens[w.begin..w.end].to_vec();
-            if w.replace_first_with_bos {
-                tokens[0] = bos.context("window asks for BOS but the vocabulary has none")?;
-            }
+            let tokens = window_tokens(&s.tokens, w, bos)?;
+            let at = || format!("stream {} window {} [{}, {})", s.name, w.index, w.begin, w.end);
+            let extra_ids = match top_tokens.as_mut() {
+                Some(t) => t.begin_window(w).with_context(at)?,
+                None => Vec::new(),
+            };
             let t = Instant::now();
-            let scores = scorer
-                .score_window(&tokens, w.first_target - w.begin, &opts, &[])
-                .with_context(|| format!("stream {} window {} [{}, {})", s.name, w.index, w.begin, w.end))?;
+            let scores = scorer.score_window(&tokens, w.first_target - w.begin, &opts, &extra_ids).with_context(at)?;
             let seconds = t.elapsed().as_secs_f64();
+            let window_kl = match top_tokens.as_mut() {
+                Some(t) => t.end_window(w, &scores).with_context(at)?,
+                None => None,
+            };
             let ws = WindowScores { input_tokens: tokens.len(), nll: scores.iter().map(|r| r.nll).collect() }.stats();
             results.push(WindowResult {
                 index: w.index,
@@ -401,6 +428,7 @@ fn score_streams(
                 mean_nll: ws.mean_nll(),
                 perplexity: ws.perplexity(),
                 seconds,
+                kl_divergence: window_kl,
             });
             progress.advance(w.scored() as u64, &s.name);
             stats.push(ws);
@@ -413,7 +441,8 @@ fn score_streams(
         );
         all_stats.push(st);
         all_windows.push(results);
+        all_kl.push(top_tokens.as_mut().and_then(|t| t.end_stream()));
     }
     progress.finish();
-    Ok((all_stats, all_windows))
+    Ok((all_stats, all_windows, all_kl))
 }

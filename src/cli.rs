@@ -110,6 +110,15 @@ pub struct Args {
     /// the difference as `noise_floor` in report.json (for `compare --max-delta-over-floor`).
     #[arg(long)]
     pub noise_floor: bool,
+    /// Write every scored position's 64 most probable ids and log-probabilities (docs/top-tokens.md).
+    #[arg(long, value_name = "FILE")]
+    pub save_top_tokens: Option<PathBuf>,
+    /// Compare with a top-tokens file recorded for the same windows: KL divergence (lower bound), top-1 agreement, NLL change.
+    #[arg(long, value_name = "FILE")]
+    pub kl_reference: Option<PathBuf>,
+    /// Write every window's input token ids and the run fingerprint as JSON (for tools/fp64_reference.py).
+    #[arg(long, value_name = "FILE")]
+    pub save_tokens: Option<PathBuf>,
     /// Log verbosity on stderr.
     #[arg(long, value_enum, default_value_t = LogLevel::Info)]
     pub log_level: LogLevel,

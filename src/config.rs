@@ -42,6 +42,12 @@ pub struct RunConfig {
     pub allow_nonfinite: bool,
     /// Score twice (second time with another prefill chunk) and record the noise floor.
     pub noise_floor: bool,
+    /// `--save-top-tokens FILE`.
+    pub save_top_tokens: Option<PathBuf>,
+    /// `--kl-reference FILE`.
+    pub kl_reference: Option<PathBuf>,
+    /// `--save-tokens FILE`.
+    pub save_tokens: Option<PathBuf>,
 }
 
 impl RunConfig {
@@ -84,6 +90,18 @@ impl RunConfig {
             Some(n) => n,
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
+        if args.dry_run && args.save_top_tokens.is_some() {
+            bail!("--save-top-tokens needs scoring: drop --dry-run");
+        }
+        let outputs = [("--save-top-tokens", &args.save_top_tokens), ("--save-tokens", &args.save_tokens)];
+        for (flag, path) in outputs.iter().filter_map(|(f, p)| p.as_ref().map(|p| (*f, p))) {
+            if args.kl_reference.as_ref() == Some(path) {
+                bail!("{flag} {} is also the --kl-reference file", path.display());
+            }
+        }
+        if args.save_top_tokens.is_some() && args.save_top_tokens == args.save_tokens {
+            bail!("--save-top-tokens and --save-tokens name the same file");
+        }
         let output = match &args.output {
             Some(dir) => dir.clone(),
             None => PathBuf::from("profiles/perplexity").join(timestamp_utc()),
@@ -103,6 +121,9 @@ impl RunConfig {
             verify: args.verify,
             allow_nonfinite: args.allow_nonfinite,
             noise_floor: args.noise_floor,
+            save_top_tokens: args.save_top_tokens.clone(),
+            kl_reference: args.kl_reference.clone(),
+            save_tokens: args.save_tokens.clone(),
         })
     }
 }
@@ -157,6 +178,15 @@ mod tests {
         assert!(cfg(&["--chunks", "0"]).is_err());
         let ok = cfg(&["--method", "chunks", "--context", "512"]).unwrap();
         assert_eq!(ok.method, Method::Chunks { context: 512 });
+    }
+
+    #[test]
+    fn rejects_clashing_top_token_files() {
+        assert!(cfg(&["--save-top-tokens", "a", "--dry-run"]).unwrap_err().to_string().contains("--dry-run"));
+        assert!(cfg(&["--save-top-tokens", "a", "--kl-reference", "a"]).unwrap_err().to_string().contains("--kl-reference"));
+        assert!(cfg(&["--save-tokens", "a", "--save-top-tokens", "a"]).is_err());
+        let ok = cfg(&["--save-top-tokens", "a", "--kl-reference", "b", "--save-tokens", "c"]).unwrap();
+        assert_eq!(ok.kl_reference.as_deref(), Some(Path::new("b")));
     }
 
     #[test]

@@ -9,6 +9,7 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 
 use crate::artifact::Artifact;
+use crate::score::kl::KlSummary;
 use crate::score::Summary;
 
 pub const SCHEMA_VERSION: u32 = 3;
@@ -127,6 +128,36 @@ pub struct Results {
     pub overall: Option<Summary>,
     pub domains: Vec<DomainResult>,
     pub streams: Vec<StreamResult>,
+    /// KL divergence against `--kl-reference` (absent without one).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kl_divergence: Option<KlReport>,
+}
+
+/// `results.kl_divergence`: the run against a recorded top-k reference.
+#[derive(Debug, Serialize)]
+pub struct KlReport {
+    pub reference: KlReferenceInfo,
+    /// What the figure is: always a lower bound of the full KL.
+    pub bound: &'static str,
+    #[serde(flatten)]
+    pub summary: KlSummary,
+}
+
+impl KlReport {
+    pub const BOUND: &'static str = "lower bound of KL(reference || this run): the reference's top-k ids plus one bucket \
+        for every other token (merging outcomes can only lower KL); equal to the full KL when the top-k hold all the mass";
+}
+
+#[derive(Debug, Serialize)]
+pub struct KlReferenceInfo {
+    pub path: String,
+    /// SHA-256 of the reference file's records (its trailer's): two reports
+    /// with the same value were compared with the same reference (`compare`'s
+    /// KL gates read it).
+    pub sha256: String,
+    /// The reference file's `producer` (tool, model, backend).
+    pub producer: serde_json::Value,
+    pub top_k: usize,
 }
 
 #[derive(Debug, Serialize)]
@@ -145,6 +176,9 @@ pub struct StreamResult {
     pub token_ids_sha256: String,
     #[serde(flatten)]
     pub summary: Option<Summary>,
+    /// KL against `--kl-reference`, with quantiles and context buckets.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kl_divergence: Option<KlSummary>,
     pub windows: Vec<WindowResult>,
 }
 
@@ -162,6 +196,9 @@ pub struct WindowResult {
     pub mean_nll: f64,
     pub perplexity: f64,
     pub seconds: f64,
+    /// KL against `--kl-reference` (no quantiles, no buckets).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kl_divergence: Option<KlSummary>,
 }
 
 #[derive(Debug, Serialize, Default)]

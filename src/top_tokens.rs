@@ -1,0 +1,300 @@
+//! The scoring loop's hooks for `--save-tokens`, `--save-top-tokens` and
+//! `--kl-reference`: fingerprint the run, check a reference against it
+//! before anything is scored, then per window hand the backend the
+//! reference's ids, write this run's top-k records and compare.
+//!
+//! `app` calls, in order: [`TopTokensRun::prepare`] (after planning; writes
+//! `--save-tokens`, refuses a mismatched reference), [`TopTokensRun::create_writer`]
+//! (once the backend is known), then per window [`TopTokensRun::begin_window`]
+//! / [`TopTokensRun::end_window`], per stream [`TopTokensRun::end_stream`],
+//! and [`TopTokensRun::finish`]. Nothing here touches the model: every
+//! backend plugs in through `WindowScorer::score_window`'s `top_k` and
+//! `extra_ids`. The file format is `score::topk`, the arithmetic `score::kl`.
+
+use std::path::Path;
+
+use anyhow::{ensure, Context, Result};
+use tracing::info;
+
+use crate::app::Stream;
+use crate::artifact::Artifact;
+use crate::config::{Input, RunConfig};
+use crate::model::TargetScore;
+use crate::plan::Window;
+use crate::report::{CorpusInfo, KlReport, KlReferenceInfo};
+use crate::score::kl::{self, KlAccumulator, KlSummary, OwnPosition, ReferencePosition};
+use crate::score::topk::{
+    self, FileHeader, InputFingerprint, RunFingerprint, SavedTokens, StreamFingerprint, TopRecord, TopTokensReader,
+    TopTokensWriter, WindowFingerprint, TOP_K,
+};
+use crate::text::tokenizer::token_ids_sha256;
+
+/// A window's input ids as the model sees them: `stream[begin..end)` with
+/// the first replaced by BOS when the plan says so.
+pub fn window_tokens(tokens: &[u32], w: &Window, bos: Option<u32>) -> Result<Vec<u32>> {
+    let mut t = tokens[w.begin..w.end].to_vec();
+    if w.replace_first_with_bos {
+        t[0] = bos.context("window asks for BOS but the vocabulary has none")?;
+    }
+    Ok(t)
+}
+
+/// What identifies the run's input: the manifest (corpus), the file's bytes
+/// (text) or the ids (tokens).
+fn input_fingerprint(cfg: &RunConfig, corpus: Option<&CorpusInfo>, streams: &[Stream]) -> Result<InputFingerprint> {
+    let name = |p: &Path| p.file_name().map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into_owned());
+    Ok(match (&cfg.input, corpus) {
+        (Input::Corpus { quick, .. }, Some(c)) => {
+            InputFingerprint { kind: "corpus".into(), name: c.name.clone(), sha256: c.manifest_sha256.clone(), quick: Some(*quick) }
+        }
+        (Input::Text(p), _) => {
+            let bytes = std::fs::read(p).with_context(|| format!("read text file {}", p.display()))?;
+            InputFingerprint { kind: "text".into(), name: name(p), sha256: crate::text::corpus::sha256_hex(&bytes), quick: None }
+        }
+        (Input::Tokens(p), _) => InputFingerprint {
+            kind: "tokens".into(),
+            name: name(p),
+            sha256: streams.first().map_or_else(String::new, |s| s.token_ids_sha256.clone()),
+            quick: None,
+        },
+        (Input::Corpus { manifest, .. }, None) => anyhow::bail!("corpus {}: no corpus information", manifest.display()),
+    })
+}
+
+/// The run's fingerprint and every window's input ids (`[stream][window]`).
+pub fn fingerprint(
+    cfg: &RunConfig,
+    artifact: &Artifact,
+    corpus: Option<&CorpusInfo>,
+    streams: &[Stream],
+    bos: Option<u32>,
+) -> Result<(RunFingerprint, Vec<Vec<Vec<u32>>>)> {
+    let mut all_tokens = Vec::with_capacity(streams.len());
+    let mut fps = Vec::with_capacity(streams.len());
+    for s in streams {
+        let mut toks = Vec::with_capacity(s.windows.len());
+        let mut windows = Vec::with_capacity(s.windows.len());
+        for w in &s.windows {
+            let t = window_tokens(&s.tokens, w, bos)?;
+            windows.push(WindowFingerprint {
+                index: w.index,
+                begin: w.begin,
+                end: w.end,
+                first_target: w.first_target,
+                tokens_sha256: token_ids_sha256(&t),
+            });
+            toks.push(t);
+        }
+        fps.push(StreamFingerprint {
+            name: s.name.clone(),
+            n_tokens: s.tokens.len(),
+            token_ids_sha256: s.token_ids_sha256.clone(),
+            windows,
+        });
+        all_tokens.push(toks);
+    }
+    let fp = RunFingerprint {
+        tokenizer_sha256: artifact.meta.tokenizer.blob.sha256.clone(),
+        n_vocab: artifact.meta.hparams.n_vocab,
+        input: input_fingerprint(cfg, corpus, streams)?,
+        method: cfg.method.name().to_string(),
+        context: cfg.method.context(),
+        stride: cfg.method.stride(),
+        chunks_limit: cfg.chunks_limit,
+        streams: fps,
+    };
+    Ok((fp, all_tokens))
+}
+
+/// The state of `--save-top-tokens` / `--kl-reference` during one run.
+pub struct TopTokensRun {
+    fingerprint: RunFingerprint,
+    /// Ids per position in the files (64, or the vocabulary if smaller).
+    k: usize,
+    writer: Option<TopTokensWriter>,
+    reference: Option<TopTokensReader>,
+    /// The reference's records for the window being scored.
+    window_records: Vec<TopRecord>,
+    stream: KlAccumulator,
+    overall: KlAccumulator,
+}
+
+impl TopTokensRun {
+    /// Fingerprints the run; writes `--save-tokens`; opens `--kl-reference`,
+    /// checks it whole and refuses it, naming the first difference, unless it
+    /// was recorded for exactly these windows. `None` when no flag asks for
+    /// top tokens or KL.
+    pub fn prepare(
+        cfg: &RunConfig,
+        artifact: &Artifact,
+        corpus: Option<&CorpusInfo>,
+        streams: &[Stream],
+        bos: Option<u32>,
+    ) -> Result<Option<Self>> {
+        if cfg.save_tokens.is_none() && cfg.save_top_tokens.is_none() && cfg.kl_reference.is_none() {
+            return Ok(None);
+        }
+        let (fp, tokens) = fingerprint(cfg, artifact, corpus, streams, bos)?;
+        let k = TOP_K.min(fp.n_vocab);
+        if let Some(path) = &cfg.save_tokens {
+            let saved = SavedTokens {
+                format: topk::TOKENS_FORMAT.into(),
+                version: topk::TOKENS_VERSION,
+                top_k: k,
+                fingerprint: fp.clone(),
+                tokens,
+            };
+            topk::write_saved_tokens(path, &saved).with_context(|| format!("--save-tokens {}", path.display()))?;
+            info!("wrote the input ids of {} windows to {}", fp.streams.iter().map(|s| s.windows.len()).sum::<usize>(), path.display());
+        }
+        let reference = match &cfg.kl_reference {
+            None => None,
+            Some(path) => {
+                let r = TopTokensReader::open(path).with_context(|| format!("--kl-reference {}", path.display()))?;
+                if let Some(d) = r.header.fingerprint.first_difference(&fp) {
+                    anyhow::bail!("--kl-reference {} was recorded for another run: {d}", path.display());
+                }
+                info!(
+                    "KL reference {}: {} positions, top-{} (producer {})",
+                    path.display(),
+                    r.header.n_positions,
+                    r.k,
+                    r.header.producer
+                );
+                Some(r)
+            }
+        };
+        Ok(Some(Self {
+            fingerprint: fp,
+            k,
+            writer: None,
+            reference,
+            window_records: Vec::new(),
+            stream: KlAccumulator::default(),
+            overall: KlAccumulator::default(),
+        }))
+    }
+
+    /// Creates the `--save-top-tokens` file (temporary until [`finish`](Self::finish)).
+    pub fn create_writer(&mut self, cfg: &RunConfig, producer: serde_json::Value) -> Result<()> {
+        if let Some(path) = &cfg.save_top_tokens {
+            let header = FileHeader {
+                format: topk::FORMAT.into(),
+                producer,
+                n_positions: self.fingerprint.n_positions(),
+                fingerprint: self.fingerprint.clone(),
+            };
+            self.writer = Some(TopTokensWriter::create(path, self.k, &header).with_context(|| format!("--save-top-tokens {}", path.display()))?);
+        }
+        Ok(())
+    }
+
+    /// The `top_k` to ask the backend for: `K` when writing records, 1 (this
+    /// run's argmax) when only comparing.
+    pub fn top_k(&self) -> usize {
+        if self.writer.is_some() {
+            self.k
+        } else if self.reference.is_some() {
+            1
+        } else {
+            0
+        }
+    }
+
+    /// Reads the reference's records of `w` and returns their ids, one list
+    /// per target (the backend's `extra_ids`); empty without a reference.
+    pub fn begin_window(&mut self, w: &Window) -> Result<Vec<Vec<u32>>> {
+        match &mut self.reference {
+            None => Ok(Vec::new()),
+            Some(r) => {
+                self.window_records = r.read_records(w.scored())?;
+                Ok(self.window_records.iter().map(|rec| rec.ids.clone()).collect())
+            }
+        }
+    }
+
+    /// Writes this window's records and compares it with the reference.
+    /// Returns the window's KL statistics (no quantiles, no buckets).
+    pub fn end_window(&mut self, w: &Window, scores: &[TargetScore]) -> Result<Option<KlSummary>> {
+        ensure!(scores.len() == w.scored(), "window {}: {} scores for {} targets", w.index, scores.len(), w.scored());
+        let covers_vocab = self.k == self.fingerprint.n_vocab;
+        if let Some(writer) = &mut self.writer {
+            for s in scores {
+                writer.write(&record_of(s, self.k, covers_vocab)?)?;
+            }
+        }
+        if self.reference.is_none() {
+            return Ok(None);
+        }
+        let mut window = kl::KlMoments::default();
+        for (j, (s, rec)) in scores.iter().zip(&self.window_records).enumerate() {
+            ensure!(
+                s.extra.len() == rec.ids.len(),
+                "window {} target {}: the backend returned {} of the reference's {} logits",
+                w.index,
+                w.first_target + j,
+                s.extra.len(),
+                rec.ids.len()
+            );
+            let reference = ReferencePosition { ids: &rec.ids, logps: &rec.logps, target_logp: rec.target_logp, log_rest: rec.log_rest };
+            let own = OwnPosition {
+                lse: s.lse,
+                target_logit: s.target_logit,
+                top1: s.top.first().map(|t| t.0),
+                extra_logits: &s.extra,
+                covers_vocab,
+                n_context: w.first_target + j - w.begin,
+            };
+            let p = kl::compare_position(&reference, &own);
+            window.add(&p);
+            self.stream.add(&p);
+        }
+        window.end_window();
+        self.stream.end_window();
+        Ok(Some(window.summary()))
+    }
+
+    /// Closes a stream: its full KL statistics (quantiles and buckets).
+    pub fn end_stream(&mut self) -> Option<KlSummary> {
+        let acc = std::mem::take(&mut self.stream);
+        self.reference.as_ref()?;
+        self.overall.merge(&acc);
+        Some(acc.summary())
+    }
+
+    /// Renames the `--save-top-tokens` file into place and returns (and logs
+    /// on stderr, llama.cpp-style) the overall KL statistics.
+    pub fn finish(self) -> Result<Option<KlReport>> {
+        if let Some(w) = self.writer {
+            w.finish()?;
+        }
+        let Some(r) = self.reference else { return Ok(None) };
+        let summary = self.overall.summary();
+        for line in kl::summary_lines(&summary, r.k) {
+            info!("{line}");
+        }
+        Ok(Some(KlReport {
+            reference: KlReferenceInfo {
+                path: r.path.display().to_string(),
+                sha256: r.records_sha256.clone(),
+                producer: r.header.producer.clone(),
+                top_k: r.k,
+            },
+            bound: KlReport::BOUND,
+            summary,
+        }))
+    }
+}
+
+/// This run's record of one position: top-K ids and log-probabilities, the
+/// target's, and the rest mass, from the backend's logits and log-sum-exp.
+pub fn record_of(s: &TargetScore, k: usize, covers_vocab: bool) -> Result<TopRecord> {
+    ensure!(s.top.len() == k, "the backend returned {} top entries, {k} asked", s.top.len());
+    let exact: Vec<f64> = s.top.iter().map(|&(_, l)| f64::from(l) - s.lse).collect();
+    Ok(TopRecord {
+        target_logp: kl::logp_f32(s.target_logit, s.lse),
+        log_rest: kl::log_rest_mass(&exact, covers_vocab) as f32,
+        ids: s.top.iter().map(|t| t.0).collect(),
+        logps: s.top.iter().map(|&(_, l)| kl::logp_f32(f64::from(l), s.lse)).collect(),
+    })
+}
