@@ -19,7 +19,7 @@ use anyhow::{Context, Result};
 use infernix_perplexity::artifact::meta::Activation;
 use infernix_perplexity::artifact::{Artifact, TensorView};
 use infernix_perplexity::backend::cpu::CpuBackend;
-use infernix_perplexity::backend::{AttnParams, Backend, HeadRequest, KvGeometry, RopeParams, RowScore};
+use infernix_perplexity::backend::{AttnParams, Backend, HeadRequest, KvGeometry, PassRows, RopeParams, RowScore};
 use infernix_perplexity::convert::{self, ConvertOptions};
 use infernix_perplexity::model::{ScoreOptions, Transformer};
 
@@ -133,8 +133,8 @@ impl Backend for Timed {
     fn add_bias(&self, x: &mut Self::Act, b: &Self::Vector) -> Result<()> {
         self.time("add_bias", || self.inner.add_bias(x, b))
     }
-    fn rope(&self, x: &mut Self::Act, n_heads: usize, d: usize, pos0: usize, p: &RopeParams) -> Result<()> {
-        self.time("rope", || self.inner.rope(x, n_heads, d, pos0, p))
+    fn rope(&self, x: &mut Self::Act, n_heads: usize, d: usize, rows: PassRows, p: &RopeParams) -> Result<()> {
+        self.time("rope", || self.inner.rope(x, n_heads, d, rows, p))
     }
     fn attention(
         &self,
@@ -143,10 +143,10 @@ impl Backend for Timed {
         q: &Self::Act,
         k: &Self::Act,
         v: &Self::Act,
-        pos0: usize,
+        rows: PassRows,
         p: &AttnParams,
     ) -> Result<Self::Act> {
-        self.time("attention", || self.inner.attention(c, l, q, k, v, pos0, p))
+        self.time("attention", || self.inner.attention(c, l, q, k, v, rows, p))
     }
     fn gated_act(&self, g: &Self::Act, u: &Self::Act, a: Activation) -> Result<Self::Act> {
         self.time("gated_act", || self.inner.gated_act(g, u, a))

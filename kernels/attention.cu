@@ -1,12 +1,14 @@
 // attention.cu: KV-cache store and causal prefill attention (GQA, optional
 // sliding window), flash-attention style.
 //
-// Cache layout, per layer: (n_kv_heads, n_ctx, d_head), BF16 (default route)
-// or f32 (FP32 route); a head's keys are contiguous so a key tile is one
-// contiguous read.
+// Cache layout, per layer: (n_seqs, n_kv_heads, n_ctx, d_head), BF16
+// (default route) or f32 (FP32 route); a head's keys are contiguous so a key
+// tile is one contiguous read. A pass batches n_seqs windows: their rows are
+// window-major in src, q and out (row s * n_tokens + t is window s's token
+// t), and window s owns cache slot s.
 //
-// kv_store_<kv>: cache[h, pos0 + t, :] = src[t, h*d_head : (h+1)*d_head]
-// (f32 -> cache type, round to nearest even). Grid (n_tokens, n_kv_heads), block 128.
+// kv_store_<kv>: cache[s, h, pos0 + t, :] = src[s * n_tokens + t, h*d_head : (h+1)*d_head]
+// (f32 -> cache type, round to nearest even). Grid (n_tokens, n_kv_heads, n_seqs), block 128.
 //
 // attn_prefill_d<D>_<kv>_<out>: query t (position pos0 + t) of head h attends
 // to the cached keys kp of kv head h / (n_heads / n_kv_heads) with
@@ -24,7 +26,10 @@
 // Output = acc / l. The math is f32 on the CUDA cores: exact enough for both
 // routes; moving QKᵀ and PV onto mma.sync (bf16) is the speed step after this.
 //
-// Launch: grid (ceil(n_tokens/16), n_heads), block 128, dynamic shared memory
+// Windows of a batched pass are independent: blockIdx.z picks the window and
+// offsets q, out and the caches to it.
+//
+// Launch: grid (ceil(n_tokens/16), n_heads, n_seqs), block 128, dynamic shared memory
 // 16*D*4 + 32*(D+pad)*sizeof(kv) + 32*D*sizeof(kv) bytes (above 48 KiB for
 // D = 256 with an f32 cache: the launcher raises the function's limit).
 #include "common.cuh"
@@ -36,9 +41,9 @@
     extern "C" __global__ void __launch_bounds__(128)                                            \
         kv_store_##name(const float* src, T* cache, int d_head, int n_ctx, int pos0,             \
                         long long src_stride) {                                                  \
-        const int t = blockIdx.x, h = blockIdx.y;                                                \
-        const float* s = src + t * src_stride + (long long)h * d_head;                           \
-        T* d = cache + ((long long)h * n_ctx + pos0 + t) * d_head;                               \
+        const int t = blockIdx.x, h = blockIdx.y, seq = blockIdx.z;                              \
+        const float* s = src + ((long long)seq * gridDim.x + t) * src_stride + (long long)h * d_head; \
+        T* d = cache + (((long long)seq * gridDim.y + h) * n_ctx + pos0 + t) * d_head;            \
         for (int i = threadIdx.x; i < d_head; i += blockDim.x) d[i] = from_f32<T>(s[i]);         \
     }
 KV_STORE(bf16, bf16)
@@ -171,8 +176,11 @@ __device__ void attn_prefill_impl(const float* __restrict__ q, const KV* __restr
         const float* q, const KV* k_cache, const KV* v_cache, OUT* out, int n_tokens, int n_heads, \
         int n_kv_heads, int n_ctx, int pos0, int window, float scale, float softcap,              \
         long long q_stride, long long out_stride) {                                              \
-        attn_prefill_impl<D, KV, OUT>(q, k_cache, v_cache, out, n_tokens, n_heads, n_kv_heads,    \
-                                      n_ctx, pos0, window, scale, softcap, q_stride, out_stride); \
+        const long long seq = blockIdx.z, cache_off = seq * n_kv_heads * n_ctx * D;               \
+        attn_prefill_impl<D, KV, OUT>(q + seq * n_tokens * q_stride, k_cache + cache_off,         \
+                                      v_cache + cache_off, out + seq * n_tokens * out_stride,     \
+                                      n_tokens, n_heads, n_kv_heads, n_ctx, pos0, window, scale,  \
+                                      softcap, q_stride, out_stride);                             \
     }
 #define ATTN_D(D)                       \
     ATTN(D, bf16, bf16, f32, float)     \

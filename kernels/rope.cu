@@ -1,6 +1,7 @@
 // rope.cu: rotary position embedding, in place on q or k.
 //
-// Algorithm: for token t at position pos[t] and pair i < n_rot/2, the angle
+// Algorithm: for token t at position pos[t % n_per_seq] (a batched pass
+// holds n_tokens / n_per_seq windows at the same positions) and pair i < n_rot/2, the angle
 // is (pos * freq_scale) * base^(-2i/n_rot) (linear scaling: freq_scale =
 // 1/factor), computed with sin/cos in f64 so the only f32 rounding is the
 // rotation itself: (x0*cos - x1*sin, x0*sin + x1*cos). Pairing mode 0
@@ -15,18 +16,18 @@
 #include "common.cuh"
 
 extern "C" __global__ void __launch_bounds__(128)
-    rope_f32(float* x, const int32_t* pos, int n_heads, int d_head, int n_rot,
+    rope_f32(float* x, const int32_t* pos, int n_per_seq, int n_heads, int d_head, int n_rot,
              long long token_stride, int mode, double freq_base, double freq_scale) {
     const int t = blockIdx.y;
     const int half_rot = n_rot / 2;
     const int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= n_heads * half_rot) return;
     const int h = idx / half_rot, i = idx % half_rot;
-    const double theta = (double)pos[t] * freq_scale * pow(freq_base, -2.0 * (double)i / (double)n_rot);
+    const double theta = (double)pos[t % n_per_seq] * freq_scale * pow(freq_base, -2.0 * (double)i / (double)n_rot);
     double s, c;
     sincos(theta, &s, &c);
     const float cs = (float)c, sn = (float)s;
-    float* row = x + t * token_stride + (long long)h * d_head;
+    float* row = x + (long long)t * token_stride + (long long)h * d_head;
     const int i0 = mode == 2 ? i : 2 * i;
     const int i1 = mode == 2 ? i + half_rot : 2 * i + 1;
     const float x0 = row[i0], x1 = row[i1];

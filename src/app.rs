@@ -18,7 +18,7 @@ use crate::compare::floor::alternate_prefill_chunk;
 use crate::compare::stats::PairedWindow;
 use crate::compare::NoiseFloor;
 use crate::config::{prepare_output_dir, BackendChoice, Input, RunConfig};
-use crate::model::{load_model, ScoreOptions, WindowScorer};
+use crate::model::{load_model, ScoreOptions, WindowInput, WindowScorer};
 use crate::plan::{plan_windows, Window};
 use crate::report::{
     self, ArtifactInfo, BosPolicy, CorpusInfo, DomainResult, Execution, Report, Results, StreamResult, Timing,
@@ -144,9 +144,15 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
     let mut scorer = load_model(&artifact, kind)?;
     // Size memory from the model and the plan before the first window.
     let n_max_window = streams.iter().flat_map(|s| &s.windows).map(|w| w.end - w.begin).max().unwrap_or(1);
-    scorer
-        .prepare(n_max_window, cfg.prefill_chunk)
-        .with_context(|| format!("windows of up to {n_max_window} tokens, prefill passes of {}", cfg.prefill_chunk))?;
+    let pass_tokens = cfg.prefill_chunk.min(n_max_window);
+    let n_most_windows = streams.iter().map(|s| s.windows.len()).max().unwrap_or(1).max(1);
+    let max_seqs = windows_per_pass(cfg.batch_tokens, pass_tokens).min(n_most_windows);
+    let n_seqs = scorer.prepare(n_max_window, cfg.prefill_chunk, max_seqs).with_context(|| {
+        format!("windows of up to {n_max_window} tokens, prefill passes of {}, {max_seqs} windows per pass", cfg.prefill_chunk)
+    })?;
+    if n_seqs < max_seqs {
+        info!("batching {n_seqs} windows per pass ({max_seqs} would not fit the device's memory)");
+    }
     report.timing.load_seconds += t_load.elapsed().as_secs_f64();
     info!("backend {} ready in {:.2} s", scorer.describe_backend(), t_load.elapsed().as_secs_f64());
     let exec = scorer.execution();
@@ -157,7 +163,8 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         map.insert("prefill_chunk_tokens".into(), cfg.prefill_chunk.min(n_max_window).into());
         map.insert("max_window_tokens".into(), n_max_window.into());
         map.insert("passes_per_max_window".into(), n_max_window.div_ceil(cfg.prefill_chunk).into());
-        map.insert("windows_per_pass".into(), 1.into());
+        map.insert("batch_tokens".into(), cfg.batch_tokens.into());
+        map.insert("windows_per_pass".into(), n_seqs.into());
     }
     report.execution = Some(Execution {
         backend: exec.backend,
@@ -178,11 +185,11 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
 
     let t_score = Instant::now();
     let (stats, window_results, stream_kl) =
-        score_streams(&streams, scorer.as_mut(), bos, cfg.prefill_chunk, top_tokens.as_mut())?;
+        score_streams(&streams, scorer.as_mut(), bos, cfg.prefill_chunk, n_seqs, top_tokens.as_mut())?;
     let scoring_seconds = t_score.elapsed().as_secs_f64();
     report.results.kl_divergence = top_tokens.map(TopTokensRun::finish).transpose()?.flatten();
     if cfg.noise_floor {
-        report.noise_floor = Some(noise_floor(cfg, &streams, &stats, scorer.as_mut(), bos)?);
+        report.noise_floor = Some(noise_floor(cfg, &streams, &stats, scorer.as_mut(), bos, n_seqs)?);
     }
 
     let overall = overall_summary(&stats);
@@ -356,12 +363,16 @@ fn noise_floor(
     stats: &[StreamStats],
     scorer: &mut dyn WindowScorer,
     bos: Option<u32>,
+    n_seqs: usize,
 ) -> Result<NoiseFloor> {
     let longest = streams.iter().flat_map(|s| &s.windows).map(|w| w.end - w.begin).max().unwrap_or(0);
     let alternate = alternate_prefill_chunk(cfg.prefill_chunk, longest);
     info!("noise floor: scoring every window again with prefill chunk {alternate} (reported: {})", cfg.prefill_chunk);
+    // No more rows per pass than the memory check admitted for the reported run.
+    let rows_checked = n_seqs * cfg.prefill_chunk.min(longest.max(1));
+    let n_seqs_again = windows_per_pass(rows_checked, alternate.min(longest.max(1))).min(n_seqs);
     let t = Instant::now();
-    let (again, _, _) = score_streams(streams, scorer, bos, alternate, None)?;
+    let (again, _, _) = score_streams(streams, scorer, bos, alternate, n_seqs_again, None)?;
     let seconds = t.elapsed().as_secs_f64();
     let mut rows = Vec::new();
     let mut n_excluded = 0;
@@ -383,11 +394,21 @@ fn noise_floor(
     Ok(f)
 }
 
+/// How many windows of passes of `pass_tokens` rows share one pass within
+/// `row_budget` rows (at least one).
+fn windows_per_pass(row_budget: usize, pass_tokens: usize) -> usize {
+    (row_budget / pass_tokens.max(1)).max(1)
+}
+
+/// Scores every window of every stream, up to `n_seqs` consecutive windows
+/// of equal length per batched pass (a stream's windows only; results are
+/// per window either way).
 fn score_streams(
     streams: &[Stream],
     scorer: &mut dyn WindowScorer,
     bos: Option<u32>,
     prefill_chunk: usize,
+    n_seqs: usize,
     mut top_tokens: Option<&mut TopTokensRun>,
 ) -> Result<StreamScores> {
     let top_k = top_tokens.as_ref().map_or(0, |t| t.top_k());
@@ -401,37 +422,54 @@ fn score_streams(
         let mut stats: Vec<WindowStats> = Vec::with_capacity(s.windows.len());
         let mut results = Vec::with_capacity(s.windows.len());
         let t_stream = Instant::now();
-        for w in &s.windows {
-            let tokens = window_tokens(&s.tokens, w, bos)?;
-            let at = || format!("stream {} window {} [{}, {})", s.name, w.index, w.begin, w.end);
-            let extra_ids = match top_tokens.as_mut() {
-                Some(t) => t.begin_window(w).with_context(at)?,
-                None => Vec::new(),
-            };
+        let at = |w: &Window| format!("stream {} window {} [{}, {})", s.name, w.index, w.begin, w.end);
+        for batch in equal_length_batches(&s.windows, n_seqs) {
+            let mut tokens = Vec::with_capacity(batch.len());
+            let mut extra_ids = Vec::with_capacity(batch.len());
+            for w in batch {
+                tokens.push(window_tokens(&s.tokens, w, bos)?);
+                extra_ids.push(match top_tokens.as_mut() {
+                    Some(t) => t.begin_window(w).with_context(|| at(w))?,
+                    None => Vec::new(),
+                });
+            }
+            let inputs: Vec<WindowInput> = batch
+                .iter()
+                .zip(&tokens)
+                .zip(&extra_ids)
+                .map(|((w, t), e)| WindowInput { tokens: t, first_target: w.first_target - w.begin, extra_ids: e })
+                .collect();
             let t = Instant::now();
-            let scores = scorer.score_window(&tokens, w.first_target - w.begin, &opts, &extra_ids).with_context(at)?;
-            let seconds = t.elapsed().as_secs_f64();
-            let window_kl = match top_tokens.as_mut() {
-                Some(t) => t.end_window(w, &scores).with_context(at)?,
-                None => None,
-            };
-            let ws = WindowScores { input_tokens: tokens.len(), nll: scores.iter().map(|r| r.nll).collect() }.stats();
-            results.push(WindowResult {
-                index: w.index,
-                begin: w.begin,
-                end: w.end,
-                first_target: w.first_target,
-                scored: ws.scored_tokens,
-                tokens_sha256: report::window_tokens_sha256(&tokens),
-                n_nonfinite: ws.n_nonfinite,
-                nll_sum: ws.nll_sum,
-                mean_nll: ws.mean_nll(),
-                perplexity: ws.perplexity(),
-                seconds,
-                kl_divergence: window_kl,
-            });
-            progress.advance(w.scored() as u64, &s.name);
-            stats.push(ws);
+            let batch_scores = scorer.score_windows(&inputs, &opts).with_context(|| match batch {
+                [w] => at(w),
+                [a, .., b] => format!("{} .. {} (one batched pass)", at(a), at(b)),
+                [] => String::new(),
+            })?;
+            // The batch's wall time, shared evenly by its windows.
+            let seconds = t.elapsed().as_secs_f64() / batch.len() as f64;
+            for ((w, tokens), scores) in batch.iter().zip(&tokens).zip(batch_scores) {
+                let window_kl = match top_tokens.as_mut() {
+                    Some(t) => t.end_window(w, &scores).with_context(|| at(w))?,
+                    None => None,
+                };
+                let ws = WindowScores { input_tokens: tokens.len(), nll: scores.iter().map(|r| r.nll).collect() }.stats();
+                results.push(WindowResult {
+                    index: w.index,
+                    begin: w.begin,
+                    end: w.end,
+                    first_target: w.first_target,
+                    scored: ws.scored_tokens,
+                    tokens_sha256: report::window_tokens_sha256(tokens),
+                    n_nonfinite: ws.n_nonfinite,
+                    nll_sum: ws.nll_sum,
+                    mean_nll: ws.mean_nll(),
+                    perplexity: ws.perplexity(),
+                    seconds,
+                    kl_divergence: window_kl,
+                });
+                progress.advance(w.scored() as u64, &s.name);
+                stats.push(ws);
+            }
         }
         let st = StreamStats { id: s.name.clone(), domain: s.domain.clone(), windows: stats };
         let sum = st.summary();
@@ -445,4 +483,41 @@ fn score_streams(
     }
     progress.finish();
     Ok((all_stats, all_windows, all_kl))
+}
+
+/// Splits `windows` into runs of consecutive windows of equal length, at most
+/// `n_max` each, in order.
+fn equal_length_batches(windows: &[Window], n_max: usize) -> Vec<&[Window]> {
+    let mut out = Vec::new();
+    let mut rest = windows;
+    while let Some(w0) = rest.first() {
+        let len = w0.end - w0.begin;
+        let n = rest.iter().take(n_max.max(1)).take_while(|w| w.end - w.begin == len).count();
+        let (batch, tail) = rest.split_at(n);
+        out.push(batch);
+        rest = tail;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn w(index: usize, begin: usize, end: usize) -> Window {
+        Window { index, begin, end, first_target: begin + 1, replace_first_with_bos: false }
+    }
+
+    #[test]
+    fn batches_are_consecutive_equal_length_runs() {
+        let ws = [w(0, 0, 8), w(1, 4, 12), w(2, 8, 16), w(3, 12, 18), w(4, 16, 24)];
+        let sizes: Vec<Vec<usize>> = equal_length_batches(&ws, 2).iter().map(|b| b.iter().map(|w| w.index).collect()).collect();
+        assert_eq!(sizes, vec![vec![0, 1], vec![2], vec![3], vec![4]]);
+        assert_eq!(equal_length_batches(&ws, 1).len(), 5);
+        assert_eq!(equal_length_batches(&ws, 16).iter().map(|b| b.len()).collect::<Vec<_>>(), vec![3, 1, 1]);
+        assert!(equal_length_batches(&[], 4).is_empty());
+        assert_eq!(windows_per_pass(8192, 512), 16);
+        assert_eq!(windows_per_pass(8192, 1024), 8);
+        assert_eq!(windows_per_pass(100, 1024), 1);
+    }
 }

@@ -78,6 +78,12 @@ pub struct Args {
     /// Tokens per prefill pass (multiple of 128).
     #[arg(long, default_value_t = 1024)]
     pub prefill_chunk: usize,
+    /// Most rows in one forward pass: consecutive windows of equal length are
+    /// prefilled side by side while their passes together stay within this
+    /// many tokens (fewer when the device's memory says so; 1 window when a
+    /// single pass is already larger). Changes speed, never a score.
+    #[arg(long, default_value_t = 8192, value_name = "TOKENS")]
+    pub batch_tokens: usize,
 
     /// Where the forward pass runs.
     #[arg(long, value_enum, default_value_t = BackendArg::Auto)]

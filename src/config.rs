@@ -30,6 +30,8 @@ pub struct RunConfig {
     pub method: Method,
     pub chunks_limit: Option<usize>,
     pub prefill_chunk: usize,
+    /// `--batch-tokens`: the most rows of one batched prefill pass.
+    pub batch_tokens: usize,
     pub backend: BackendChoice,
     pub device: usize,
     /// The FP32 route on CUDA (`--lossless`); recorded, and a no-op, on the CPU.
@@ -80,6 +82,9 @@ impl RunConfig {
             bail!("--chunks 0: nothing would be scored");
         }
         validate_prefill_chunk(args.prefill_chunk).context("--prefill-chunk")?;
+        if args.batch_tokens == 0 {
+            bail!("--batch-tokens 0: a pass needs at least one row");
+        }
         let backend = match args.backend {
             BackendArg::Auto => BackendChoice::Auto,
             BackendArg::Cuda => BackendChoice::Cuda { device: args.device },
@@ -112,6 +117,7 @@ impl RunConfig {
             method,
             chunks_limit: args.chunks,
             prefill_chunk: args.prefill_chunk,
+            batch_tokens: args.batch_tokens,
             backend,
             device: args.device,
             lossless: args.lossless,

@@ -11,6 +11,7 @@
 //! backend plugs in through `WindowScorer::score_window`'s `top_k` and
 //! `extra_ids`. The file format is `score::topk`, the arithmetic `score::kl`.
 
+use std::collections::VecDeque;
 use std::path::Path;
 
 use anyhow::{ensure, Context, Result};
@@ -113,8 +114,8 @@ pub struct TopTokensRun {
     k: usize,
     writer: Option<TopTokensWriter>,
     reference: Option<TopTokensReader>,
-    /// The reference's records for the window being scored.
-    window_records: Vec<TopRecord>,
+    /// The reference's records of each window begun and not yet ended, oldest first.
+    window_records: VecDeque<Vec<TopRecord>>,
     stream: KlAccumulator,
     overall: KlAccumulator,
 }
@@ -169,7 +170,7 @@ impl TopTokensRun {
             k,
             writer: None,
             reference,
-            window_records: Vec::new(),
+            window_records: VecDeque::new(),
             stream: KlAccumulator::default(),
             overall: KlAccumulator::default(),
         }))
@@ -203,12 +204,15 @@ impl TopTokensRun {
 
     /// Reads the reference's records of `w` and returns their ids, one list
     /// per target (the backend's `extra_ids`); empty without a reference.
+    /// Windows of a batch are begun in order, then ended in the same order.
     pub fn begin_window(&mut self, w: &Window) -> Result<Vec<Vec<u32>>> {
         match &mut self.reference {
             None => Ok(Vec::new()),
             Some(r) => {
-                self.window_records = r.read_records(w.scored())?;
-                Ok(self.window_records.iter().map(|rec| rec.ids.clone()).collect())
+                let records = r.read_records(w.scored())?;
+                let ids = records.iter().map(|rec| rec.ids.clone()).collect();
+                self.window_records.push_back(records);
+                Ok(ids)
             }
         }
     }
@@ -226,8 +230,10 @@ impl TopTokensRun {
         if self.reference.is_none() {
             return Ok(None);
         }
+        let records = self.window_records.pop_front().with_context(|| format!("window {}: ended before it began", w.index))?;
+        ensure!(records.len() == scores.len(), "window {}: {} reference records for {} scores", w.index, records.len(), scores.len());
         let mut window = kl::KlMoments::default();
-        for (j, (s, rec)) in scores.iter().zip(&self.window_records).enumerate() {
+        for (j, (s, rec)) in scores.iter().zip(&records).enumerate() {
             ensure!(
                 s.extra.len() == rec.ids.len(),
                 "window {} target {}: the backend returned {} of the reference's {} logits",

@@ -33,7 +33,10 @@ use infernix_perplexity::artifact::TensorView;
 use infernix_perplexity::backend::cpu::CpuBackend;
 use infernix_perplexity::backend::cuda::{self as cuda, CudaBackend, Route};
 use infernix_perplexity::backend::{Backend, BackendKind};
-use infernix_perplexity::model::{load_model, ScoreOptions, TargetScore, Transformer};
+use infernix_perplexity::model::{load_model, ScoreOptions, TargetScore, Transformer, WindowInput};
+
+/// Windows per batched pass in the whole-model GPU tests.
+const BATCH: usize = 8;
 
 /// Why the GPU tests cannot run here, or None when a device is present.
 fn no_device_reason() -> Option<String> {
@@ -301,17 +304,28 @@ fn unsupported_shapes_are_errors_naming_the_op() {
 // ---------------------------------------------------------------- real models
 
 /// Per-window (n_scored, mean NLL) of one (model, protocol) on the GPU.
+/// Scores every window of protocol `p` on the GPU, consecutive windows of
+/// equal length batched up to `BATCH` per pass (so the comparison with the
+/// CPU golden, scored one window at a time, also proves batching changes
+/// nothing beyond the tolerance). -> per window (n scored, mean NLL), and
+/// tokens processed per second.
 fn gpu_windows(scorer: &mut dyn infernix_perplexity::model::WindowScorer, art: &infernix_perplexity::artifact::Artifact, tokens: &[u32], p: &cases::Protocol, prefill: usize) -> (Vec<(usize, f64)>, f64) {
     let started = std::time::Instant::now();
-    let mut n_processed = 0;
-    let out = cases::windows(art, tokens, p)
-        .into_iter()
-        .map(|(_, t, first)| {
-            n_processed += t.len();
-            let s = scorer.score_window(&t, first, &ScoreOptions { top_k: 0, prefill_chunk: Some(prefill) }, &[]).expect("score");
-            (s.len(), s.iter().map(|r| r.nll).sum::<f64>() / s.len() as f64)
-        })
-        .collect();
+    let windows = cases::windows(art, tokens, p);
+    let n_processed: usize = windows.iter().map(|(_, t, _)| t.len()).sum();
+    let opts = ScoreOptions { top_k: 0, prefill_chunk: Some(prefill) };
+    let mut out = Vec::with_capacity(windows.len());
+    let mut i = 0;
+    while i < windows.len() {
+        let len = windows[i].1.len();
+        let n = windows[i..].iter().take(BATCH).take_while(|w| w.1.len() == len).count();
+        let inputs: Vec<WindowInput> =
+            windows[i..i + n].iter().map(|(_, t, first)| WindowInput { tokens: t, first_target: *first, extra_ids: &[] }).collect();
+        for s in scorer.score_windows(&inputs, &opts).expect("score") {
+            out.push((s.len(), s.iter().map(|r| r.nll).sum::<f64>() / s.len() as f64));
+        }
+        i += n;
+    }
     (out, n_processed as f64 / started.elapsed().as_secs_f64())
 }
 
@@ -338,7 +352,7 @@ fn real_model(m: &cases::Model) {
     for lossless in [true, false] {
         let route = if lossless { "fp32" } else { "bf16-tc" };
         let mut scorer = load_model(&art, BackendKind::Cuda { device: device_index(), lossless }).expect("load on GPU");
-        scorer.prepare(4096, 1024).expect("the plan fits");
+        assert_eq!(scorer.prepare(4096, 1024, BATCH).expect("the plan fits"), BATCH, "batch of {BATCH} windows fits the GPU");
         for p in &cases::PROTOCOLS {
             let key = format!("{}/{}", m.key, p.key);
             let cpu = golden.runs.get(&key).unwrap_or_else(|| panic!("golden file has no run {key}"));

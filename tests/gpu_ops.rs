@@ -286,7 +286,9 @@ fn rmsnorm_rows_and_per_head() {
 fn rope_normal_and_neox_with_base_and_scale() {
     let Some(dev) = device() else { return };
     let mut rng = rng_for("rope");
-    let (n_tokens, n_heads, d_head) = (50, 3, 64);
+    // Two windows side by side (a batched pass): rows n_tokens.. repeat the positions.
+    let (n_tokens, n_seqs, n_heads, d_head) = (50, 2, 3, 64);
+    let n_rows = n_seqs * n_tokens;
     let stride = n_heads * d_head + 32; // padded rows: the gap must stay untouched
     let cases = [
         (RopeMode::Normal, 64, 10_000.0, 1.0, 0),
@@ -295,23 +297,28 @@ fn rope_normal_and_neox_with_base_and_scale() {
         (RopeMode::Normal, 48, 500_000.0, 0.5, 4000),
     ];
     for (mode, n_rot, base, scale, pos0) in cases {
-        let x = randn(&mut rng, n_tokens * stride, 1.0);
+        let x = randn(&mut rng, n_rows * stride, 1.0);
         let pos: Vec<i32> = (0..n_tokens as i32).map(|t| pos0 + 2 * t).collect();
         let mut xd = dev.upload(&x).unwrap();
         let posd = dev.upload(&pos).unwrap();
         let p = RopeParams { n_heads, d_head, n_rot, mode, freq_base: base, freq_scale: scale };
-        ops::rope(dev, xd.view_mut(), stride, posd.view(), &p).unwrap();
+        ops::rope(dev, xd.view_mut(), stride, n_rows, posd.view(), &p).unwrap();
         let gpu = dev.download(&xd).unwrap();
         let mut cpu = to_f64(&x);
-        for t in 0..n_tokens {
+        for t in 0..n_rows {
             for h in 0..n_heads {
                 let o = t * stride + h * d_head;
-                let r = twin::rope_f64(&x[o..o + d_head], pos[t], n_rot, mode == RopeMode::Neox, base, scale);
+                let r = twin::rope_f64(&x[o..o + d_head], pos[t % n_tokens], n_rot, mode == RopeMode::Neox, base, scale);
                 cpu[o..o + d_head].copy_from_slice(&r);
             }
         }
-        check(&format!("rope {mode:?} n_rot={n_rot} base={base} scale={scale} pos0={pos0}"), &gpu, &cpu, TOL_F32);
+        check(&format!("rope {mode:?} n_rot={n_rot} base={base} scale={scale} pos0={pos0} 2 windows"), &gpu, &cpu, TOL_F32);
     }
+    // Rows that are not whole windows are refused.
+    let mut xd = dev.upload(&vec![0f32; 3 * stride]).unwrap();
+    let posd = dev.upload(&[0i32, 1]).unwrap();
+    let p = RopeParams { n_heads, d_head, n_rot: 64, mode: RopeMode::Normal, freq_base: 1e4, freq_scale: 1.0 };
+    assert!(ops::rope(dev, xd.view_mut(), stride, 3, posd.view(), &p).is_err());
 }
 
 // ---------------------------------------------------------------- activations, residual, cast
@@ -462,6 +469,8 @@ fn matmul_timing_report() {
 // ---------------------------------------------------------------- attention
 
 struct AttnCase {
+    /// Windows side by side in each pass (KV slots).
+    n_seqs: usize,
     n_heads: usize,
     n_kv_heads: usize,
     d_head: usize,
@@ -480,7 +489,8 @@ fn attention_case<KV: Elem + Poison + ops::KvElem, O: Elem + Poison + ops::OutEl
 ) -> Stats {
     let kv_bf16 = KV::NAME == "bf16";
     let d = c.d_head;
-    let shape = KvShape { n_kv_heads: c.n_kv_heads, n_ctx: c.n_ctx, d_head: d };
+    let shape = KvShape { n_seqs: c.n_seqs, n_kv_heads: c.n_kv_heads, n_ctx: c.n_ctx, d_head: d };
+    let slot_len = shape.len() / c.n_seqs;
     let mut kc = poisoned::<KV>(dev, shape.len());
     let mut vc = poisoned::<KV>(dev, shape.len());
     // Reference copies of what the cache holds (rounded like the cache).
@@ -490,29 +500,34 @@ fn attention_case<KV: Elem + Poison + ops::KvElem, O: Elem + Poison + ops::OutEl
     let mut pos0 = 0;
     let mut last = Stats { max_abs: 0.0, nmse: 0.0 };
     for &n_tokens in &c.passes {
+        let n_rows = c.n_seqs * n_tokens;
         let kv_w = c.n_kv_heads * d;
-        let q = randn(rng, n_tokens * c.n_heads * d, 1.0);
+        let q = randn(rng, n_rows * c.n_heads * d, 1.0);
         // k and v with a padded token stride, as slices of a fused QKV output would have.
         let kv_stride = kv_w + 16;
-        let k = randn(rng, n_tokens * kv_stride, 1.0);
-        let v = randn(rng, n_tokens * kv_stride, 1.0);
+        let k = randn(rng, n_rows * kv_stride, 1.0);
+        let v = randn(rng, n_rows * kv_stride, 1.0);
         let (kd, vd) = (dev.upload(&k).unwrap(), dev.upload(&v).unwrap());
-        ops::kv_store(dev, kd.view(), n_tokens, kv_stride, kc.view_mut(), shape, pos0).unwrap();
-        ops::kv_store(dev, vd.view(), n_tokens, kv_stride, vc.view_mut(), shape, pos0).unwrap();
-        for t in 0..n_tokens {
-            for h in 0..c.n_kv_heads {
-                for i in 0..d {
-                    let dst = (h * c.n_ctx + pos0 + t) * d + i;
-                    let (kv, vv) = (k[t * kv_stride + h * d + i], v[t * kv_stride + h * d + i]);
-                    k_ref[dst] = if kv_bf16 { twin::round_bf16(kv) } else { kv };
-                    v_ref[dst] = if kv_bf16 { twin::round_bf16(vv) } else { vv };
+        ops::kv_store(dev, kd.view(), c.n_seqs, n_tokens, kv_stride, kc.view_mut(), shape, pos0).unwrap();
+        ops::kv_store(dev, vd.view(), c.n_seqs, n_tokens, kv_stride, vc.view_mut(), shape, pos0).unwrap();
+        for s in 0..c.n_seqs {
+            for t in 0..n_tokens {
+                for h in 0..c.n_kv_heads {
+                    for i in 0..d {
+                        let dst = s * slot_len + (h * c.n_ctx + pos0 + t) * d + i;
+                        let src = (s * n_tokens + t) * kv_stride + h * d + i;
+                        let (kv, vv) = (k[src], v[src]);
+                        k_ref[dst] = if kv_bf16 { twin::round_bf16(kv) } else { kv };
+                        v_ref[dst] = if kv_bf16 { twin::round_bf16(vv) } else { vv };
+                    }
                 }
             }
         }
         let qd = dev.upload(&q).unwrap();
         let width = c.n_heads * d;
-        let mut out = poisoned::<O>(dev, n_tokens * width);
+        let mut out = poisoned::<O>(dev, n_rows * width);
         let p = AttnParams {
+            n_seqs: c.n_seqs,
             n_tokens,
             n_heads: c.n_heads,
             pos0,
@@ -524,13 +539,21 @@ fn attention_case<KV: Elem + Poison + ops::KvElem, O: Elem + Poison + ops::OutEl
         };
         ops::attention::<KV, O>(dev, qd.view(), kc.view(), vc.view(), shape, out.view_mut(), &p).unwrap();
         let gpu: Vec<f32> = dev.download(&out).unwrap().into_iter().map(Poison::as_f32).collect();
-        let cpu = twin::attention_f64(&q, &k_ref, &v_ref, n_tokens, c.n_heads, c.n_kv_heads, d, c.n_ctx, pos0, c.window, scale, c.softcap);
+        // Each window against its own slot, alone.
+        let cpu: Vec<f64> = (0..c.n_seqs)
+            .flat_map(|s| {
+                let q_s = &q[s * n_tokens * width..(s + 1) * n_tokens * width];
+                let slot = s * slot_len..(s + 1) * slot_len;
+                twin::attention_f64(q_s, &k_ref[slot.clone()], &v_ref[slot], n_tokens, c.n_heads, c.n_kv_heads, d, c.n_ctx, pos0, c.window, scale, c.softcap)
+            })
+            .collect();
         let tol = if O::NAME == "bf16" { TOL_BF16_OUT } else { Tol { atol_rel: 2e-5, rtol: 1e-4, nmse: 1e-9 } };
         last = check(
             &format!(
-                "attention d{d} {}->{} h{}/{} pos0={pos0} n={n_tokens} win={}",
+                "attention d{d} {}->{} {} windows h{}/{} pos0={pos0} n={n_tokens} win={}",
                 KV::NAME,
                 O::NAME,
+                c.n_seqs,
                 c.n_heads,
                 c.n_kv_heads,
                 c.window
@@ -559,25 +582,25 @@ fn attention_prefill_gqa_window_multi_pass() {
     let Some(dev) = device() else { return };
     let mut rng = rng_for("attention");
     // SmolLM2-like: 9 heads over 3 KV heads of 64, one pass, full causal.
-    let c = AttnCase { n_heads: 9, n_kv_heads: 3, d_head: 64, n_ctx: 160, passes: vec![150], window: 0, softcap: 0.0 };
+    let c = AttnCase { n_seqs: 1, n_heads: 9, n_kv_heads: 3, d_head: 64, n_ctx: 160, passes: vec![150], window: 0, softcap: 0.0 };
     attention_case::<bf16, f32>(dev, &mut rng, &c);
     attention_case::<f32, f32>(dev, &mut rng, &c);
     // gemma3-like: 4 heads over 1 KV head of 256, sliding window 50, three passes.
-    let c = AttnCase { n_heads: 4, n_kv_heads: 1, d_head: 256, n_ctx: 200, passes: vec![64, 37, 80], window: 50, softcap: 0.0 };
+    let c = AttnCase { n_seqs: 3, n_heads: 4, n_kv_heads: 1, d_head: 256, n_ctx: 200, passes: vec![64, 37, 80], window: 50, softcap: 0.0 };
     attention_case::<bf16, f32>(dev, &mut rng, &c);
     attention_case::<f32, bf16>(dev, &mut rng, &c);
     // 128-d heads, 8 over 2, window larger than the context, two passes, bf16 out.
-    let c = AttnCase { n_heads: 8, n_kv_heads: 2, d_head: 128, n_ctx: 300, passes: vec![128, 100], window: 1000, softcap: 0.5 };
+    let c = AttnCase { n_seqs: 2, n_heads: 8, n_kv_heads: 2, d_head: 128, n_ctx: 300, passes: vec![128, 100], window: 1000, softcap: 0.5 };
     attention_case::<bf16, bf16>(dev, &mut rng, &c);
     // 96-d heads, MHA, window 1 (each query sees only itself).
-    let c = AttnCase { n_heads: 2, n_kv_heads: 2, d_head: 96, n_ctx: 40, passes: vec![33], window: 1, softcap: 0.0 };
+    let c = AttnCase { n_seqs: 1, n_heads: 2, n_kv_heads: 2, d_head: 96, n_ctx: 40, passes: vec![33], window: 1, softcap: 0.0 };
     attention_case::<f32, f32>(dev, &mut rng, &c);
     // Unsupported head size is an error naming it.
-    let shape = KvShape { n_kv_heads: 1, n_ctx: 8, d_head: 80 };
+    let shape = KvShape { n_seqs: 1, n_kv_heads: 1, n_ctx: 8, d_head: 80 };
     let kc = dev.alloc_zeros::<f32>(shape.len()).unwrap();
     let q = dev.alloc_zeros::<f32>(80).unwrap();
     let mut o = dev.alloc_zeros::<f32>(80).unwrap();
-    let p = AttnParams { n_tokens: 1, n_heads: 1, pos0: 0, window: 0, scale: 1.0, softcap: 0.0, q_stride: 80, out_stride: 80 };
+    let p = AttnParams { n_seqs: 1, n_tokens: 1, n_heads: 1, pos0: 0, window: 0, scale: 1.0, softcap: 0.0, q_stride: 80, out_stride: 80 };
     let err = ops::attention::<f32, f32>(dev, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p).unwrap_err();
     assert!(format!("{err:#}").contains("d_head 80"), "{err:#}");
 }

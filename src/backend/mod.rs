@@ -75,7 +75,7 @@ impl AttnParams {
 }
 
 /// Geometry of a KV cache: one K and one V buffer per layer, each holding
-/// `max_pos` positions.
+/// `n_seqs` slots (one per window of a batched pass) of `max_pos` positions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvGeometry {
     pub n_layers: usize,
@@ -83,6 +83,37 @@ pub struct KvGeometry {
     pub d_head: usize,
     pub d_head_v: usize,
     pub max_pos: usize,
+    pub n_seqs: usize,
+}
+
+/// The rows of one forward pass: `n_seqs` windows side by side, `n_tokens`
+/// rows each, window-major. Row `s * n_tokens + i` is window `s`'s token at
+/// position `pos0 + i`; window `s` writes and reads KV slot `s`, which must
+/// already hold its positions `..pos0` (earlier passes of the same windows).
+/// Batching never mixes rows of different windows: every op is per row except
+/// attention, which is per window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PassRows {
+    pub n_seqs: usize,
+    pub n_tokens: usize,
+    pub pos0: usize,
+}
+
+impl PassRows {
+    /// One window's rows at positions `pos0..pos0 + n_tokens`.
+    pub fn single(n_tokens: usize, pos0: usize) -> Self {
+        Self { n_seqs: 1, n_tokens, pos0 }
+    }
+
+    /// Rows in the pass: `n_seqs * n_tokens`.
+    pub fn n_rows(&self) -> usize {
+        self.n_seqs * self.n_tokens
+    }
+
+    /// The position of row `r`.
+    pub fn position(&self, r: usize) -> usize {
+        self.pos0 + r % self.n_tokens.max(1)
+    }
 }
 
 /// What the LM-head op reduces each requested row to, besides max and
@@ -157,16 +188,16 @@ pub trait Backend {
     /// In place, `x[i, j] += b[j]`.
     fn add_bias(&self, x: &mut Self::Act, b: &Self::Vector) -> Result<()>;
 
-    /// In place, rotates each head of `x` `(n, n_heads * d_head)`; row `i`
-    /// is at position `pos0 + i`.
-    fn rope(&self, x: &mut Self::Act, n_heads: usize, d_head: usize, pos0: usize, p: &RopeParams) -> Result<()>;
+    /// In place, rotates each head of `x` `(rows.n_rows(), n_heads * d_head)`;
+    /// row `r` is at position `rows.position(r)`.
+    fn rope(&self, x: &mut Self::Act, n_heads: usize, d_head: usize, rows: PassRows, p: &RopeParams) -> Result<()>;
 
-    /// Writes `k` `(n, n_kv_heads * d_head)` and `v` `(n, n_kv_heads *
-    /// d_head_v)` to `layer`'s cache at positions `pos0..pos0 + n`, then
-    /// attends each row of `q` `(n, n_heads * d_head)` (position `pos0 + i`)
-    /// causally over the cached positions `first_key(pos)..=pos`.
-    /// -> `(n, n_heads * d_head_v)`. Positions before `pos0` must have been
-    /// written by earlier passes of the same window.
+    /// For each window `s` of the pass: writes its rows of `k` `(n, n_kv_heads
+    /// * d_head)` and `v` `(n, n_kv_heads * d_head_v)` to slot `s` of
+    /// `layer`'s cache at positions `pos0..pos0 + n_tokens`, then attends each
+    /// of its rows of `q` `(n, n_heads * d_head)` causally over the slot's
+    /// positions `first_key(pos)..=pos`. -> `(n, n_heads * d_head_v)`, with
+    /// `n = rows.n_rows()`.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -175,7 +206,7 @@ pub trait Backend {
         q: &Self::Act,
         k: &Self::Act,
         v: &Self::Act,
-        pos0: usize,
+        rows: PassRows,
         p: &AttnParams,
     ) -> Result<Self::Act>;
 
@@ -203,9 +234,10 @@ pub trait Backend {
     }
 
     /// Checks, before any window runs, that a model of `hp`-sized buffers
-    /// fits: a KV cache of `kv.max_pos` positions, passes of `n_pass_tokens`
-    /// tokens with `n_pass_cols` as the widest activation row, and an LM head
-    /// over `n_vocab`. The default (host memory) accepts every plan.
+    /// fits: a KV cache of `kv.n_seqs` slots of `kv.max_pos` positions,
+    /// passes of `n_pass_tokens` rows (all windows of a batch together) with
+    /// `n_pass_cols` as the widest activation row, and an LM head over
+    /// `n_vocab`. The default (host memory) accepts every plan.
     fn check_memory(&self, _kv: KvGeometry, _n_pass_tokens: usize, _n_pass_cols: usize, _n_vocab: usize) -> Result<()> {
         Ok(())
     }

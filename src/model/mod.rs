@@ -20,7 +20,10 @@
 //!
 //! A window is processed in passes of `prefill_chunk` tokens; the KV cache
 //! carries over between the passes of a window and is overwritten by the
-//! next window (every window starts from empty state). This module owns
+//! next window (every window starts from empty state). Windows of equal
+//! length can be scored together ([`Transformer::score_windows`]): their
+//! rows share each pass (larger matrix products, fewer launches) and each
+//! keeps its own KV slot, so the numbers are those of one window at a time. This module owns
 //! neither window planning (`crate::plan`) nor NLL statistics
 //! (`crate::score`).
 
@@ -31,7 +34,7 @@ use crate::artifact::names::{self, blk};
 use crate::artifact::{Artifact, TensorView};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{CudaBackend, Route};
-use crate::backend::{AttnParams, Backend, BackendKind, ExecutionInfo, HeadRequest, KvGeometry, RopeParams, MAX_TOP_K};
+use crate::backend::{AttnParams, Backend, BackendKind, ExecutionInfo, HeadRequest, KvGeometry, PassRows, RopeParams, MAX_TOP_K};
 
 /// The score of one target position `j` of a window: `-log p(tokens[j] |
 /// tokens[..j])` and the numbers it came from.
@@ -47,6 +50,16 @@ pub struct TargetScore {
     pub top: Vec<(u32, f32)>,
     /// Logits of the ids listed for this target (empty when not asked).
     pub extra: Vec<f32>,
+}
+
+/// One window of a batch for [`Transformer::score_windows`].
+#[derive(Debug, Clone, Copy)]
+pub struct WindowInput<'a> {
+    pub tokens: &'a [u32],
+    /// The first scored target (`1..=tokens.len()`).
+    pub first_target: usize,
+    /// Empty, or per target the ids whose logits are returned.
+    pub extra_ids: &'a [Vec<u32>],
 }
 
 /// How to score a window.
@@ -91,7 +104,7 @@ pub struct Transformer<B: Backend> {
     output_norm: B::Vector,
     layers: Vec<Layer<B>>,
     cache: Option<B::KvCache>,
-    cache_positions: usize,
+    cache_geometry: Option<KvGeometry>,
 }
 
 fn check_hparams(hp: &HParams) -> Result<()> {
@@ -201,7 +214,7 @@ impl<B: Backend> Transformer<B> {
                 },
             });
         }
-        Ok(Self { backend, arch, hp, embd, head, output_norm, layers, cache: None, cache_positions: 0 })
+        Ok(Self { backend, arch, hp, embd, head, output_norm, layers, cache: None, cache_geometry: None })
     }
 
     pub fn hparams(&self) -> &HParams {
@@ -227,100 +240,138 @@ impl<B: Backend> Transformer<B> {
         opts: &ScoreOptions,
         extra_ids: &[Vec<u32>],
     ) -> Result<Vec<TargetScore>> {
-        let n = tokens.len();
-        ensure!(n > 0, "score_window: empty window");
-        ensure!(
-            (1..=n).contains(&first_target),
-            "score_window: first target {first_target} outside 1..={n} (position 0 has no context)"
-        );
-        ensure!(opts.top_k <= MAX_TOP_K, "score_window: top_k {} exceeds {MAX_TOP_K}", opts.top_k);
-        let n_targets = n - first_target;
-        ensure!(
-            extra_ids.is_empty() || extra_ids.len() == n_targets,
-            "score_window: {} extra-id lists for {n_targets} targets",
-            extra_ids.len()
-        );
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.hp.n_vocab) {
-            bail!("score_window: token {bad} is outside the vocabulary of {}", self.hp.n_vocab);
+        let mut all = self.score_windows(&[WindowInput { tokens, first_target, extra_ids }], opts)?;
+        all.pop().context("score_window: no result")
+    }
+
+    /// Scores several windows of the same length together: every prefill
+    /// pass runs their rows side by side (window `s` in KV slot `s`), and one
+    /// LM-head call scores all their targets. Each window's scores are those
+    /// [`score_window`](Self::score_window) would give it alone: rows never
+    /// mix, so batching changes no number. One result per window, in order.
+    pub fn score_windows(&mut self, windows: &[WindowInput], opts: &ScoreOptions) -> Result<Vec<Vec<TargetScore>>> {
+        let Some(first) = windows.first() else { return Ok(Vec::new()) };
+        let n = first.tokens.len();
+        ensure!(n > 0, "score_windows: empty window");
+        ensure!(opts.top_k <= MAX_TOP_K, "score_windows: top_k {} exceeds {MAX_TOP_K}", opts.top_k);
+        for (s, w) in windows.iter().enumerate() {
+            ensure!(w.tokens.len() == n, "score_windows: window {s} has {} tokens, window 0 {n}", w.tokens.len());
+            ensure!(
+                (1..=n).contains(&w.first_target),
+                "score_windows: window {s}: first target {} outside 1..={n} (position 0 has no context)",
+                w.first_target
+            );
+            let n_targets = n - w.first_target;
+            ensure!(
+                w.extra_ids.is_empty() || w.extra_ids.len() == n_targets,
+                "score_windows: window {s}: {} extra-id lists for {n_targets} targets",
+                w.extra_ids.len()
+            );
+            if let Some(&bad) = w.tokens.iter().find(|&&t| t as usize >= self.hp.n_vocab) {
+                bail!("score_windows: window {s}: token {bad} is outside the vocabulary of {}", self.hp.n_vocab);
+            }
         }
         let chunk = opts.prefill_chunk.unwrap_or(n);
-        ensure!(chunk > 0, "score_window: prefill chunk of 0 tokens");
-        self.ensure_cache(n)?;
+        ensure!(chunk > 0, "score_windows: prefill chunk of 0 tokens");
+        self.ensure_cache(n, windows.len())?;
 
-        let mut scores = Vec::with_capacity(n_targets);
+        let mut scores: Vec<Vec<TargetScore>> = windows.iter().map(|w| Vec::with_capacity(n - w.first_target)).collect();
         for pos0 in (0..n).step_by(chunk) {
             let pos1 = (pos0 + chunk).min(n);
-            let x = self.forward_pass(&tokens[pos0..pos1], pos0)?;
-            // Hidden row at position p predicts tokens[p + 1]; we need
-            // p in first_target - 1 ..= n - 2.
-            let lo = (first_target - 1).max(pos0);
-            let hi = (n - 1).min(pos1);
-            if lo >= hi {
+            let pass = PassRows { n_seqs: windows.len(), n_tokens: pos1 - pos0, pos0 };
+            let tokens: Vec<u32> = windows.iter().flat_map(|w| &w.tokens[pos0..pos1]).copied().collect();
+            let x = self.forward_pass(&tokens, pass)?;
+            // Hidden row at position p predicts tokens[p + 1]; window s needs
+            // p in first_target - 1 ..= n - 2. Rows of all windows, window-major.
+            let (mut rows, mut targets, mut extra, mut counts) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for (s, w) in windows.iter().enumerate() {
+                let lo = (w.first_target - 1).max(pos0);
+                let hi = (n - 1).min(pos1);
+                let range = lo..hi.max(lo);
+                counts.push(range.len());
+                rows.extend(range.clone().map(|p| s * pass.n_tokens + p - pos0));
+                targets.extend(range.clone().map(|p| w.tokens[p + 1]));
+                if !w.extra_ids.is_empty() {
+                    extra.extend_from_slice(&w.extra_ids[range.start + 1 - w.first_target..range.end + 1 - w.first_target]);
+                }
+            }
+            if rows.is_empty() {
                 continue;
             }
-            let rows: Vec<usize> = (lo - pos0..hi - pos0).collect();
-            let targets: Vec<u32> = (lo + 1..hi + 1).map(|j| tokens[j]).collect();
-            let extra = if extra_ids.is_empty() { &[][..] } else { &extra_ids[lo + 1 - first_target..hi + 1 - first_target] };
+            ensure!(
+                extra.is_empty() || extra.len() == rows.len(),
+                "score_windows: extra ids given for some windows of a batch only"
+            );
             let h = self.backend.rms_norm(&x, &self.output_norm, self.hp.rms_eps)?;
-            let req = HeadRequest { targets: &targets, top_k: opts.top_k, extra_ids: extra, softcap: self.hp.final_softcap };
+            let req = HeadRequest { targets: &targets, top_k: opts.top_k, extra_ids: &extra, softcap: self.hp.final_softcap };
             let head = self.head.as_ref().unwrap_or(&self.embd);
-            for r in self.backend.score_rows(&h, &rows, head, &req)? {
-                scores.push(TargetScore {
+            let mut rows_out = self.backend.score_rows(&h, &rows, head, &req)?.into_iter();
+            for (s, &count) in counts.iter().enumerate() {
+                scores[s].extend(rows_out.by_ref().take(count).map(|r| TargetScore {
                     nll: r.lse - r.target_logit,
                     target_logit: r.target_logit,
                     lse: r.lse,
                     max_logit: r.max_logit,
                     top: r.top,
                     extra: r.extra,
-                });
+                }));
             }
         }
-        ensure!(scores.len() == n_targets, "score_window: {} scores for {n_targets} targets", scores.len());
+        for (s, (w, sc)) in windows.iter().zip(&scores).enumerate() {
+            ensure!(sc.len() == n - w.first_target, "score_windows: window {s}: {} scores for {} targets", sc.len(), n - w.first_target);
+        }
         Ok(scores)
     }
 
-    /// Before the first window: checks with the backend that windows of up to
-    /// `n_max_window` tokens, prefilled in passes of `prefill_chunk`, fit its
-    /// memory (an error that gives the sizes, before any work), then allocates
-    /// the KV cache for that many positions once.
-    pub fn prepare(&mut self, n_max_window: usize, prefill_chunk: usize) -> Result<()> {
-        ensure!(n_max_window > 0 && prefill_chunk > 0, "prepare: windows of {n_max_window} tokens, passes of {prefill_chunk}");
+    /// Before the first window: finds how many windows of up to
+    /// `n_max_window` tokens, prefilled together in passes of
+    /// `prefill_chunk`, fit the backend's memory (at most `max_seqs`,
+    /// halving until they fit; an error that gives the sizes when not even
+    /// one does), then allocates the KV cache for them once. -> the number of
+    /// windows per pass.
+    pub fn prepare(&mut self, n_max_window: usize, prefill_chunk: usize, max_seqs: usize) -> Result<usize> {
+        ensure!(
+            n_max_window > 0 && prefill_chunk > 0 && max_seqs > 0,
+            "prepare: windows of {n_max_window} tokens, passes of {prefill_chunk}, {max_seqs} windows per pass"
+        );
         let hp = &self.hp;
-        let g = KvGeometry {
-            n_layers: hp.n_layers,
-            n_kv_heads: hp.n_kv_heads,
-            d_head: hp.d_head,
-            d_head_v: hp.d_head_v,
-            max_pos: n_max_window,
-        };
         let widest = [hp.d_model, hp.n_heads * hp.d_head, hp.n_heads * hp.d_head_v, hp.d_ffn].into_iter().max().unwrap_or(0);
-        self.backend.check_memory(g, prefill_chunk.min(n_max_window), widest, hp.n_vocab)?;
-        self.ensure_cache(n_max_window)
+        let mut n_seqs = max_seqs;
+        loop {
+            let g = self.kv_geometry(n_max_window, n_seqs);
+            match self.backend.check_memory(g, n_seqs * prefill_chunk.min(n_max_window), widest, hp.n_vocab) {
+                Ok(()) => break,
+                Err(e) if n_seqs == 1 => return Err(e),
+                Err(_) => n_seqs /= 2,
+            }
+        }
+        self.ensure_cache(n_max_window, n_seqs)?;
+        Ok(n_seqs)
     }
 
-    fn ensure_cache(&mut self, n_positions: usize) -> Result<()> {
-        if self.cache.is_none() || self.cache_positions < n_positions {
-            let hp = &self.hp;
-            let g = KvGeometry {
-                n_layers: hp.n_layers,
-                n_kv_heads: hp.n_kv_heads,
-                d_head: hp.d_head,
-                d_head_v: hp.d_head_v,
-                max_pos: n_positions,
-            };
+    fn kv_geometry(&self, max_pos: usize, n_seqs: usize) -> KvGeometry {
+        let hp = &self.hp;
+        KvGeometry { n_layers: hp.n_layers, n_kv_heads: hp.n_kv_heads, d_head: hp.d_head, d_head_v: hp.d_head_v, max_pos, n_seqs }
+    }
+
+    fn ensure_cache(&mut self, n_positions: usize, n_seqs: usize) -> Result<()> {
+        let fits = self.cache.is_some() && self.cache_geometry.is_some_and(|g| g.max_pos >= n_positions && g.n_seqs >= n_seqs);
+        if !fits {
+            let g = self.kv_geometry(n_positions, n_seqs);
             self.cache = None;
             self.cache = Some(self.backend.new_kv_cache(g)?);
-            self.cache_positions = n_positions;
+            self.cache_geometry = Some(g);
         }
         Ok(())
     }
 
-    /// Runs `tokens` (positions `pos0..`) through every layer; the KV cache
-    /// must hold positions `..pos0` of this window. -> `(n, d_model)`, the
-    /// residual stream before the final norm.
-    fn forward_pass(&mut self, tokens: &[u32], pos0: usize) -> Result<B::Act> {
+    /// Runs `tokens` (the pass's rows, window-major) through every layer; the
+    /// KV cache must hold positions `..rows.pos0` of these windows.
+    /// -> `(rows.n_rows(), d_model)`, the residual stream before the final norm.
+    fn forward_pass(&mut self, tokens: &[u32], rows: PassRows) -> Result<B::Act> {
         let b = &self.backend;
         let hp = &self.hp;
+        ensure!(tokens.len() == rows.n_rows(), "forward: {} tokens for a pass of {rows:?}", tokens.len());
         let cache = self.cache.as_mut().context("forward: no KV cache")?;
         // (n, d_model)
         let mut x = b.embed(&self.embd, tokens, hp.embed_scale)?;
@@ -340,10 +391,10 @@ impl<B: Backend> Transformer<B> {
                 b.rms_norm_heads(&mut q, nq, hp.d_head, hp.rms_eps).with_context(fail)?;
                 b.rms_norm_heads(&mut k, nk, hp.d_head, hp.rms_eps).with_context(fail)?;
             }
-            b.rope(&mut q, hp.n_heads, hp.d_head, pos0, &layer.rope).with_context(fail)?;
-            b.rope(&mut k, hp.n_kv_heads, hp.d_head, pos0, &layer.rope).with_context(fail)?;
+            b.rope(&mut q, hp.n_heads, hp.d_head, rows, &layer.rope).with_context(fail)?;
+            b.rope(&mut k, hp.n_kv_heads, hp.d_head, rows, &layer.rope).with_context(fail)?;
             // (n, n_heads * d_head_v)
-            let a = b.attention(cache, l, &q, &k, &v, pos0, &layer.attn).with_context(fail)?;
+            let a = b.attention(cache, l, &q, &k, &v, rows, &layer.attn).with_context(fail)?;
             // (n, d_model)
             let mut o = b.matmul(&a, &layer.wo).with_context(fail)?;
             if let Some([post_attn, _]) = &layer.post_norms {
@@ -370,27 +421,9 @@ impl<B: Backend> Transformer<B> {
 /// What the scorer holds: a loaded model on some backend, behind one
 /// object-safe interface.
 pub trait WindowScorer: Send {
-    /// See [`Transformer::score_window`].
-    fn score_window(
-        &mut self,
-        tokens: &[u32],
-        first_target: usize,
-        opts: &ScoreOptions,
-        extra_ids: &[Vec<u32>],
-    ) -> Result<Vec<TargetScore>>;
-    fn hparams(&self) -> &HParams;
-    /// The backend, for logs and the report (`cpu (2 threads)`).
-    fn describe_backend(&self) -> String;
-    /// What the report records about the backend (device, routes, kernels).
-    fn execution(&self) -> ExecutionInfo;
-    /// See [`Transformer::prepare`].
-    fn prepare(&mut self, n_max_window: usize, prefill_chunk: usize) -> Result<()>;
-}
-
-impl<B: Backend> WindowScorer for Transformer<B>
-where
-    Transformer<B>: Send,
-{
+    /// See [`Transformer::score_windows`].
+    fn score_windows(&mut self, windows: &[WindowInput], opts: &ScoreOptions) -> Result<Vec<Vec<TargetScore>>>;
+    /// One window alone; see [`Transformer::score_window`].
     fn score_window(
         &mut self,
         tokens: &[u32],
@@ -398,7 +431,24 @@ where
         opts: &ScoreOptions,
         extra_ids: &[Vec<u32>],
     ) -> Result<Vec<TargetScore>> {
-        Transformer::score_window(self, tokens, first_target, opts, extra_ids)
+        let mut all = self.score_windows(&[WindowInput { tokens, first_target, extra_ids }], opts)?;
+        all.pop().context("score_window: no result")
+    }
+    fn hparams(&self) -> &HParams;
+    /// The backend, for logs and the report (`cpu (2 threads)`).
+    fn describe_backend(&self) -> String;
+    /// What the report records about the backend (device, routes, kernels).
+    fn execution(&self) -> ExecutionInfo;
+    /// See [`Transformer::prepare`].
+    fn prepare(&mut self, n_max_window: usize, prefill_chunk: usize, max_seqs: usize) -> Result<usize>;
+}
+
+impl<B: Backend> WindowScorer for Transformer<B>
+where
+    Transformer<B>: Send,
+{
+    fn score_windows(&mut self, windows: &[WindowInput], opts: &ScoreOptions) -> Result<Vec<Vec<TargetScore>>> {
+        Transformer::score_windows(self, windows, opts)
     }
     fn hparams(&self) -> &HParams {
         &self.hp
@@ -409,8 +459,8 @@ where
     fn execution(&self) -> ExecutionInfo {
         self.backend.execution()
     }
-    fn prepare(&mut self, n_max_window: usize, prefill_chunk: usize) -> Result<()> {
-        Transformer::prepare(self, n_max_window, prefill_chunk)
+    fn prepare(&mut self, n_max_window: usize, prefill_chunk: usize, max_seqs: usize) -> Result<usize> {
+        Transformer::prepare(self, n_max_window, prefill_chunk, max_seqs)
     }
 }
 

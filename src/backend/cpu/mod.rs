@@ -23,7 +23,7 @@ use rayon::prelude::*;
 
 use crate::artifact::meta::Activation;
 use crate::artifact::TensorView;
-use crate::backend::{AttnParams, Backend, HeadRequest, KvGeometry, RopeParams, RowScore};
+use crate::backend::{AttnParams, Backend, HeadRequest, KvGeometry, PassRows, RopeParams, RowScore};
 
 /// Row-major `(n_rows, n_cols)` f32 activations.
 #[derive(Debug, Clone, PartialEq)]
@@ -49,8 +49,8 @@ pub struct CpuMatrix {
     pub data: Vec<f32>,
 }
 
-/// K `(max_pos, n_kv_heads * d_head)` and V `(max_pos, n_kv_heads *
-/// d_head_v)` per layer.
+/// K `(n_seqs, max_pos, n_kv_heads * d_head)` and V `(n_seqs, max_pos,
+/// n_kv_heads * d_head_v)` per layer.
 #[derive(Debug, Clone)]
 pub struct CpuKvCache {
     pub geometry: KvGeometry,
@@ -100,8 +100,9 @@ impl Backend for CpuBackend {
     }
 
     fn new_kv_cache(&self, g: KvGeometry) -> Result<CpuKvCache> {
-        let k = (0..g.n_layers).map(|_| vec![0f32; g.max_pos * g.n_kv_heads * g.d_head]).collect();
-        let v = (0..g.n_layers).map(|_| vec![0f32; g.max_pos * g.n_kv_heads * g.d_head_v]).collect();
+        let slots = g.n_seqs * g.max_pos;
+        let k = (0..g.n_layers).map(|_| vec![0f32; slots * g.n_kv_heads * g.d_head]).collect();
+        let v = (0..g.n_layers).map(|_| vec![0f32; slots * g.n_kv_heads * g.d_head_v]).collect();
         Ok(CpuKvCache { geometry: g, k, v })
     }
 
@@ -160,7 +161,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn rope(&self, x: &mut CpuTensor, n_heads: usize, d_head: usize, pos0: usize, p: &RopeParams) -> Result<()> {
+    fn rope(&self, x: &mut CpuTensor, n_heads: usize, d_head: usize, rows: PassRows, p: &RopeParams) -> Result<()> {
         ensure!(
             x.n_cols == n_heads * d_head,
             "rope: rows have {} columns, expected {n_heads} heads x {d_head}",
@@ -171,9 +172,10 @@ impl Backend for CpuBackend {
             "rope: rope_dim {} is odd or exceeds d_head {d_head}",
             p.rope_dim
         );
+        ensure!(x.n_rows == rows.n_rows(), "rope: {} rows for a pass of {rows:?}", x.n_rows);
         let n_cols = x.n_cols;
         x.data.par_chunks_mut(n_cols).enumerate().for_each(|(i, row)| {
-            let cs = ops::rope_cos_sin(pos0 + i, p);
+            let cs = ops::rope_cos_sin(rows.position(i), p);
             for head in row.chunks_exact_mut(d_head) {
                 ops::rope_head(head, &cs, p.style);
             }
@@ -188,12 +190,13 @@ impl Backend for CpuBackend {
         q: &CpuTensor,
         k: &CpuTensor,
         v: &CpuTensor,
-        pos0: usize,
+        rows: PassRows,
         p: &AttnParams,
     ) -> Result<CpuTensor> {
         let g = cache.geometry;
-        let n = q.n_rows;
+        let (n, pos0) = (rows.n_tokens, rows.pos0);
         ensure!(layer < g.n_layers, "attention: layer {layer} of a cache for {}", g.n_layers);
+        ensure!(rows.n_seqs <= g.n_seqs, "attention: {} windows in a pass, the KV cache has {} slots", rows.n_seqs, g.n_seqs);
         ensure!(
             pos0 + n <= g.max_pos,
             "attention: positions {pos0}..{} exceed the KV cache's {}",
@@ -201,8 +204,9 @@ impl Backend for CpuBackend {
             g.max_pos
         );
         ensure!(
-            k.n_rows == n && v.n_rows == n,
-            "attention: q, k, v have {n}, {}, {} rows",
+            q.n_rows == rows.n_rows() && k.n_rows == q.n_rows && v.n_rows == q.n_rows,
+            "attention: q, k, v have {}, {}, {} rows for a pass of {rows:?}",
+            q.n_rows,
             k.n_rows,
             v.n_rows
         );
@@ -216,10 +220,18 @@ impl Backend for CpuBackend {
             p.n_heads,
             p.d_head
         );
-        cache.k[layer][pos0 * k_cols..(pos0 + n) * k_cols].copy_from_slice(&k.data);
-        cache.v[layer][pos0 * v_cols..(pos0 + n) * v_cols].copy_from_slice(&v.data);
-        let out = attention::attention(&q.data, n, &cache.k[layer], &cache.v[layer], pos0, p)?;
-        CpuTensor::new(n, p.n_heads * p.d_head_v, out)
+        let out_cols = p.n_heads * p.d_head_v;
+        let mut out = Vec::with_capacity(rows.n_rows() * out_cols);
+        for s in 0..rows.n_seqs {
+            // Slot s of this layer's cache: (max_pos, cols).
+            let kc = &mut cache.k[layer][s * g.max_pos * k_cols..(s + 1) * g.max_pos * k_cols];
+            let vc = &mut cache.v[layer][s * g.max_pos * v_cols..(s + 1) * g.max_pos * v_cols];
+            kc[pos0 * k_cols..(pos0 + n) * k_cols].copy_from_slice(&k.data[s * n * k_cols..(s + 1) * n * k_cols]);
+            vc[pos0 * v_cols..(pos0 + n) * v_cols].copy_from_slice(&v.data[s * n * v_cols..(s + 1) * n * v_cols]);
+            let q_s = &q.data[s * n * q.n_cols..(s + 1) * n * q.n_cols];
+            out.extend(attention::attention(q_s, n, kc, vc, pos0, p)?);
+        }
+        CpuTensor::new(rows.n_rows(), out_cols, out)
     }
 
     fn gated_act(&self, gate: &CpuTensor, up: &CpuTensor, act: Activation) -> Result<CpuTensor> {
@@ -300,9 +312,15 @@ mod tests {
         // Row i is at position pos0 + i: with pos0 = 1, row 0 turns by 1 rad (inv_freq 1).
         let p = RopeParams { style: RopeStyle::Neox, base: 10000.0, scale: 1.0, rope_dim: 2 };
         let mut x = t(2, 2, &[1.0, 0.0, 1.0, 0.0]);
-        CpuBackend.rope(&mut x, 1, 2, 1, &p).unwrap();
+        CpuBackend.rope(&mut x, 1, 2, PassRows::single(2, 1), &p).unwrap();
         assert!((x.data[0] as f64 - 1f64.cos()).abs() < 1e-6 && (x.data[1] as f64 - 1f64.sin()).abs() < 1e-6);
         assert!((x.data[2] as f64 - 2f64.cos()).abs() < 1e-6 && (x.data[3] as f64 - 2f64.sin()).abs() < 1e-6);
+        // Two windows of one row each at pos0 = 1: both rows turn by 1 rad.
+        let mut x = t(2, 2, &[1.0, 0.0, 1.0, 0.0]);
+        CpuBackend.rope(&mut x, 1, 2, PassRows { n_seqs: 2, n_tokens: 1, pos0: 1 }, &p).unwrap();
+        assert_eq!(x.data[0..2], x.data[2..4]);
+        assert!((x.data[2] as f64 - 1f64.cos()).abs() < 1e-6);
+        assert!(CpuBackend.rope(&mut x, 1, 2, PassRows::single(3, 0), &p).is_err());
     }
 
     #[test]

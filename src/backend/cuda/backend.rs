@@ -12,9 +12,10 @@
 //! - `Fp32` (`--lossless`): f32 matmul inputs, f32 FFMA accumulation, f32 KV.
 //!
 //! Common to both: activations and the residual stream are f32 device
-//! matrices; norms, RoPE, attention math, activations and the LM head are f32
-//! (the LM head multiplies f32 rows with FFMA into f32 logits, reduced with an
-//! f64 sum of exponentials). Weights stay in their stored block format
+//! matrices; norms, RoPE, attention math and activations are f32. The LM head
+//! multiplies the final-normed rows with the head like any matmul of the
+//! route (bf16 on the tensor cores, or f32 FFMA) into f32 logits, reduced on
+//! the GPU with an f64 sum of exponentials. Weights stay in their stored block format
 //! (`QuantMatrix`); 1-D weights (norms, biases) are decoded to f32 at load.
 //!
 //! Buffers are allocated per op from the driver's stream-ordered pool
@@ -35,7 +36,7 @@ use super::ops::{self, LmHeadOut, Rows, LM_HEAD_TILE_ROWS};
 use crate::artifact::meta::{Activation, RopeStyle};
 use crate::artifact::TensorView;
 use crate::backend::cpu::{dequant, head::check_request};
-use crate::backend::{AttnParams, Backend, ExecutionInfo, HeadRequest, KvGeometry, RopeParams, RowScore};
+use crate::backend::{AttnParams, Backend, ExecutionInfo, HeadRequest, KvGeometry, PassRows, RopeParams, RowScore};
 
 /// The numeric route of the CUDA backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,14 +83,14 @@ pub struct CudaMatrix {
     pub q: QuantMatrix,
 }
 
-/// Per layer: K `(n_kv_heads, max_pos, d_head)` and V of the same shape.
+/// Per layer: K `(n_seqs, n_kv_heads, max_pos, d_head)` and V of the same shape.
 #[derive(Debug)]
 enum KvLayers {
     Bf16(Vec<[DeviceBuffer<bf16>; 2]>),
     F32(Vec<[DeviceBuffer<f32>; 2]>),
 }
 
-/// The KV cache of one window on the device.
+/// The KV cache of the windows of one pass on the device.
 #[derive(Debug)]
 pub struct CudaKvCache {
     pub geometry: KvGeometry,
@@ -176,9 +177,9 @@ impl CudaBackend {
         p: &ops::AttnParams,
     ) -> Result<()> {
         let [kc, vc] = kv;
-        let n = q.n_rows;
-        ops::kv_store(&self.dev, k.buf.view(), n, k.n_cols, kc.view_mut(), shape, p.pos0)?;
-        ops::kv_store(&self.dev, v.buf.view(), n, v.n_cols, vc.view_mut(), shape, p.pos0)?;
+        let (n_seqs, n) = (p.n_seqs, p.n_tokens);
+        ops::kv_store(&self.dev, k.buf.view(), n_seqs, n, k.n_cols, kc.view_mut(), shape, p.pos0)?;
+        ops::kv_store(&self.dev, v.buf.view(), n_seqs, n, v.n_cols, vc.view_mut(), shape, p.pos0)?;
         ops::attention::<KV, f32>(&self.dev, q.buf.view(), kc.view(), vc.view(), shape, out.buf.view_mut(), p)
     }
 }
@@ -215,7 +216,7 @@ impl Backend for CudaBackend {
             g.d_head_v,
             g.d_head
         );
-        let len = g.n_kv_heads * g.max_pos * g.d_head;
+        let len = g.n_seqs * g.n_kv_heads * g.max_pos * g.d_head;
         let layers = match self.route {
             Route::Bf16TensorCore => KvLayers::Bf16(
                 (0..g.n_layers).map(|_| Ok([self.dev.alloc_zeros(len)?, self.dev.alloc_zeros(len)?])).collect::<Result<_>>()?,
@@ -289,7 +290,7 @@ impl Backend for CudaBackend {
         ops::add_bias(&self.dev, x.buf.view_mut(), b.view())
     }
 
-    fn rope(&self, x: &mut CudaAct, n_heads: usize, d_head: usize, pos0: usize, p: &RopeParams) -> Result<()> {
+    fn rope(&self, x: &mut CudaAct, n_heads: usize, d_head: usize, rows: PassRows, p: &RopeParams) -> Result<()> {
         ensure!(
             x.n_cols == n_heads * d_head,
             "rope: rows have {} columns, expected {n_heads} heads x {d_head}",
@@ -297,6 +298,7 @@ impl Backend for CudaBackend {
         );
         ensure!(p.rope_dim % 2 == 0 && p.rope_dim <= d_head, "rope: rope_dim {} is odd or exceeds d_head {d_head}", p.rope_dim);
         ensure!(p.scale > 0.0, "rope: scale {} is not positive", p.scale);
+        ensure!(x.n_rows == rows.n_rows(), "rope: {} rows for a pass of {rows:?}", x.n_rows);
         if p.rope_dim == 0 || x.n_rows == 0 {
             return Ok(());
         }
@@ -314,7 +316,7 @@ impl Backend for CudaBackend {
         };
         let n_cols = x.n_cols;
         let n_rows = x.n_rows;
-        self.with_positions(pos0, n_rows, |pos| ops::rope(&self.dev, x.buf.view_mut(), n_cols, pos, &params))
+        self.with_positions(rows.pos0, rows.n_tokens, |pos| ops::rope(&self.dev, x.buf.view_mut(), n_cols, n_rows, pos, &params))
     }
 
     fn attention(
@@ -324,14 +326,26 @@ impl Backend for CudaBackend {
         q: &CudaAct,
         k: &CudaAct,
         v: &CudaAct,
-        pos0: usize,
+        rows: PassRows,
         p: &AttnParams,
     ) -> Result<CudaAct> {
         let g = cache.geometry;
-        let n = q.n_rows;
+        let (n, pos0) = (rows.n_rows(), rows.pos0);
         ensure!(layer < g.n_layers, "attention: layer {layer} of a cache for {}", g.n_layers);
-        ensure!(pos0 + n <= g.max_pos, "attention: positions {pos0}..{} exceed the KV cache's {}", pos0 + n, g.max_pos);
-        ensure!(k.n_rows == n && v.n_rows == n, "attention: q, k, v have {n}, {}, {} rows", k.n_rows, v.n_rows);
+        ensure!(rows.n_seqs <= g.n_seqs, "attention: {} windows in a pass, the KV cache has {} slots", rows.n_seqs, g.n_seqs);
+        ensure!(
+            pos0 + rows.n_tokens <= g.max_pos,
+            "attention: positions {pos0}..{} exceed the KV cache's {}",
+            pos0 + rows.n_tokens,
+            g.max_pos
+        );
+        ensure!(
+            q.n_rows == n && k.n_rows == n && v.n_rows == n,
+            "attention: q, k, v have {}, {}, {} rows for a pass of {rows:?}",
+            q.n_rows,
+            k.n_rows,
+            v.n_rows
+        );
         ensure!(
             p.d_head == p.d_head_v && p.d_head == g.d_head && p.n_kv_heads == g.n_kv_heads,
             "attention on CUDA: d_head {} / d_head_v {} / {} KV heads do not match the cache ({} / {} / {}); \
@@ -353,10 +367,11 @@ impl Backend for CudaBackend {
             p.n_heads,
             p.d_head
         );
-        let shape = ops::KvShape { n_kv_heads: g.n_kv_heads, n_ctx: g.max_pos, d_head: g.d_head };
+        let shape = ops::KvShape { n_seqs: g.n_seqs, n_kv_heads: g.n_kv_heads, n_ctx: g.max_pos, d_head: g.d_head };
         let width = p.n_heads * p.d_head;
         let params = ops::AttnParams {
-            n_tokens: n,
+            n_seqs: rows.n_seqs,
+            n_tokens: rows.n_tokens,
             n_heads: p.n_heads,
             pos0,
             window: p.window.unwrap_or(0),
@@ -441,12 +456,25 @@ impl Backend for CudaBackend {
             *scratch_cell = Some(dev.alloc_uninit::<f32>(tile_len)?);
         }
         let scratch = scratch_cell.as_mut().context("score_rows: LM-head scratch")?;
+        // The default route rounds the rows to bf16 once, for the tensor cores.
+        let h_bf16 = match self.route {
+            Route::Bf16TensorCore => {
+                let mut hb = dev.alloc_uninit::<bf16>(n * d)?;
+                ops::cast_bf16(dev, h, hb.view_mut())?;
+                Some(hb)
+            }
+            Route::Fp32 => None,
+        };
         for row0 in (0..n).step_by(LM_HEAD_TILE_ROWS) {
             let n_tile = LM_HEAD_TILE_ROWS.min(n - row0);
-            let h_tile = h.sub(row0 * d, n_tile * d)?;
-            // (n_tile, n_vocab) f32 logits: f32 rows times the head with FFMA in both routes.
-            ops::matmul::<f32>(dev, h_tile, n_tile, &head.q, scratch.slice_mut(0..n_tile * n_vocab)?, n_vocab)
-                .with_context(|| format!("LM head {}", head.name))?;
+            // (n_tile, n_vocab) f32 logits: bf16 rows on the tensor cores (default
+            // route) or f32 rows with FFMA (FP32 route), f32 accumulation either way.
+            let logits = scratch.slice_mut(0..n_tile * n_vocab)?;
+            match &h_bf16 {
+                Some(hb) => ops::matmul::<bf16>(dev, hb.view().sub(row0 * d, n_tile * d)?, n_tile, &head.q, logits, n_vocab),
+                None => ops::matmul::<f32>(dev, h.sub(row0 * d, n_tile * d)?, n_tile, &head.q, logits, n_vocab),
+            }
+            .with_context(|| format!("LM head {}", head.name))?;
             if let Some(cap) = req.softcap {
                 ops::softcap(dev, scratch.slice_mut(0..n_tile * n_vocab)?, cap as f32)?;
             }
@@ -506,13 +534,16 @@ impl Backend for CudaBackend {
                     Route::Fp32 => "f32 inputs, weights dequantized to f32 in shared memory, FFMA, f32 accumulation",
                 },
                 "attention": "f32 math on the CUDA cores (online softmax), cache read as stored",
-                "lm_head": "f32 rows x head (FFMA, f32 logits) in tiles of 64 rows; max, f64 sum of exp, target on the GPU",
+                "lm_head": format!("{} in tiles of {LM_HEAD_TILE_ROWS} rows; max, f64 sum of exp, target, top-k on the GPU", match self.route {
+                    Route::Bf16TensorCore => "bf16 rows x head on the tensor cores (f32 accumulation, f32 logits)",
+                    Route::Fp32 => "f32 rows x head (FFMA, f32 logits)",
+                }),
             }),
         }
     }
 
     fn check_memory(&self, kv: KvGeometry, n_pass_tokens: usize, n_pass_cols: usize, n_vocab: usize) -> Result<()> {
-        let kv_bytes = 2 * kv.n_layers * kv.n_kv_heads * kv.max_pos * kv.d_head * self.route.kv_elem_bytes();
+        let kv_bytes = 2 * kv.n_seqs * kv.n_layers * kv.n_kv_heads * kv.max_pos * kv.d_head * self.route.kv_elem_bytes();
         // Live activations of one pass: the residual stream, a normed copy, q/k/v,
         // attention out, gate/up/product (widest row), a bf16 copy of a matmul input.
         let act_bytes = 12 * n_pass_tokens * n_pass_cols * 4;
@@ -522,13 +553,14 @@ impl Backend for CudaBackend {
         if need + MEMORY_MARGIN_BYTES > free {
             bail!(
                 "the plan does not fit GPU {} ({:.2} GiB free of {:.2}): it needs {:.2} GiB \
-                 (KV cache {:.2} GiB for windows of {} tokens, activations {:.2} GiB for prefill passes of {} tokens, \
-                 LM head {:.2} GiB) plus {:.2} GiB of margin; lower --context or --prefill-chunk",
+                 (KV cache {:.2} GiB for {} windows of {} tokens, activations {:.2} GiB for passes of {} rows, \
+                 LM head {:.2} GiB) plus {:.2} GiB of margin; lower --context, --prefill-chunk or --batch-tokens",
                 self.dev.info().index,
                 gib(free),
                 gib(total),
                 gib(need),
                 gib(kv_bytes),
+                kv.n_seqs,
                 kv.max_pos,
                 gib(act_bytes),
                 n_pass_tokens,

@@ -187,9 +187,15 @@ pub struct RopeParams {
     pub freq_scale: f64,
 }
 
-/// Rotates x in place. x: (n_tokens, token_stride) with heads of d_head contiguous; pos: (n_tokens).
-pub fn rope(dev: &CudaDevice, x: DevViewMut<f32>, token_stride: usize, pos: DevView<i32>, p: &RopeParams) -> Result<()> {
-    let n_tokens = pos.len();
+/// Rotates x in place. x: (n_tokens, token_stride) with heads of d_head
+/// contiguous; row t is at position pos[t % pos.len()] (a batched pass: n_tokens
+/// / pos.len() windows at the same positions).
+pub fn rope(dev: &CudaDevice, x: DevViewMut<f32>, token_stride: usize, n_tokens: usize, pos: DevView<i32>, p: &RopeParams) -> Result<()> {
+    let n_per_seq = pos.len();
+    ensure!(
+        n_per_seq > 0 && n_tokens % n_per_seq == 0,
+        "rope: {n_tokens} rows are not whole windows of {n_per_seq} positions"
+    );
     ensure!(p.n_rot % 2 == 0 && p.n_rot <= p.d_head && p.n_rot > 0, "rope: n_rot {} with d_head {}", p.n_rot, p.d_head);
     Rows { n_rows: n_tokens, n_cols: p.n_heads * p.d_head, stride: token_stride }.check(x.len(), "rope", "x")?;
     ensure!(p.freq_base > 0.0 && p.freq_scale > 0.0, "rope: base {} scale {}", p.freq_base, p.freq_scale);
@@ -197,7 +203,7 @@ pub fn rope(dev: &CudaDevice, x: DevViewMut<f32>, token_stride: usize, pos: DevV
         return Ok(());
     }
     let f = func(dev, "rope_f32")?;
-    let (xp, pp) = (x.ptr(), pos.ptr());
+    let (xp, pp, nps) = (x.ptr(), pos.ptr(), i32_of(n_per_seq, "positions")?);
     let (nh, dh, nr) = (i32_of(p.n_heads, "n_heads")?, i32_of(p.d_head, "d_head")?, i32_of(p.n_rot, "n_rot")?);
     let ts = token_stride as i64;
     let mode: i32 = match p.mode {
@@ -206,7 +212,7 @@ pub fn rope(dev: &CudaDevice, x: DevViewMut<f32>, token_stride: usize, pos: DevV
     };
     let gx = grid_1d(p.n_heads * p.n_rot / 2, 128)?;
     let mut b = dev.stream().launch_builder(f);
-    b.arg(&xp).arg(&pp).arg(&nh).arg(&dh).arg(&nr).arg(&ts).arg(&mode).arg(&p.freq_base).arg(&p.freq_scale);
+    b.arg(&xp).arg(&pp).arg(&nps).arg(&nh).arg(&dh).arg(&nr).arg(&ts).arg(&mode).arg(&p.freq_base).arg(&p.freq_scale);
     // SAFETY: arguments match `rope_f32` in kernels/rope.cu; x covers n_tokens rows of n_heads * d_head.
     unsafe { b.launch(cfg((gx, n_tokens as u32, 1), 128, 0)) }.map_err(|e| launch_err("rope_f32", e))?;
     Ok(())
@@ -394,9 +400,11 @@ pub fn matmul<X: MatmulInput>(
 
 // ------------------------------------------------------------------ KV cache and attention
 
-/// Shape of one layer's KV cache: (n_kv_heads, n_ctx, d_head).
+/// Shape of one layer's KV cache: (n_seqs, n_kv_heads, n_ctx, d_head), one
+/// slot per window of a batched pass.
 #[derive(Debug, Clone, Copy)]
 pub struct KvShape {
+    pub n_seqs: usize,
     pub n_kv_heads: usize,
     pub n_ctx: usize,
     pub d_head: usize,
@@ -404,24 +412,28 @@ pub struct KvShape {
 
 impl KvShape {
     pub fn len(&self) -> usize {
-        self.n_kv_heads * self.n_ctx * self.d_head
+        self.n_seqs * self.n_kv_heads * self.n_ctx * self.d_head
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 }
 
-/// cache[h, pos0 + t, :] = src[t, h*d_head ..]. src: (n_tokens, src_stride) f32.
+/// cache[s, h, pos0 + t, :] = src[s * n_tokens + t, h*d_head ..] for the
+/// first `n_seqs` slots. src: (n_seqs * n_tokens, src_stride) f32.
+#[allow(clippy::too_many_arguments)]
 pub fn kv_store<KV: KvElem>(
     dev: &CudaDevice,
     src: DevView<f32>,
+    n_seqs: usize,
     n_tokens: usize,
     src_stride: usize,
     cache: DevViewMut<KV>,
     shape: KvShape,
     pos0: usize,
 ) -> Result<()> {
-    Rows { n_rows: n_tokens, n_cols: shape.n_kv_heads * shape.d_head, stride: src_stride }.check(src.len(), "kv_store", "src")?;
+    ensure!(n_seqs <= shape.n_seqs, "kv_store: {n_seqs} windows, the cache has {} slots", shape.n_seqs);
+    Rows { n_rows: n_seqs * n_tokens, n_cols: shape.n_kv_heads * shape.d_head, stride: src_stride }.check(src.len(), "kv_store", "src")?;
     ensure!(cache.len() == shape.len(), "kv_store: cache has {} elements, shape {shape:?} needs {}", cache.len(), shape.len());
     ensure!(
         pos0 + n_tokens <= shape.n_ctx,
@@ -429,7 +441,7 @@ pub fn kv_store<KV: KvElem>(
         pos0 + n_tokens,
         shape.n_ctx
     );
-    if n_tokens == 0 {
+    if n_tokens == 0 || n_seqs == 0 {
         return Ok(());
     }
     let name = format!("kv_store_{}", KV::NAME);
@@ -439,13 +451,16 @@ pub fn kv_store<KV: KvElem>(
     let mut b = dev.stream().launch_builder(f);
     b.arg(&sp).arg(&cp).arg(&dh).arg(&nc).arg(&p0).arg(&ss);
     // SAFETY: arguments match `kv_store_<kv>` in kernels/attention.cu; src rows and cache slots checked.
-    unsafe { b.launch(cfg((n_tokens as u32, shape.n_kv_heads as u32, 1), 128, 0)) }.map_err(|e| launch_err(&name, e))?;
+    unsafe { b.launch(cfg((n_tokens as u32, shape.n_kv_heads as u32, n_seqs as u32), 128, 0)) }.map_err(|e| launch_err(&name, e))?;
     Ok(())
 }
 
 /// Parameters of one prefill attention call.
 #[derive(Debug, Clone, Copy)]
 pub struct AttnParams {
+    /// Windows in the pass (cache slots 0..n_seqs); rows are window-major.
+    pub n_seqs: usize,
+    /// Rows per window.
     pub n_tokens: usize,
     pub n_heads: usize,
     /// Keys visible to query t (position pos0 + t): kp <= pos0 + t, and with a
@@ -491,9 +506,11 @@ pub fn attention<KV: KvElem, O: OutElem>(
     );
     ensure!(k_cache.len() == shape.len() && v_cache.len() == shape.len(), "attention: caches ({}, {}) vs shape {shape:?}", k_cache.len(), v_cache.len());
     ensure!(p.pos0 + p.n_tokens <= shape.n_ctx, "attention: positions up to {} past the cache's {} slots", p.pos0 + p.n_tokens, shape.n_ctx);
-    Rows { n_rows: p.n_tokens, n_cols: p.n_heads * d, stride: p.q_stride }.check(q.len(), "attention", "q")?;
-    Rows { n_rows: p.n_tokens, n_cols: p.n_heads * d, stride: p.out_stride }.check(out.len(), "attention", "out")?;
-    if p.n_tokens == 0 {
+    ensure!(p.n_seqs <= shape.n_seqs, "attention: {} windows, the cache has {} slots", p.n_seqs, shape.n_seqs);
+    let n_rows = p.n_seqs * p.n_tokens;
+    Rows { n_rows, n_cols: p.n_heads * d, stride: p.q_stride }.check(q.len(), "attention", "q")?;
+    Rows { n_rows, n_cols: p.n_heads * d, stride: p.out_stride }.check(out.len(), "attention", "out")?;
+    if n_rows == 0 {
         return Ok(());
     }
     let name = format!("attn_prefill_d{d}_{}_{}", KV::NAME, O::NAME);
@@ -517,7 +534,7 @@ pub fn attention<KV: KvElem, O: OutElem>(
     let (qs, os) = (p.q_stride as i64, p.out_stride as i64);
     let mut b = dev.stream().launch_builder(f);
     b.arg(&qp).arg(&kp).arg(&vp).arg(&op).arg(&nt).arg(&nh).arg(&nkv).arg(&nc).arg(&p0).arg(&win).arg(&p.scale).arg(&p.softcap).arg(&qs).arg(&os);
-    let grid = (grid_1d(p.n_tokens, 16)?, p.n_heads as u32, 1);
+    let grid = (grid_1d(p.n_tokens, 16)?, p.n_heads as u32, p.n_seqs as u32);
     // SAFETY: arguments match `attn_prefill_d<D>_<kv>_<out>` in kernels/attention.cu; q, out
     // and both caches checked above; dynamic shared memory set to the kernel's need.
     unsafe { b.launch(cfg(grid, 128, smem as u32)) }.map_err(|e| launch_err(&name, e))?;
@@ -620,11 +637,12 @@ pub fn lmhead_reduce(
     Ok(())
 }
 
-/// Rows per LM-head tile.
-pub const LM_HEAD_TILE_ROWS: usize = 64;
+/// Rows per LM-head tile: each tile reads the whole head once, so larger
+/// tiles amortize it (a (256, n_vocab) f32 tile is 256 MiB for gemma3's 262k vocabulary).
+pub const LM_HEAD_TILE_ROWS: usize = 256;
 
-/// The tiled FP32 LM head: for each tile of up to 64 rows of h (n_rows, d_model),
-/// logits = h_tile · embᵀ (FP32 accumulation, into `scratch`, (64, n_vocab) f32 on
+/// The tiled FP32 LM head: for each tile of up to LM_HEAD_TILE_ROWS rows of h (n_rows, d_model),
+/// logits = h_tile · embᵀ (FP32 accumulation, into `scratch`, (tile, n_vocab) f32 on
 /// the device) then `lmhead_reduce`. Only `out`'s few numbers per row are ever
 /// copied to the host. h in bf16 uses the tensor-core matmul, in f32 the FP32 one.
 pub fn lm_head<X: MatmulInput>(
