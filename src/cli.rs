@@ -21,6 +21,15 @@ pub enum BackendArg {
     Cpu,
 }
 
+/// `--kv-dtype`: the element type of the KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum KvDtypeArg {
+    /// The route's own: bf16 on the default CUDA route, f32 with --lossless and on the CPU.
+    Auto,
+    Bf16,
+    F32,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LogLevel {
     Error,
@@ -96,6 +105,10 @@ pub struct Args {
     /// backend is always f32: there the flag changes nothing and is recorded.
     #[arg(long)]
     pub lossless: bool,
+    /// Element type of the KV cache. bf16 is CUDA only (the CPU backend keeps
+    /// f32); the KV-format issue adds the quantized ones.
+    #[arg(long, value_enum, default_value_t = KvDtypeArg::Auto, value_name = "DTYPE")]
+    pub kv_dtype: KvDtypeArg,
     /// CPU threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,

@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-use crate::cli::{Args, BackendArg, MethodArg};
+use crate::backend::KvDtype;
+use crate::cli::{Args, BackendArg, KvDtypeArg, MethodArg};
 use crate::plan::{validate_prefill_chunk, Method};
 
 /// Where the streams come from.
@@ -36,6 +37,8 @@ pub struct RunConfig {
     pub device: usize,
     /// The FP32 route on CUDA (`--lossless`); recorded, and a no-op, on the CPU.
     pub lossless: bool,
+    /// `--kv-dtype`; `None` keeps the route's own.
+    pub kv_dtype: Option<KvDtype>,
     pub threads: usize,
     /// The output folder; created (or checked empty) before any work.
     pub output: PathBuf,
@@ -121,6 +124,11 @@ impl RunConfig {
             backend,
             device: args.device,
             lossless: args.lossless,
+            kv_dtype: match args.kv_dtype {
+                KvDtypeArg::Auto => None,
+                KvDtypeArg::Bf16 => Some(KvDtype::Bf16),
+                KvDtypeArg::F32 => Some(KvDtype::F32),
+            },
             threads,
             output,
             dry_run: args.dry_run,

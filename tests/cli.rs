@@ -135,6 +135,11 @@ fn bad_input_is_one_line_exit_2_and_no_report() {
     assert_rejected(&with(&["--context", "1024", "--stride", "1024"]), &fresh("a"), &["--context 1024", "--stride 1024"]);
     assert_rejected(&with(&["--stride", "0"]), &fresh("b"), &["--stride 0"]);
     assert_rejected(&with(&["--prefill-chunk", "100"]), &fresh("c"), &["--prefill-chunk", "100"]);
+    assert_rejected(
+        &with(&["--backend", "cpu", "--kv-dtype", "bf16", "--method", "chunks", "--context", "512", "--chunks", "1"]),
+        &fresh("i"),
+        &["--kv-dtype bf16", "CPU backend"],
+    );
     for d in ["a", "b", "c"] {
         assert!(!fresh(d).exists(), "no folder left behind for a rejected run");
     }

@@ -253,7 +253,7 @@ fn tiny_models_match_the_cpu_backend_on_both_routes() {
         // measured at worst on the tiny llama, against 3e-3 on the real
         // models); a wiring mistake moves NLLs by whole nats.
         for (route, tol, tol_mean, tol_logit) in [(Route::Fp32, 1e-4, 1e-4, 1e-3), (Route::Bf16TensorCore, 0.5, 0.1, 1.0)] {
-            let backend = CudaBackend::open(device_index(), route).expect("open GPU");
+            let backend = CudaBackend::open(device_index(), route, route.kv_dtype()).expect("open GPU");
             let mut gpu = load_tiny(backend, &t);
             // Passes of 16 tokens: the KV cache carries over three passes.
             let gpu_opts = ScoreOptions { top_k: 5, prefill_chunk: Some(16) };
@@ -295,7 +295,7 @@ fn unsupported_shapes_are_errors_naming_the_op() {
     hp.d_head_v = 16;
     hp.rope_dim = 16;
     let t = tiny_with(Architecture::Llama, hp, 3);
-    let backend = CudaBackend::open(device_index(), Route::Fp32).expect("open GPU");
+    let backend = CudaBackend::open(device_index(), Route::Fp32, Route::Fp32.kv_dtype()).expect("open GPU");
     let mut gpu = load_tiny(backend, &t);
     let err = gpu.score_window(&[1, 2, 3], 1, &ScoreOptions::default(), &[]).unwrap_err();
     assert!(format!("{err:#}").contains("attention: d_head 16"), "{err:#}");
@@ -351,7 +351,7 @@ fn real_model(m: &cases::Model) {
     let exact = cases::exact_f64(m);
     for lossless in [true, false] {
         let route = if lossless { "fp32" } else { "bf16-tc" };
-        let mut scorer = load_model(&art, BackendKind::Cuda { device: device_index(), lossless }).expect("load on GPU");
+        let mut scorer = load_model(&art, BackendKind::Cuda { device: device_index(), lossless, kv_dtype: None }).expect("load on GPU");
         assert_eq!(scorer.prepare(4096, 1024, BATCH).expect("the plan fits"), BATCH, "batch of {BATCH} windows fits the GPU");
         for p in &cases::PROTOCOLS {
             let key = format!("{}/{}", m.key, p.key);

@@ -259,13 +259,36 @@ pub struct ExecutionInfo {
     pub details: serde_json::Value,
 }
 
+/// Element type of the KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvDtype {
+    F32,
+    Bf16,
+}
+
+impl KvDtype {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+        }
+    }
+    pub fn elem_bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::Bf16 => 2,
+        }
+    }
+}
+
 /// Which backend runs the forward pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BackendKind {
     Cpu,
     /// GPU `device`; `lossless` selects the FP32 route (f32 activations,
-    /// matmuls and KV cache) instead of the default bf16 tensor-core route.
-    Cuda { device: usize, lossless: bool },
+    /// matmuls and KV cache) instead of the default bf16 tensor-core route;
+    /// `kv_dtype` overrides the route's KV cache type.
+    Cuda { device: usize, lossless: bool, kv_dtype: Option<KvDtype> },
 }
 
 impl BackendKind {

@@ -468,9 +468,9 @@ where
 pub fn load_model(artifact: &Artifact, kind: BackendKind) -> Result<Box<dyn WindowScorer>> {
     match kind {
         BackendKind::Cpu => Ok(Box::new(Transformer::load(CpuBackend, artifact)?)),
-        BackendKind::Cuda { device, lossless } => {
+        BackendKind::Cuda { device, lossless, kv_dtype } => {
             let route = if lossless { Route::Fp32 } else { Route::Bf16TensorCore };
-            let backend = CudaBackend::open(device, route).context("backend cuda")?;
+            let backend = CudaBackend::open(device, route, kv_dtype.unwrap_or(route.kv_dtype())).context("backend cuda")?;
             Ok(Box::new(Transformer::load(backend, artifact)?))
         }
     }

@@ -11,6 +11,9 @@
 //!   dequantized and rounded to bf16 in shared memory); the KV cache is bf16.
 //! - `Fp32` (`--lossless`): f32 matmul inputs, f32 FFMA accumulation, f32 KV.
 //!
+//! `--kv-dtype` sets the KV cache type apart from the route (bf16 KV on the
+//! FP32 route, f32 KV on the default route), to measure what each costs.
+//!
 //! Common to both: activations and the residual stream are f32 device
 //! matrices; norms, RoPE, attention math and activations are f32. The LM head
 //! multiplies the final-normed rows with the head like any matmul of the
@@ -36,7 +39,7 @@ use super::ops::{self, LmHeadOut, Rows, LM_HEAD_TILE_ROWS};
 use crate::artifact::meta::{Activation, RopeStyle};
 use crate::artifact::TensorView;
 use crate::backend::cpu::{dequant, head::check_request};
-use crate::backend::{AttnParams, Backend, ExecutionInfo, HeadRequest, KvGeometry, PassRows, RopeParams, RowScore};
+use crate::backend::{AttnParams, Backend, ExecutionInfo, HeadRequest, KvDtype, KvGeometry, PassRows, RopeParams, RowScore};
 
 /// The numeric route of the CUDA backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,16 +57,11 @@ impl Route {
             Self::Fp32 => "fp32",
         }
     }
-    pub fn kv_dtype(self) -> &'static str {
+    /// The route's own KV cache type (`--kv-dtype auto`).
+    pub fn kv_dtype(self) -> KvDtype {
         match self {
-            Self::Bf16TensorCore => "bf16",
-            Self::Fp32 => "f32",
-        }
-    }
-    fn kv_elem_bytes(self) -> usize {
-        match self {
-            Self::Bf16TensorCore => 2,
-            Self::Fp32 => 4,
+            Self::Bf16TensorCore => KvDtype::Bf16,
+            Self::Fp32 => KvDtype::F32,
         }
     }
 }
@@ -101,6 +99,7 @@ pub struct CudaKvCache {
 pub struct CudaBackend {
     dev: CudaDevice,
     route: Route,
+    kv_dtype: KvDtype,
     /// Positions 0..len as i32 (RoPE reads a sub-range), grown on demand.
     positions: RefCell<Option<DeviceBuffer<i32>>>,
     /// The LM head's logits tile `(LM_HEAD_TILE_ROWS, n_vocab)`, kept between calls.
@@ -109,7 +108,11 @@ pub struct CudaBackend {
 
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaBackend").field("device", self.dev.info()).field("route", &self.route).finish()
+        f.debug_struct("CudaBackend")
+            .field("device", self.dev.info())
+            .field("route", &self.route)
+            .field("kv_dtype", &self.kv_dtype)
+            .finish()
     }
 }
 
@@ -136,9 +139,9 @@ fn gib(bytes: usize) -> f64 {
 impl CudaBackend {
     /// Opens GPU `index` (driver probe first: no driver is an error, not a
     /// panic) and loads every kernel.
-    pub fn open(index: usize, route: Route) -> Result<Self> {
+    pub fn open(index: usize, route: Route, kv_dtype: KvDtype) -> Result<Self> {
         let dev = CudaDevice::open(index)?;
-        Ok(Self { dev, route, positions: RefCell::new(None), head_scratch: RefCell::new(None) })
+        Ok(Self { dev, route, kv_dtype, positions: RefCell::new(None), head_scratch: RefCell::new(None) })
     }
 
     pub fn device(&self) -> &CudaDevice {
@@ -191,7 +194,7 @@ impl Backend for CudaBackend {
     type KvCache = CudaKvCache;
 
     fn describe(&self) -> String {
-        format!("cuda {} (route {}, KV {})", self.dev.info(), self.route.name(), self.route.kv_dtype())
+        format!("cuda {} (route {}, KV {})", self.dev.info(), self.route.name(), self.kv_dtype.name())
     }
 
     fn load_matrix(&self, view: &TensorView) -> Result<CudaMatrix> {
@@ -217,11 +220,11 @@ impl Backend for CudaBackend {
             g.d_head
         );
         let len = g.n_seqs * g.n_kv_heads * g.max_pos * g.d_head;
-        let layers = match self.route {
-            Route::Bf16TensorCore => KvLayers::Bf16(
+        let layers = match self.kv_dtype {
+            KvDtype::Bf16 => KvLayers::Bf16(
                 (0..g.n_layers).map(|_| Ok([self.dev.alloc_zeros(len)?, self.dev.alloc_zeros(len)?])).collect::<Result<_>>()?,
             ),
-            Route::Fp32 => KvLayers::F32(
+            KvDtype::F32 => KvLayers::F32(
                 (0..g.n_layers).map(|_| Ok([self.dev.alloc_zeros(len)?, self.dev.alloc_zeros(len)?])).collect::<Result<_>>()?,
             ),
         };
@@ -519,7 +522,7 @@ impl Backend for CudaBackend {
         ExecutionInfo {
             backend: "cuda".into(),
             device: format!("GPU {} {}", info.index, info.name),
-            kv_dtype: self.route.kv_dtype().into(),
+            kv_dtype: self.kv_dtype.name().into(),
             route: self.route.name().into(),
             details: serde_json::json!({
                 "compute_capability": format!("{}.{}", info.compute_capability.0, info.compute_capability.1),
@@ -543,7 +546,7 @@ impl Backend for CudaBackend {
     }
 
     fn check_memory(&self, kv: KvGeometry, n_pass_tokens: usize, n_pass_cols: usize, n_vocab: usize) -> Result<()> {
-        let kv_bytes = 2 * kv.n_seqs * kv.n_layers * kv.n_kv_heads * kv.max_pos * kv.d_head * self.route.kv_elem_bytes();
+        let kv_bytes = 2 * kv.n_seqs * kv.n_layers * kv.n_kv_heads * kv.max_pos * kv.d_head * self.kv_dtype.elem_bytes();
         // Live activations of one pass: the residual stream, a normed copy, q/k/v,
         // attention out, gate/up/product (widest row), a bf16 copy of a matmul input.
         let act_bytes = 12 * n_pass_tokens * n_pass_cols * 4;
