@@ -46,6 +46,8 @@
 #       several files: one model load, one summary each); log next to the first OUTJSON.
 #       PEERS_TORCH_DEVICE (default cuda) and PEERS_TRANSFORMERS_ARGS (e.g. "--dtype float32")
 #       pass through.
+#   peers.sh gguf-site [DIR]
+#       Installs the carried gguf wheel into DIR (default $PEERS_SITE or /tmp/site).
 #   peers.sh summary DIR...
 #       One PEER line per summary JSON in the folders (e.g. $OUT).
 #   peers.sh status
@@ -652,6 +654,16 @@ print(f"PEER llama.cpp {model.rsplit('/', 1)[-1]} c={ctx}: PPL {ppl:.4f} +/- {pp
 EOF
 }
 
+gguf_site() {
+    # gguf_site DIR: the gguf package (transformers reads GGUF through it) from the
+    # carried wheel, installed into DIR (a PYTHONPATH entry) unless already there.
+    local site="$1"
+    PYTHONPATH="$site" python3 -c 'import gguf' 2>/dev/null && return
+    compgen -G "$work/whl/*.whl" >/dev/null || die "no gguf module and no wheel in $work/whl: stash a call that carries .devcarry/peers first"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$work"/whl/*.whl ||
+        die "installing the gguf wheel into $site failed"
+}
+
 run_transformers() {
     (($# >= 3)) || die "usage: peers.sh transformers MODEL TOKENS[,TOKENS...] OUTJSON[,OUTJSON...] [BATCH]"
     local model outjson py site="${PEERS_SITE:-/tmp/site}" log status t i pairs=()
@@ -669,12 +681,7 @@ run_transformers() {
     py="$work/bin/transformers_peer.py"
     [[ -f "$py" ]] || py="$root/tools/transformers_peer.py"
     [[ -f "$py" ]] || die "transformers_peer.py missing ($work/bin, tools/)"
-    # The gguf package (transformers reads GGUF through it) from the carried wheel.
-    if ! PYTHONPATH="$site" python3 -c 'import gguf' 2>/dev/null; then
-        compgen -G "$work/whl/*.whl" >/dev/null || die "no gguf module and no wheel in $work/whl: stash a call that carries .devcarry/peers first"
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$work"/whl/*.whl ||
-            die "installing the gguf wheel into $site failed"
-    fi
+    gguf_site "$site"
     # Offline (nothing to fetch: the model is a local file) and without progress bars.
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
         TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TQDM_DISABLE=1
@@ -732,6 +739,7 @@ case "$cmd" in
     llama) run_llama "$@" ;;
     transformers) run_transformers "$@" ;;
     summary) summary "$@" ;;
+    gguf-site) gguf_site "${1:-${PEERS_SITE:-/tmp/site}}" ;;
     *)
         sed -n '2,/^set -euo pipefail/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
         [[ -z "$cmd" || "$cmd" == -h || "$cmd" == --help ]] || die "unknown subcommand: $cmd"

@@ -182,51 +182,14 @@ def window_records(model, torch, mode, ids, first_row, targets, k, device):
     return rec.tobytes(), nll
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", required=True, type=Path, help="a --save-tokens file")
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--gguf", help="GGUF model file (dequantized by transformers/gguf)")
-    src.add_argument("--hf", help="Hugging Face model folder")
-    ap.add_argument("--output", required=True, type=Path, help="top-tokens file to write")
-    ap.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    args = ap.parse_args()
-
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    import transformers
-
-    saved = load_saved_tokens(args.tokens)
+def write_reference(model, torch, mode, saved: dict, output: Path, producer: dict) -> None:
+    """Writes the top-tokens file of one --save-tokens file's windows (temp file, then rename)."""
     fp = saved["fingerprint"]
     k = int(saved["top_k"])
-    t0 = time.time()
-    mode = float64_mode(torch)
-    model, source = load_model(args, torch, mode)
-    n_vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size
-    out_vocab = model.get_output_embeddings().weight.shape[0]
-    if out_vocab != fp["n_vocab"]:
-        sys.exit(f"{args.gguf or args.hf}: {out_vocab} output logits (config vocab_size {n_vocab}), the run's vocabulary has {fp['n_vocab']}")
-    print(f"model loaded in {time.time() - t0:.1f} s ({source}), vocabulary {out_vocab}", file=sys.stderr)
-
     n_positions = sum(w["end"] - w["first_target"] for s in fp["streams"] for w in s["windows"])
-    header = {
-        "format": FORMAT,
-        "producer": {
-            "tool": "tools/fp64_reference.py",
-            "dtype": "float64 (every op, checked)",
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "device": args.device,
-            "model": source,
-        },
-        "n_positions": n_positions,
-        "fingerprint": fp,
-    }
+    header = {"format": FORMAT, "producer": producer, "n_positions": n_positions, "fingerprint": fp}
     hjson = json.dumps(header, separators=(",", ":")).encode()
-    tmp = args.output.with_name(args.output.name + f".tmp-{os.getpid()}")
+    tmp = output.with_name(output.name + f".tmp-{os.getpid()}")
     h = hashlib.sha256()
     n_written = 0
     try:
@@ -237,7 +200,7 @@ def main() -> None:
                     t = time.time()
                     first_row = w["first_target"] - w["begin"] - 1
                     targets = ids[first_row + 1 :]
-                    rec, nll = window_records(model, torch, mode, ids, first_row, targets, k, args.device)
+                    rec, nll = window_records(model, torch, mode, ids, first_row, targets, k, producer["device"])
                     h.update(rec)
                     f.write(rec)
                     n_written += len(targets)
@@ -248,11 +211,55 @@ def main() -> None:
                     )
             assert n_written == n_positions, (n_written, n_positions)
             f.write(TRAILER_MAGIC + struct.pack("<Q", n_written) + h.digest())
-        os.replace(tmp, args.output)
+        os.replace(tmp, output)
     finally:
         if tmp.exists():
             tmp.unlink()
-    print(f"wrote {args.output}: {n_positions} positions, top-{k}", file=sys.stderr)
+    print(f"wrote {output}: {n_positions} positions, top-{k}", file=sys.stderr)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", required=True, type=Path, action="append",
+                    help="a --save-tokens file (repeat with --output: one model load for several files)")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--gguf", help="GGUF model file (dequantized by transformers/gguf)")
+    src.add_argument("--hf", help="Hugging Face model folder")
+    ap.add_argument("--output", required=True, type=Path, action="append", help="top-tokens file to write, one per --tokens, same order")
+    ap.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = ap.parse_args()
+    if len(args.tokens) != len(args.output):
+        sys.exit(f"{len(args.tokens)} --tokens for {len(args.output)} --output")
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import transformers
+
+    # Every input is checked before the model loads.
+    saved = [load_saved_tokens(p) for p in args.tokens]
+    t0 = time.time()
+    mode = float64_mode(torch)
+    model, source = load_model(args, torch, mode)
+    n_vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size
+    out_vocab = model.get_output_embeddings().weight.shape[0]
+    for path, sv in zip(args.tokens, saved):
+        if out_vocab != sv["fingerprint"]["n_vocab"]:
+            sys.exit(f"{args.gguf or args.hf}: {out_vocab} output logits (config vocab_size {n_vocab}), "
+                     f"{path} was written for a vocabulary of {sv['fingerprint']['n_vocab']}")
+    print(f"model loaded in {time.time() - t0:.1f} s ({source}), vocabulary {out_vocab}", file=sys.stderr)
+    producer = {
+        "tool": "tools/fp64_reference.py",
+        "dtype": "float64 (every op, checked)",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": args.device,
+        "model": source,
+    }
+    for sv, output in zip(saved, args.output):
+        write_reference(model, torch, mode, sv, output, producer)
 
 
 if __name__ == "__main__":

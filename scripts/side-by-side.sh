@@ -1,0 +1,264 @@
+#!/usr/bin/env bash
+# side-by-side.sh: one session on a lent H200 that measures infernix-perplexity
+# next to its peers (llama.cpp and transformers bf16, through scripts/peers.sh)
+# on the same GGUF weights and windows, the 8B-class synthetic twins included,
+# and the KL divergence of each of our routes and KV types against a float64
+# truth (tools/fp64_reference.py). docs/performance.md lists the calls in order.
+#
+# Here (repository root, after `scripts/peers.sh prepare`, nvcc needed):
+#   scripts/side-by-side.sh prepare
+#       Builds the evaluator and ninfer-convert (release, stripped, xz) into
+#       .devcarry/sbs/ with this script, tools/fp64_reference.py, the
+#       --save-tokens files of the KL slices (both models: the first 40 chunks
+#       c=512 and the first 4 sliding windows 4096/2048 of wiki.test.raw) and
+#       the SHA-256 of the .ninfer files converted here.
+# On the GPU machine (repository root; /tmp/peers is scripts/peers.sh's folder):
+#   bash .devcarry/sbs/side-by-side.sh stash   (later: bash /tmp/sbs/bin/side-by-side.sh stash)
+#       peers.sh stash, then our files into /tmp/sbs; converts each newly
+#       reassembled GGUF to .ninfer (its SHA-256 must equal the one converted
+#       here: conversion is deterministic) and starts that model's float64
+#       references in the background (GPU, fp64).
+#   side-by-side.sh synth
+#       Generates the 8B-class synthetic twins (llama-8b geometry, SmolLM2's
+#       tokenizer, Q4_0 and Q8_0: .ninfer for us, .gguf for the peers) in the background.
+#   side-by-side.sh ours real | ours twin FORMAT
+#       Evaluator runs over all of wiki.test.raw, timed, one at a time, default
+#       route. real: waits for the float64 references, runs both real models
+#       (chunks c=512, chunks c=4096, sliding 4096/2048), then the KL runs (four
+#       route/KV settings per slice). twin: waits for that twin, chunks c=512
+#       and c=4096. Reports into $OUT/ours-*.json.
+#   side-by-side.sh llama real|twins | transformers
+#       The peers' runs over the same models (peers.sh llama / transformers;
+#       transformers on the real models only).
+#   side-by-side.sh summary
+#       One line per report and peer summary in $OUT.
+set -euo pipefail
+
+cmd="${1:-}"
+root="$(pwd)"
+carry="$root/.devcarry/sbs"
+sbs=/tmp/sbs
+peers=/tmp/peers
+out="${OUT:-$sbs/out}"
+MODELS=(SmolLM2-135M-Instruct.Q4_1 gemma-3-270m-q4_k_m)
+TWIN_FORMATS=(Q4_0 Q8_0)
+TWIN_TOKENIZER=SmolLM2-135M-Instruct.Q4_1
+# KL slices: name, window arguments (the same for --save-tokens here and --kl-reference there).
+SLICES=("kl-chunks512:--method chunks --context 512 --chunks 40"
+        "kl-sliding4096:--method sliding --context 4096 --stride 2048 --chunks 4")
+# Route and KV settings measured against the float64 truth: name, evaluator arguments.
+KL_SETTINGS=("lossless:--lossless" "default:" "default-kv-f32:--kv-dtype f32" "lossless-kv-bf16:--lossless --kv-dtype bf16")
+
+die() { echo "side-by-side.sh: error: $*" >&2; exit 2; }
+note() { echo "side-by-side.sh: $*" >&2; }
+text() { echo "$peers/text/wiki.test.raw"; }
+twin() { echo "llama-8b-$1"; }
+
+# --- background jobs: $sbs/jobs/NAME.{pid,log,done} ------------------------------
+
+bg_job() {
+    # bg_job NAME COMMAND...: runs detached (outlives the call), exit status into NAME.done.
+    local name="$1"
+    shift
+    mkdir -p "$sbs/jobs"
+    rm -f "$sbs/jobs/$name.done"
+    setsid nohup bash -c '"${@:2}"; echo $? >"$1.done"' _ "$sbs/jobs/$name" "$@" >"$sbs/jobs/$name.log" 2>&1 </dev/null &
+    echo $! >"$sbs/jobs/$name.pid"
+    note "started $name in the background (log $sbs/jobs/$name.log)"
+}
+
+wait_jobs() {
+    # wait_jobs PREFIX: waits for the background jobs named PREFIX*; fails with the
+    # log tail of one that failed.
+    local f name
+    for f in "$sbs/jobs/$1"*.pid; do
+        [[ -f "$f" ]] || continue
+        name="$(basename "$f" .pid)"
+        while [[ ! -f "$sbs/jobs/$name.done" ]]; do
+            kill -0 "$(cat "$f")" 2>/dev/null || { sleep 1; [[ -f "$sbs/jobs/$name.done" ]] || die "job $name is gone without an exit status"; }
+            sleep 2
+        done
+        [[ "$(cat "$sbs/jobs/$name.done")" == 0 ]] || { tail -n 30 "$sbs/jobs/$name.log" >&2; die "job $name failed"; }
+        note "job $name done: $(tail -n 1 "$sbs/jobs/$name.log")"
+    done
+}
+
+# --- here ----------------------------------------------------------------------------
+
+prepare() {
+    [[ -f "$root/Cargo.toml" ]] || die "run prepare from the repository root"
+    [[ -f "$root/.devcarry/peers/MANIFEST" ]] || die "run scripts/peers.sh prepare first"
+    local mdir="${INFERNIX_MODELS:-$root/models}" data="${INFERNIX_DATA:-$root/../shared/corpora}" target stem spec name tmp
+    local -a args
+    [[ -n "${NVCC:-}${CUDA_HOME:-}${CUDA_PATH:-}" ]] || command -v nvcc >/dev/null || die "no nvcc: the binary would carry no kernels"
+    cargo build --release --bins
+    target="${CARGO_TARGET_DIR:-$root/target}/release"
+    rm -rf "$carry"
+    mkdir -p "$carry/tokens"
+    for b in infernix-perplexity ninfer-convert; do
+        strip -o "$carry/$b" "$target/$b"
+        xz -9 -T2 "$carry/$b"
+    done
+    cp "${BASH_SOURCE[0]}" "$carry/side-by-side.sh"
+    cp "$root/tools/fp64_reference.py" "$carry/"
+    : >"$carry/ninfer.sha256"
+    for stem in "${MODELS[@]}"; do
+        [[ -f "$mdir/$stem.ninfer" ]] || die "$mdir/$stem.ninfer missing (scripts/fetch-models.sh)"
+        (cd "$mdir" && sha256sum "$stem.ninfer") >>"$carry/ninfer.sha256"
+        for spec in "${SLICES[@]}"; do
+            name="${spec%%:*}"
+            read -r -a args <<<"${spec#*:}"
+            tmp="$(mktemp -d)"
+            "$target/infernix-perplexity" "$mdir/$stem.ninfer" --text "$data/wikitext-2-raw/wiki.test.raw" "${args[@]}" \
+                --backend cpu --dry-run --save-tokens "$carry/tokens/$stem.$name.json" --output "$tmp/dry" --log-level error
+            rm -rf "$tmp"
+        done
+    done
+    du -sh "$carry"
+}
+
+# --- the GPU machine --------------------------------------------------------------------
+
+stash() {
+    local p=/tmp/peers/bin/peers.sh stem
+    [[ -f "$root/.devcarry/peers/peers.sh" ]] && p="$root/.devcarry/peers/peers.sh"
+    bash "$p" stash
+    mkdir -p "$sbs/bin" "$sbs/models" "$sbs/tokens" "$sbs/kl" "$sbs/runs" "$out"
+    if [[ -d "$carry" ]]; then
+        for b in infernix-perplexity ninfer-convert; do xz -dc "$carry/$b.xz" >"$sbs/bin/$b" && chmod +x "$sbs/bin/$b"; done
+        cp "$carry/side-by-side.sh" "$carry/fp64_reference.py" "$sbs/bin/"
+        cp "$carry/ninfer.sha256" "$sbs/"
+        cp "$carry"/tokens/* "$sbs/tokens/"
+    fi
+    [[ -x "$sbs/bin/infernix-perplexity" ]] || die "nothing stashed yet: the first call must carry .devcarry/sbs"
+    for stem in "${MODELS[@]}"; do
+        [[ -f "$peers/models/$stem.gguf" && ! -f "$sbs/models/$stem.ninfer" ]] || continue
+        "$sbs/bin/ninfer-convert" "$peers/models/$stem.gguf" --out "$sbs/models/$stem.ninfer.tmp"
+        (cd "$sbs/models" && mv "$stem.ninfer.tmp" "$stem.ninfer" && grep " $stem.ninfer\$" "$sbs/ninfer.sha256" | sha256sum -c --quiet) ||
+            die "$stem.ninfer converted on this machine differs from the one converted where it was prepared"
+        note "$stem.ninfer converted, sha256 equal to the prepared one"
+        bash /tmp/peers/bin/peers.sh gguf-site /tmp/site
+        bg_job "fp64-$stem" bash "$sbs/bin/side-by-side.sh" fp64 "$stem"
+    done
+}
+
+fp64() {
+    # The float64 references of one model, one per KL slice, one model load (GPU).
+    local stem="$1" spec name
+    local -a pairs=()
+    for spec in "${SLICES[@]}"; do
+        name="${spec%%:*}"
+        pairs+=(--tokens "$sbs/tokens/$stem.$name.json" --output "$sbs/kl/$stem.$name.fp64.topk")
+    done
+    PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 python3 "$sbs/bin/fp64_reference.py" \
+        --gguf "$peers/models/$stem.gguf" "${pairs[@]}" --device cuda
+}
+
+synth() {
+    local f
+    [[ -f "$peers/models/$TWIN_TOKENIZER.gguf" ]] || die "$TWIN_TOKENIZER.gguf not stashed yet (its tokenizer is the twins')"
+    for f in "${TWIN_FORMATS[@]}"; do
+        bg_job "synth-$f" "$sbs/bin/ninfer-convert" "$peers/models/$TWIN_TOKENIZER.gguf" --synthetic llama-8b --format "$f" \
+            --out "$sbs/models/$(twin "$f").ninfer" --gguf-twin "$peers/models/$(twin "$f").gguf"
+    done
+}
+
+run_ours() {
+    # ours real: both real models, then the KL runs; ours twin FORMAT: one 8B twin.
+    local stem f spec slice setting
+    local -a sargs kargs
+    case "${1:-}" in
+    real)
+        wait_jobs fp64-
+        for stem in "${MODELS[@]}"; do
+            run_ours "$stem.chunks512" "$stem" --method chunks --context 512
+            run_ours "$stem.chunks4096" "$stem" --method chunks --context 4096
+            run_ours "$stem.sliding4096" "$stem" --method sliding --context 4096 --stride 2048
+        done
+        for stem in "${MODELS[@]}"; do
+            for spec in "${SLICES[@]}"; do
+                slice="${spec%%:*}"
+                read -r -a sargs <<<"${spec#*:}"
+                for setting in "${KL_SETTINGS[@]}"; do
+                    read -r -a kargs <<<"${setting#*:}"
+                    run_ours "$stem.$slice.${setting%%:*}" "$stem" "${sargs[@]}" "${kargs[@]}" \
+                        --kl-reference "$sbs/kl/$stem.$slice.fp64.topk"
+                done
+            done
+        done
+        ;;
+    twin)
+        f="${2:?usage: side-by-side.sh ours twin FORMAT}"
+        wait_jobs "synth-$f"
+        run_ours "$(twin "$f").chunks512" "$(twin "$f")" --method chunks --context 512
+        run_ours "$(twin "$f").chunks4096" "$(twin "$f")" --method chunks --context 4096
+        ;;
+    *) die "usage: side-by-side.sh ours real | ours twin FORMAT" ;;
+    esac
+    summary
+}
+
+llama() {
+    # llama real: both real models; llama twins: both 8B twins (c=512 and c=4096 each).
+    local p="bash /tmp/peers/bin/peers.sh" m c
+    local -a models
+    case "${1:-}" in
+    real) models=("${MODELS[@]}") ;;
+    twins) models=("$(twin Q4_0)" "$(twin Q8_0)") ;;
+    *) die "usage: side-by-side.sh llama real|twins" ;;
+    esac
+    for m in "${models[@]}"; do
+        for c in 512 4096; do
+            $p llama "$m" wiki.test.raw "$c" "$out/llama-$m-c$c.json" >/dev/null
+        done
+    done
+    summary
+}
+
+transformers() {
+    # The real models on the three window sets of peers.sh prepare. Not the 8B
+    # twins: transformers' GGUF loader dequantizes in numpy at ~20M weights/s, a
+    # quarter of an hour per twin.
+    local p="bash /tmp/peers/bin/peers.sh" m
+    for m in "${MODELS[@]}"; do
+        $p transformers "$m" "$m.chunks512,$m.chunks4096,$m.sliding4096" \
+            "$out/tf-$m-chunks512.json,$out/tf-$m-chunks4096.json,$out/tf-$m-sliding4096.json"
+    done
+    summary
+}
+
+summary() {
+    bash /tmp/peers/bin/peers.sh summary "$out"
+    python3 - "$out" <<'EOF'
+import glob, json, os, sys
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "ours-*.json"))):
+    r = json.load(open(path))
+    o, t, w, e = r["results"]["overall"], r["timing"], r["workload"], r["execution"]
+    line = (f"OURS {os.path.basename(path)[5:-5]:<58} PPL {o['perplexity']:>12.4f} targets {o['scored_tokens']:>7} "
+            f"{t['tokens_per_second_processed']:>9,.0f} tok/s processed {t['tokens_per_second_scored']:>9,.0f} scored "
+            f"({t['scoring_seconds']:.2f} s) route {e['details'].get('route')} kv {e['kv_dtype']} "
+            f"x{e['details'].get('windows_per_pass')}")
+    kl = r["results"].get("kl_divergence")
+    if kl:
+        q = kl.get("quantiles") or {}
+        line += (f" | KL mean {kl['mean']:.3e} p99 {q.get('p99', float('nan')):.3e} max {q.get('max', float('nan')):.3e} "
+                 f"top1 {kl['top1_agreement']:.6f} dNLL {kl['mean_nll_delta']:+.3e} +/- {kl['mean_nll_delta_se'] or 0:.1e} "
+                 f"flips {kl['n_confident_flips']} ref NLL {kl['mean_nll_reference']:.6f}")
+    print(line)
+EOF
+}
+
+case "$cmd" in
+    prepare) prepare ;;
+    stash) stash ;;
+    fp64) fp64 "$2" ;;
+    synth) synth ;;
+    ours) ours "${@:2}" ;;
+    llama) llama "${@:2}" ;;
+    transformers) transformers ;;
+    summary) summary ;;
+    *)
+        sed -n '2,/^set -euo pipefail/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
+        [[ -z "$cmd" || "$cmd" == -h || "$cmd" == --help ]] || die "unknown subcommand: $cmd"
+        ;;
+esac
