@@ -125,7 +125,10 @@ stash() {
     bash "$p" stash
     mkdir -p "$sbs/bin" "$sbs/models" "$sbs/tokens" "$sbs/kl" "$sbs/runs" "$out"
     if [[ -d "$carry" ]]; then
-        for b in infernix-perplexity ninfer-convert; do xz -dc "$carry/$b.xz" >"$sbs/bin/$b" && chmod +x "$sbs/bin/$b"; done
+        # Through a new file: a binary still running from an earlier call (synth) stays intact.
+        for b in infernix-perplexity ninfer-convert; do
+            xz -dc "$carry/$b.xz" >"$sbs/bin/$b.new" && chmod +x "$sbs/bin/$b.new" && mv -f "$sbs/bin/$b.new" "$sbs/bin/$b"
+        done
         cp "$carry/side-by-side.sh" "$carry/fp64_reference.py" "$sbs/bin/"
         cp "$carry/ninfer.sha256" "$sbs/"
         cp "$carry"/tokens/* "$sbs/tokens/"
@@ -164,6 +167,16 @@ synth() {
 }
 
 run_ours() {
+    # run_ours NAME STEM ARGS...: one evaluator run over wiki.test.raw; report to $out/ours-NAME.json.
+    local name="$1" stem="$2" dir="$sbs/runs/$1"
+    shift 2
+    rm -rf "$dir"
+    "$sbs/bin/infernix-perplexity" "$sbs/models/$stem.ninfer" --text "$(text)" --backend cuda "$@" \
+        --output "$dir" >"$dir.stdout" 2>"$dir.log" || { tail -n 20 "$dir.log" >&2; die "evaluator run $name failed"; }
+    cp "$dir/report.json" "$out/ours-$name.json"
+}
+
+ours() {
     # ours real: both real models, then the KL runs; ours twin FORMAT: one 8B twin.
     local stem f spec slice setting
     local -a sargs kargs
