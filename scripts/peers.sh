@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # peers.sh: runs the two peer tools, llama.cpp's `llama-perplexity` (CUDA build)
 # and Hugging Face transformers (bf16), on a lent GPU machine, on the same GGUF
-# files, text and windows as infernix-perplexity (docs/peers-draft.md).
+# files, text and windows as infernix-perplexity (docs/performance.md, "Peers on the device").
 #
 # Here (repository root, internet, no GPU):
 #   scripts/peers.sh prepare
@@ -297,7 +297,7 @@ print_plan() {
         fi
         ((total < limit)) || die "call $n would carry $(mib "$total") MiB, over the 62 MiB kept below the 64 MiB limit: lower PEERS_PART_MIB"
     done
-    echo "  then: bash /tmp/peers/bin/peers.sh build-llama-wait 560 (timeout_s=600), and the runs (docs/peers-draft.md)."
+    echo "  then: bash /tmp/peers/bin/peers.sh build-llama-wait 560 (timeout_s=600), and the runs (docs/performance.md, "Peers on the device")."
 }
 
 prepare() {
