@@ -21,7 +21,7 @@ use infernix_perplexity::artifact::{Artifact, TensorView};
 use infernix_perplexity::backend::cpu::CpuBackend;
 use infernix_perplexity::backend::{AttnParams, Backend, HeadRequest, KvGeometry, PassRows, RopeParams, RowScore};
 use infernix_perplexity::convert::{self, ConvertOptions};
-use infernix_perplexity::model::{ScoreOptions, Transformer};
+use infernix_perplexity::model::{ScoreOptions, Transformer, WindowScorer};
 
 const WINDOW: usize = 512;
 

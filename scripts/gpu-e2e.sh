@@ -63,19 +63,14 @@ build)
     cp "${BASH_SOURCE[0]}" "$carry/gpu-e2e.sh"
     cp "$data/wikitext-2-raw/wiki.test.raw" "$reference"/*.txt "$carry/"
     cp tests/data/gpu_e2e_cpu_golden.json "$carry/golden.json"
+    # shellcheck source=scripts/lib/parts.sh
+    source "${root}/scripts/lib/parts.sh"
     n=0
     for m in "${models[@]}"; do
         f="$model_dir/$m.ninfer"
         [[ -f "$f" ]] || { echo "gpu-e2e.sh: $f missing (scripts/fetch-models.sh)" >&2; exit 2; }
         (cd "$model_dir" && sha256sum "$m.ninfer") >"$carry/$m.sha256"
-        tmp="$(mktemp -d)"
-        split -b "${part_mib}M" -d -a 2 "$f" "$tmp/$m.ninfer.part"
-        for p in "$tmp"/*; do
-            mkdir -p "${carry}-p${n}"
-            mv "$p" "${carry}-p${n}/"
-            n=$((n + 1))
-        done
-        rmdir "$tmp"
+        n=$((n + $(split_into_folders "$f" "$part_mib" "${carry}-p" "$n")))
     done
     du -sh "$carry" "${carry}"-p*
     ;;

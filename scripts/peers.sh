@@ -251,24 +251,16 @@ EOF
 
 split_models() {
     # split_models MODELDIR PART_MIB: GGUF files into equal parts under .devcarry/peers-m<N>/.
-    local mdir="$1" part_mib="$2" n=0 stem f size nparts tmp p
+    local mdir="$1" part_mib="$2" n=0 stem f nparts
     rm -rf "${carry}"-m*
     : >"$carry/models.txt"
     for stem in "${MODELS[@]}"; do
         f="$mdir/$stem.gguf"
         [[ -f "$f" ]] || die "$f missing (scripts/fetch-models.sh fetches it)"
         [[ "$(sha256_of "$f")" == "${MODEL_SHA[$stem]}" ]] || die "$f: sha256 is not ${MODEL_SHA[$stem]}"
-        size="$(stat -c %s "$f")"
-        nparts=$(( (size + part_mib * 1048576 - 1) / (part_mib * 1048576) ))
-        echo "$stem ${MODEL_SHA[$stem]} $size $nparts" >>"$carry/models.txt"
-        tmp="$(mktemp -d)"
-        split -n "$nparts" -d -a 2 "$f" "$tmp/$stem.gguf.part"
-        for p in "$tmp"/*; do
-            mkdir -p "${carry}-m${n}"
-            mv "$p" "${carry}-m${n}/"
-            n=$((n + 1))
-        done
-        rmdir "$tmp"
+        nparts="$(split_into_folders "$f" "$part_mib" "${carry}-m" "$n")"
+        echo "$stem ${MODEL_SHA[$stem]} $(stat -c %s "$f") $nparts" >>"$carry/models.txt"
+        n=$((n + nparts))
     done
 }
 
@@ -302,6 +294,8 @@ print_plan() {
 
 prepare() {
     [[ -f "$root/Cargo.toml" && -f "$root/scripts/peers.sh" ]] || die "run prepare from the repository root"
+    # shellcheck source=scripts/lib/parts.sh
+    source "$root/scripts/lib/parts.sh"
     local cache="${INFERNIX_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/infernix-perplexity}/peers"
     local data="${INFERNIX_DATA:-$root/../shared/corpora}" mdir="${INFERNIX_MODELS:-$root/models}"
     local part_mib="${PEERS_PART_MIB:-50}" sdist text bin stem whl req name

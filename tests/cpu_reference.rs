@@ -25,7 +25,7 @@ use std::sync::{Mutex, OnceLock};
 use infernix_perplexity::artifact::Artifact;
 use infernix_perplexity::backend::cpu::CpuBackend;
 use infernix_perplexity::convert::{self, ConvertOptions};
-use infernix_perplexity::model::{ScoreOptions, Transformer};
+use infernix_perplexity::model::{ScoreOptions, Transformer, WindowScorer};
 use infernix_perplexity::text::tokenizer::{token_ids_sha256, TextTokenizer};
 
 const CTX: usize = 512;

@@ -33,7 +33,7 @@ use infernix_perplexity::artifact::TensorView;
 use infernix_perplexity::backend::cpu::CpuBackend;
 use infernix_perplexity::backend::cuda::{self as cuda, CudaBackend, Route};
 use infernix_perplexity::backend::{Backend, BackendKind};
-use infernix_perplexity::model::{load_model, ScoreOptions, TargetScore, Transformer, WindowInput};
+use infernix_perplexity::model::{load_model, ScoreOptions, TargetScore, Transformer, WindowInput, WindowScorer};
 
 /// Windows per batched pass in the whole-model GPU tests.
 const BATCH: usize = 8;

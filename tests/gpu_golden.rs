@@ -11,7 +11,7 @@
 mod cases;
 
 use infernix_perplexity::backend::cpu::CpuBackend;
-use infernix_perplexity::model::{ScoreOptions, Transformer};
+use infernix_perplexity::model::{ScoreOptions, Transformer, WindowScorer};
 
 #[test]
 #[ignore = "slow: regenerates the golden file with the CPU backend"]

@@ -680,11 +680,11 @@ fn lm_head_tiled_end_to_end() {
             dev.copy_to_device(&vec![f64::NAN; n_rows], &mut out.row_sumexp).unwrap();
             let (hr, er): (Vec<f32>, Vec<f32>) = if route == "bf16" {
                 let hd = upload_bf16(dev, &h);
-                ops::lm_head(dev, hd.view(), n_rows, &emb, td.view(), &mut scratch, &mut out).unwrap();
+                ops::lm_head(dev, hd.view(), n_rows, &emb, td.view(), None, &mut scratch, &mut out, |_, _, _| Ok(())).unwrap();
                 (h.iter().map(|&v| twin::round_bf16(v)).collect(), ef.iter().map(|&v| twin::round_bf16(v)).collect())
             } else {
                 let hd = dev.upload(&h).unwrap();
-                ops::lm_head(dev, hd.view(), n_rows, &emb, td.view(), &mut scratch, &mut out).unwrap();
+                ops::lm_head(dev, hd.view(), n_rows, &emb, td.view(), None, &mut scratch, &mut out, |_, _, _| Ok(())).unwrap();
                 (h.clone(), ef.clone())
             };
             let got = out.download(dev).unwrap();

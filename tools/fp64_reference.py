@@ -120,7 +120,7 @@ def load_model(args, torch, mode):
         gguf = Path(args.gguf).resolve()
         kw["quantization_config"] = GgufConfig(dequantize=True)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, **kw)
-        source = {"gguf": str(gguf), "sha256": sha256_file(gguf)}
+        source = {"gguf": str(gguf), "sha256": hashlib.file_digest(gguf.open("rb"), "sha256").hexdigest()}
     else:
         model = AutoModelForCausalLM.from_pretrained(args.hf, **kw)
         source = {"hf": str(Path(args.hf).resolve())}
@@ -140,14 +140,6 @@ def load_model(args, torch, mode):
     if packed:
         sys.exit(f"weights still packed in GGUF modules: {sorted(set(packed))}")
     return model, source
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def window_records(model, torch, mode, ids, first_row, targets, k, device):

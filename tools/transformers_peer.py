@@ -63,14 +63,6 @@ def log(msg: str) -> None:
     print(f"transformers_peer.py: {msg}", file=sys.stderr, flush=True)
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def open_maybe_compressed(path: Path):
     if path.suffix == ".xz":
         return lzma.open(path, "rt", encoding="utf-8")
@@ -310,7 +302,7 @@ def score_file(model, torch, transformers, gguf_version, args, tokens: Path, out
                   "log-softmax in float32, sums in float64",
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
         "params_not_in_dtype": getattr(model, "params_not_in_dtype", {}),
-        "tokens_file": {"path": str(tokens), "sha256": sha256_file(tokens)},
+        "tokens_file": {"path": str(tokens), "sha256": hashlib.file_digest(tokens.open("rb"), "sha256").hexdigest()},
         "method": fp.get("method"),
         "context": fp.get("context"),
         "stride": fp.get("stride"),
@@ -408,7 +400,7 @@ def main() -> None:
 
     # Every token file is read and checked before the (slow) model load.
     loaded = [read_windows(t) for t in args.tokens]
-    args.gguf_sha256 = sha256_file(args.gguf)
+    args.gguf_sha256 = hashlib.file_digest(args.gguf.open("rb"), "sha256").hexdigest()
 
     log(f"loading {args.gguf} with transformers {transformers.__version__}, torch {torch.__version__} ({args.dtype}, {args.device})")
     t0 = time.perf_counter()

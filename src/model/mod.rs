@@ -229,21 +229,6 @@ impl<B: Backend> Transformer<B> {
         &self.backend
     }
 
-    /// Scores targets `first_target..tokens.len()` of one window: target `j`
-    /// is predicted from `tokens[..j]`. One entry per target, in order.
-    /// `extra_ids`: empty, or one list of ids per target whose logits are
-    /// returned in `TargetScore::extra`.
-    pub fn score_window(
-        &mut self,
-        tokens: &[u32],
-        first_target: usize,
-        opts: &ScoreOptions,
-        extra_ids: &[Vec<u32>],
-    ) -> Result<Vec<TargetScore>> {
-        let mut all = self.score_windows(&[WindowInput { tokens, first_target, extra_ids }], opts)?;
-        all.pop().context("score_window: no result")
-    }
-
     /// Scores several windows of the same length together: every prefill
     /// pass runs their rows side by side (window `s` in KV slot `s`), and one
     /// LM-head call scores all their targets. Each window's scores are those
@@ -423,7 +408,10 @@ impl<B: Backend> Transformer<B> {
 pub trait WindowScorer: Send {
     /// See [`Transformer::score_windows`].
     fn score_windows(&mut self, windows: &[WindowInput], opts: &ScoreOptions) -> Result<Vec<Vec<TargetScore>>>;
-    /// One window alone; see [`Transformer::score_window`].
+    /// One window alone: scores its targets `first_target..tokens.len()`; target `j`
+    /// is predicted from `tokens[..j]`. One entry per target, in order.
+    /// `extra_ids`: empty, or one list of ids per target whose logits are
+    /// returned in `TargetScore::extra`.
     fn score_window(
         &mut self,
         tokens: &[u32],

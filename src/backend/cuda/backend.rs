@@ -468,34 +468,30 @@ impl Backend for CudaBackend {
             }
             Route::Fp32 => None,
         };
-        for row0 in (0..n).step_by(LM_HEAD_TILE_ROWS) {
-            let n_tile = LM_HEAD_TILE_ROWS.min(n - row0);
-            // (n_tile, n_vocab) f32 logits: bf16 rows on the tensor cores (default
-            // route) or f32 rows with FFMA (FP32 route), f32 accumulation either way.
-            let logits = scratch.slice_mut(0..n_tile * n_vocab)?;
-            match &h_bf16 {
-                Some(hb) => ops::matmul::<bf16>(dev, hb.view().sub(row0 * d, n_tile * d)?, n_tile, &head.q, logits, n_vocab),
-                None => ops::matmul::<f32>(dev, h.sub(row0 * d, n_tile * d)?, n_tile, &head.q, logits, n_vocab),
-            }
-            .with_context(|| format!("LM head {}", head.name))?;
-            if let Some(cap) = req.softcap {
-                ops::softcap(dev, scratch.slice_mut(0..n_tile * n_vocab)?, cap as f32)?;
-            }
-            ops::lmhead_reduce(dev, scratch.slice(0..n_tile * n_vocab)?, n_tile, n_vocab, n_vocab, targets.slice(row0..row0 + n_tile)?, &mut out, row0)?;
-            if let Some(extra) = extra_dev.as_mut() {
-                let (p0, p1) = (offsets[row0], offsets[row0 + n_tile]);
-                if p1 > p0 {
-                    pair_rows.clear();
-                    for r in row0..row0 + n_tile {
-                        pair_rows.extend(std::iter::repeat_n((r - row0) as i32, offsets[r + 1] - offsets[r]));
-                    }
-                    let rows_d = dev.upload(&pair_rows)?;
-                    let ids_d = dev.upload(&pair_ids[p0..p1])?;
-                    ops::gather_pairs(dev, scratch.slice(0..n_tile * n_vocab)?, n_vocab, rows_d.view(), ids_d.view(), extra.slice_mut(p0..p1)?)?;
-                    // The uploads are freed in stream order after the gather.
+        // Listed ids' logits, gathered from each tile before the next overwrites it.
+        let gather = |row0: usize, n_tile: usize, logits: DevView<f32>| -> Result<()> {
+            let Some(extra) = extra_dev.as_mut() else { return Ok(()) };
+            let (p0, p1) = (offsets[row0], offsets[row0 + n_tile]);
+            if p1 > p0 {
+                pair_rows.clear();
+                for r in row0..row0 + n_tile {
+                    pair_rows.extend(std::iter::repeat_n((r - row0) as i32, offsets[r + 1] - offsets[r]));
                 }
+                let rows_d = dev.upload(&pair_rows)?;
+                let ids_d = dev.upload(&pair_ids[p0..p1])?;
+                ops::gather_pairs(dev, logits, n_vocab, rows_d.view(), ids_d.view(), extra.slice_mut(p0..p1)?)?;
+                // The uploads are freed in stream order after the gather.
             }
+            Ok(())
+        };
+        // (n_tile, n_vocab) f32 logits a tile: bf16 rows on the tensor cores (default
+        // route) or f32 rows with FFMA (FP32 route), f32 accumulation either way.
+        let softcap = req.softcap.map(|c| c as f32);
+        match &h_bf16 {
+            Some(hb) => ops::lm_head::<bf16>(dev, hb.view(), n, &head.q, targets.view(), softcap, scratch, &mut out, gather),
+            None => ops::lm_head::<f32>(dev, h, n, &head.q, targets.view(), softcap, scratch, &mut out, gather),
         }
+        .with_context(|| format!("LM head {}", head.name))?;
         drop(scratch_cell);
         let host = out.download(dev)?;
         let extra_host = match &extra_dev {

@@ -641,18 +641,24 @@ pub fn lmhead_reduce(
 /// tiles amortize it (a (256, n_vocab) f32 tile is 256 MiB for gemma3's 262k vocabulary).
 pub const LM_HEAD_TILE_ROWS: usize = 256;
 
-/// The tiled FP32 LM head: for each tile of up to LM_HEAD_TILE_ROWS rows of h (n_rows, d_model),
-/// logits = h_tile · embᵀ (FP32 accumulation, into `scratch`, (tile, n_vocab) f32 on
-/// the device) then `lmhead_reduce`. Only `out`'s few numbers per row are ever
-/// copied to the host. h in bf16 uses the tensor-core matmul, in f32 the FP32 one.
+/// The tiled LM head: for each tile of up to LM_HEAD_TILE_ROWS rows of h
+/// (n_rows, d_model), logits = h_tile · embᵀ (f32 accumulation, into
+/// `scratch`, (tile, n_vocab) f32 on the device), optionally soft-capped, then
+/// `lmhead_reduce` into `out`; `per_tile(row0, n_tile, logits)` then sees the
+/// tile's logits (to gather listed ids). Only `out`'s few numbers per row are
+/// ever copied to the host. h in bf16 uses the tensor-core matmul, in f32 the
+/// FP32 one.
+#[allow(clippy::too_many_arguments)]
 pub fn lm_head<X: MatmulInput>(
     dev: &CudaDevice,
     h: DevView<X>,
     n_rows: usize,
     emb: &QuantMatrix,
     targets: DevView<i32>,
+    softcap: Option<f32>,
     scratch: &mut DeviceBuffer<f32>,
     out: &mut LmHeadOut,
+    mut per_tile: impl FnMut(usize, usize, DevView<f32>) -> Result<()>,
 ) -> Result<()> {
     let (n_vocab, d_model) = (emb.n_rows, emb.n_cols);
     ensure!(h.len() == n_rows * d_model, "lm_head: h has {} elements, n_rows * d_model = {n_rows} * {d_model}", h.len());
@@ -662,20 +668,14 @@ pub fn lm_head<X: MatmulInput>(
     if scratch.len() < tile_len {
         bail!("lm_head: scratch holds {} f32, a tile needs {LM_HEAD_TILE_ROWS} * {n_vocab}", scratch.len());
     }
-    let mut row0 = 0;
-    while row0 < n_rows {
+    for row0 in (0..n_rows).step_by(LM_HEAD_TILE_ROWS) {
         let rows = LM_HEAD_TILE_ROWS.min(n_rows - row0);
-        // Views of h and targets for this tile: re-derived from the raw ranges.
-        let h_tile = sub_view(h, row0 * d_model, rows * d_model)?;
-        let t_tile = sub_view(targets, row0, rows)?;
-        matmul::<X>(dev, h_tile, rows, emb, scratch.slice_mut(0..rows * n_vocab)?, n_vocab)?;
-        lmhead_reduce(dev, scratch.slice(0..rows * n_vocab)?, rows, n_vocab, n_vocab, t_tile, out, row0)?;
-        row0 += rows;
+        matmul::<X>(dev, h.sub(row0 * d_model, rows * d_model)?, rows, emb, scratch.slice_mut(0..rows * n_vocab)?, n_vocab)?;
+        if let Some(cap) = softcap {
+            self::softcap(dev, scratch.slice_mut(0..rows * n_vocab)?, cap)?;
+        }
+        lmhead_reduce(dev, scratch.slice(0..rows * n_vocab)?, rows, n_vocab, n_vocab, targets.sub(row0, rows)?, out, row0)?;
+        per_tile(row0, rows, scratch.slice(0..rows * n_vocab)?)?;
     }
     Ok(())
-}
-
-/// A sub-range of a read-only view.
-pub fn sub_view<T>(v: DevView<'_, T>, start: usize, len: usize) -> Result<DevView<'_, T>> {
-    v.sub(start, len)
 }
