@@ -181,16 +181,19 @@ fn two_identical_cpu_runs_give_bit_identical_results() {
     let model = artifact(SMOLLM2);
     let text = data_root().join("wikitext-2-raw/wiki.test.raw");
     let mut results = Vec::new();
-    for name in ["one", "two"] {
+    // The second run names the CPU's own KV type: recorded, and nothing changes.
+    for (name, kv) in [("one", "auto"), ("two", "f32")] {
         let dir = tmp.path().join(name);
         let o = run(&[
             os(&model), os("--text"), os(&text), os("--method"), os("chunks"), os("--context"), os("128"),
-            os("--chunks"), os("3"), os("--backend"), os("cpu"), os("--output"), os(&dir),
+            os("--chunks"), os("3"), os("--backend"), os("cpu"), os("--kv-dtype"), os(kv), os("--output"), os(&dir),
         ]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let table = String::from_utf8(o.stdout).unwrap();
         assert!(table.lines().any(|l| l.starts_with("overall")), "{table}");
         let mut r = read_report(&dir);
+        assert_eq!(r["execution"]["kv_dtype"], "f32");
+        assert_eq!(r["execution"]["details"]["kv_dtype_flag"], kv);
         let windows = r["results"]["streams"][0]["windows"].as_array_mut().unwrap();
         assert_eq!(windows.len(), 3);
         for w in windows.iter_mut() {
