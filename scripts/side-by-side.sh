@@ -125,11 +125,14 @@ stash() {
     bash "$p" stash
     mkdir -p "$sbs/bin" "$sbs/models" "$sbs/tokens" "$sbs/kl" "$sbs/runs" "$out"
     if [[ -d "$carry" ]]; then
-        # Through a new file: a binary still running from an earlier call (synth) stays intact.
+        # Through new files: a binary or script still running from an earlier call
+        # (synth, fp64; bash reads a script as it goes) keeps its old file.
         for b in infernix-perplexity ninfer-convert; do
             xz -dc "$carry/$b.xz" >"$sbs/bin/$b.new" && chmod +x "$sbs/bin/$b.new" && mv -f "$sbs/bin/$b.new" "$sbs/bin/$b"
         done
-        cp "$carry/side-by-side.sh" "$carry/fp64_reference.py" "$sbs/bin/"
+        for b in side-by-side.sh fp64_reference.py; do
+            cp "$carry/$b" "$sbs/bin/$b.new" && mv -f "$sbs/bin/$b.new" "$sbs/bin/$b"
+        done
         cp "$carry/ninfer.sha256" "$sbs/"
         cp "$carry"/tokens/* "$sbs/tokens/"
     fi
