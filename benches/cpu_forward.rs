@@ -19,7 +19,7 @@ use anyhow::{Context, Result};
 use infernix_perplexity::artifact::meta::Activation;
 use infernix_perplexity::artifact::{Artifact, TensorView};
 use infernix_perplexity::backend::cpu::CpuBackend;
-use infernix_perplexity::backend::{AttnParams, Backend, HeadRequest, KvGeometry, PassRows, RopeParams, RowScore};
+use infernix_perplexity::backend::{AttnParams, Backend, ExecutionInfo, HeadRequest, KvGeometry, PassRows, RopeParams, RowScore};
 use infernix_perplexity::convert::{self, ConvertOptions};
 use infernix_perplexity::model::{ScoreOptions, Transformer, WindowScorer};
 
@@ -36,8 +36,8 @@ fn main() -> Result<()> {
     convert::convert(&gguf, &out, &ConvertOptions::default()).with_context(|| format!("convert {}", gguf.display()))?;
     let art = Artifact::open(&out)?;
     let t = Instant::now();
-    let mut model = Transformer::load(CpuBackend, &art)?;
-    eprintln!("loaded in {:.2} s on {}", t.elapsed().as_secs_f64(), CpuBackend.describe());
+    let mut model = Transformer::load(CpuBackend::default(), &art)?;
+    eprintln!("loaded in {:.2} s on {}", t.elapsed().as_secs_f64(), CpuBackend::default().describe());
 
     let n_vocab = model.hparams().n_vocab as u64;
     let mut s = 0x2545_f491_4f6c_dd1du64;
@@ -66,7 +66,7 @@ fn main() -> Result<()> {
         "cpu_forward smollm2 window {WINDOW}: mean {:.1} tokens/s, best {:.1} tokens/s over {reps} runs ({})",
         WINDOW as f64 * reps as f64 / total,
         WINDOW as f64 / best,
-        CpuBackend.describe()
+        CpuBackend::default().describe()
     );
 
     let mut timed = Transformer::load(Timed::default(), &art)?;
@@ -108,6 +108,9 @@ impl Backend for Timed {
     type KvCache = <Cpu as Backend>::KvCache;
     fn describe(&self) -> String {
         self.inner.describe()
+    }
+    fn execution(&self) -> ExecutionInfo {
+        self.inner.execution()
     }
     fn load_matrix(&self, v: &TensorView) -> Result<Self::Matrix> {
         self.inner.load_matrix(v)

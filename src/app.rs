@@ -13,6 +13,7 @@ use anyhow::{bail, Context, Result};
 use tracing::info;
 
 use crate::artifact::Artifact;
+use crate::backend::cpu::CpuBackend;
 use crate::backend::{BackendKind, KvDtype};
 use crate::compare::floor::alternate_prefill_chunk;
 use crate::compare::stats::PairedWindow;
@@ -139,7 +140,7 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         return Ok(Outcome::Success);
     }
 
-    let kind = choose_backend(cfg.backend, cfg.device, cfg.lossless, cfg.kv_dtype)?;
+    let kind = choose_backend(cfg);
     let t_load = Instant::now();
     let mut scorer = load_model(&artifact, kind)?;
     // Size memory from the model and the plan before the first window.
@@ -160,6 +161,7 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
     if let serde_json::Value::Object(map) = &mut details {
         map.insert("route".into(), exec.route.clone().into());
         map.insert("lossless_flag".into(), cfg.lossless.into());
+        map.insert("emulate_bf16_tc_flag".into(), cfg.emulate_bf16_tc.into());
         map.insert("kv_dtype_flag".into(), cfg.kv_dtype.map_or("auto", KvDtype::name).into());
         map.insert("prefill_chunk_tokens".into(), cfg.prefill_chunk.min(n_max_window).into());
         map.insert("max_window_tokens".into(), n_max_window.into());
@@ -284,25 +286,15 @@ fn read_inputs(cfg: &RunConfig) -> Result<(Vec<InputStream>, Option<CorpusInfo>)
     })
 }
 
-fn choose_backend(choice: BackendChoice, auto_device: usize, lossless: bool, kv_dtype: Option<KvDtype>) -> Result<BackendKind> {
-    let kind = match choice {
-        BackendChoice::Cpu => BackendKind::Cpu,
+fn choose_backend(cfg: &RunConfig) -> BackendKind {
+    let (lossless, kv_dtype) = (cfg.lossless, cfg.kv_dtype);
+    let cpu = BackendKind::Cpu(CpuBackend { bf16_matmul_inputs: cfg.emulate_bf16_tc, kv_dtype: kv_dtype.unwrap_or_default() });
+    match cfg.backend {
+        BackendChoice::Cpu => cpu,
         BackendChoice::Cuda { device } => BackendKind::Cuda { device, lossless, kv_dtype },
-        BackendChoice::Auto => {
-            if crate::backend::cuda_available() {
-                BackendKind::Cuda { device: auto_device, lossless, kv_dtype }
-            } else {
-                BackendKind::Cpu
-            }
-        }
-    };
-    if kind == BackendKind::Cpu && kv_dtype.is_some_and(|k| k != KvDtype::F32) {
-        bail!(
-            "--kv-dtype {}: the CPU backend keeps its KV cache in f32; other KV types run on --backend cuda",
-            kv_dtype.map_or("auto", KvDtype::name)
-        );
+        BackendChoice::Auto if crate::backend::cuda_available() => BackendKind::Cuda { device: cfg.device, lossless, kv_dtype },
+        BackendChoice::Auto => cpu,
     }
-    Ok(kind)
 }
 
 fn stream_result(s: &Stream, summary: Option<Summary>, windows: Vec<WindowResult>) -> StreamResult {

@@ -102,13 +102,21 @@ pub struct Args {
     pub device: usize,
     /// FP32 route on CUDA: f32 activations, matmuls and KV cache (the default
     /// route feeds bf16 into tensor cores and keeps a bf16 KV cache). The CPU
-    /// backend is always f32: there the flag changes nothing and is recorded.
+    /// backend is f32 unless told to emulate: there the flag changes nothing
+    /// and is recorded.
     #[arg(long)]
     pub lossless: bool,
-    /// Element type of the KV cache. bf16 is CUDA only (the CPU backend keeps
-    /// f32); the KV-format issue adds the quantized ones.
+    /// Element type of the KV cache (auto: bf16 on the default CUDA route, f32
+    /// with --lossless and on the CPU). On the CPU, bf16 rounds K and V as they
+    /// are stored, as the CUDA cache does; the KV-format issue adds the
+    /// quantized types.
     #[arg(long, value_enum, default_value_t = KvDtypeArg::Auto, value_name = "DTYPE")]
     pub kv_dtype: KvDtypeArg,
+    /// With --backend cpu: round both inputs of every matrix product (LM head
+    /// included) to bf16, as the CUDA default route feeds its tensor cores,
+    /// and nothing else. Measures that rounding apart from any kernel.
+    #[arg(long)]
+    pub emulate_bf16_tc: bool,
     /// CPU threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,

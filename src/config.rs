@@ -39,6 +39,8 @@ pub struct RunConfig {
     pub lossless: bool,
     /// `--kv-dtype`; `None` keeps the route's own.
     pub kv_dtype: Option<KvDtype>,
+    /// `--emulate-bf16-tc` (CPU only): bf16 matrix-product inputs.
+    pub emulate_bf16_tc: bool,
     pub threads: usize,
     /// The output folder; created (or checked empty) before any work.
     pub output: PathBuf,
@@ -93,6 +95,12 @@ impl RunConfig {
             BackendArg::Cuda => BackendChoice::Cuda { device: args.device },
             BackendArg::Cpu => BackendChoice::Cpu,
         };
+        if args.emulate_bf16_tc && backend != BackendChoice::Cpu {
+            bail!("--emulate-bf16-tc emulates the CUDA default route on the CPU backend: add --backend cpu");
+        }
+        if args.emulate_bf16_tc && args.lossless {
+            bail!("--emulate-bf16-tc with --lossless: the lossless route rounds nothing; pick one");
+        }
         let threads = match args.threads {
             Some(0) => bail!("--threads 0: at least one thread"),
             Some(n) => n,
@@ -129,6 +137,7 @@ impl RunConfig {
                 KvDtypeArg::Bf16 => Some(KvDtype::Bf16),
                 KvDtypeArg::F32 => Some(KvDtype::F32),
             },
+            emulate_bf16_tc: args.emulate_bf16_tc,
             threads,
             output,
             dry_run: args.dry_run,

@@ -23,7 +23,7 @@ use crate::config::{Input, RunConfig};
 use crate::model::TargetScore;
 use crate::plan::Window;
 use crate::report::{CorpusInfo, KlReport, KlReferenceInfo};
-use crate::score::kl::{self, KlAccumulator, KlSummary, OwnPosition, ReferencePosition};
+use crate::score::kl::{self, KlAccumulator, KlSummary, OwnPosition, ReferencePosition, WorstPosition};
 use crate::score::topk::{
     self, FileHeader, InputFingerprint, RunFingerprint, SavedTokens, StreamFingerprint, TopRecord, TopTokensReader,
     TopTokensWriter, WindowFingerprint, TOP_K,
@@ -118,6 +118,9 @@ pub struct TopTokensRun {
     window_records: VecDeque<Vec<TopRecord>>,
     stream: KlAccumulator,
     overall: KlAccumulator,
+    /// The stream being scored (index into the fingerprint's streams).
+    stream_index: usize,
+    worst: Vec<WorstPosition>,
 }
 
 impl TopTokensRun {
@@ -173,6 +176,8 @@ impl TopTokensRun {
             window_records: VecDeque::new(),
             stream: KlAccumulator::default(),
             overall: KlAccumulator::default(),
+            stream_index: 0,
+            worst: Vec::new(),
         }))
     }
 
@@ -254,6 +259,19 @@ impl TopTokensRun {
             let p = kl::compare_position(&reference, &own);
             window.add(&p);
             self.stream.add(&p);
+            kl::keep_worst(&mut self.worst, kl::N_WORST_POSITIONS, p.kl, || WorstPosition {
+                kl: p.kl,
+                stream: self.fingerprint.streams.get(self.stream_index).map_or_else(String::new, |st| st.name.clone()),
+                window: w.index,
+                token_index: w.first_target + j,
+                n_context: p.n_context,
+                reference_top: (0..rec.ids.len().min(3))
+                    .map(|i| (rec.ids[i], f64::from(rec.logps[i]).exp(), (f64::from(s.extra[i]) - s.lse).exp()))
+                    .collect(),
+                top1: own.top1,
+                nll: p.nll,
+                reference_nll: p.reference_nll,
+            });
         }
         window.end_window();
         self.stream.end_window();
@@ -263,6 +281,7 @@ impl TopTokensRun {
     /// Closes a stream: its full KL statistics (quantiles and buckets).
     pub fn end_stream(&mut self) -> Option<KlSummary> {
         let acc = std::mem::take(&mut self.stream);
+        self.stream_index += 1;
         self.reference.as_ref()?;
         self.overall.merge(&acc);
         Some(acc.summary())
@@ -279,6 +298,17 @@ impl TopTokensRun {
         for line in kl::summary_lines(&summary, r.k) {
             info!("{line}");
         }
+        if let Some(w) = self.worst.first() {
+            let moved: Vec<String> = w.reference_top.iter().map(|(id, p, q)| format!("{id}: {p:.4} -> {q:.4}")).collect();
+            info!(
+                "Largest KLD: {:.6} at {} window {} token {} (reference top ids, p -> this run's: {})",
+                w.kl,
+                w.stream,
+                w.window,
+                w.token_index,
+                moved.join(", ")
+            );
+        }
         Ok(Some(KlReport {
             reference: KlReferenceInfo {
                 path: r.path.display().to_string(),
@@ -288,6 +318,7 @@ impl TopTokensRun {
             },
             bound: KlReport::BOUND,
             summary,
+            worst_positions: self.worst,
         }))
     }
 }

@@ -135,12 +135,9 @@ fn bad_input_is_one_line_exit_2_and_no_report() {
     assert_rejected(&with(&["--context", "1024", "--stride", "1024"]), &fresh("a"), &["--context 1024", "--stride 1024"]);
     assert_rejected(&with(&["--stride", "0"]), &fresh("b"), &["--stride 0"]);
     assert_rejected(&with(&["--prefill-chunk", "100"]), &fresh("c"), &["--prefill-chunk", "100"]);
-    assert_rejected(
-        &with(&["--backend", "cpu", "--kv-dtype", "bf16", "--method", "chunks", "--context", "512", "--chunks", "1"]),
-        &fresh("i"),
-        &["--kv-dtype bf16", "CPU backend"],
-    );
-    for d in ["a", "b", "c"] {
+    assert_rejected(&with(&["--emulate-bf16-tc"]), &fresh("i"), &["--emulate-bf16-tc", "--backend cpu"]);
+    assert_rejected(&with(&["--backend", "cpu", "--emulate-bf16-tc", "--lossless"]), &fresh("j"), &["--emulate-bf16-tc", "--lossless"]);
+    for d in ["a", "b", "c", "i", "j"] {
         assert!(!fresh(d).exists(), "no folder left behind for a rejected run");
     }
 
@@ -181,19 +178,29 @@ fn two_identical_cpu_runs_give_bit_identical_results() {
     let model = artifact(SMOLLM2);
     let text = data_root().join("wikitext-2-raw/wiki.test.raw");
     let mut results = Vec::new();
-    // The second run names the CPU's own KV type: recorded, and nothing changes.
-    for (name, kv) in [("one", "auto"), ("two", "f32")] {
+    // The second run names the CPU's own KV type: recorded, and nothing
+    // changes. The third emulates the CUDA default route's roundings.
+    let runs: [(&str, &[&str], &str, &str); 3] = [
+        ("one", &["--kv-dtype", "auto"], "f32", "fp32"),
+        ("two", &["--kv-dtype", "f32"], "f32", "fp32"),
+        ("emulated", &["--kv-dtype", "bf16", "--emulate-bf16-tc"], "bf16", "bf16-tc-emulated"),
+    ];
+    for (name, extra, kv_dtype, route) in runs {
         let dir = tmp.path().join(name);
-        let o = run(&[
+        let mut args = vec![
             os(&model), os("--text"), os(&text), os("--method"), os("chunks"), os("--context"), os("128"),
-            os("--chunks"), os("3"), os("--backend"), os("cpu"), os("--kv-dtype"), os(kv), os("--output"), os(&dir),
-        ]);
+            os("--chunks"), os("3"), os("--backend"), os("cpu"), os("--output"), os(&dir),
+        ];
+        args.extend(extra.iter().map(os));
+        let o = run(&args);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let table = String::from_utf8(o.stdout).unwrap();
         assert!(table.lines().any(|l| l.starts_with("overall")), "{table}");
         let mut r = read_report(&dir);
-        assert_eq!(r["execution"]["kv_dtype"], "f32");
-        assert_eq!(r["execution"]["details"]["kv_dtype_flag"], kv);
+        assert_eq!(r["execution"]["kv_dtype"], kv_dtype);
+        assert_eq!(r["execution"]["details"]["kv_dtype_flag"], extra[1]);
+        assert_eq!(r["execution"]["details"]["route"], route);
+        assert_eq!(r["execution"]["details"]["emulate_bf16_tc_flag"], extra.len() == 3);
         let windows = r["results"]["streams"][0]["windows"].as_array_mut().unwrap();
         assert_eq!(windows.len(), 3);
         for w in windows.iter_mut() {
@@ -203,6 +210,10 @@ fn two_identical_cpu_runs_give_bit_identical_results() {
         results.push(r["results"].clone());
     }
     assert_eq!(results[0], results[1]);
+    // bf16 rounding moves every window a little, never much.
+    assert_ne!(results[0], results[2]);
+    let ppl_emulated = results[2]["overall"]["perplexity"].as_f64().unwrap();
     let ppl = results[0]["overall"]["perplexity"].as_f64().unwrap();
+    assert!((ppl_emulated / ppl - 1.0).abs() < 0.01, "ppl {ppl} emulated {ppl_emulated}");
     assert!(ppl.is_finite() && ppl > 1.0 && ppl < 1000.0, "ppl {ppl}");
 }

@@ -116,7 +116,7 @@ fn chunk_nlls(case: &Case, n_chunks: usize, opts: &ScoreOptions) -> Vec<f64> {
     let art = artifact(case.gguf);
     assert_eq!(art.meta.tokenizer.add_bos, case.bos.is_some(), "{}: BOS policy", case.gguf);
     let tokens = wiki_tokens(case, &art);
-    let mut model = Transformer::load(CpuBackend, &art).expect("load");
+    let mut model = Transformer::load(CpuBackend::default(), &art).expect("load");
     (0..n_chunks)
         .map(|k| {
             let t = std::time::Instant::now();
@@ -185,7 +185,7 @@ fn smollm2_runs_are_bit_identical_and_passes_agree() {
     let art = artifact(SMOLLM2.gguf);
     let tokens = wiki_tokens(&SMOLLM2, &art);
     let window = chunk(&SMOLLM2, &tokens, 1);
-    let mut model = Transformer::load(CpuBackend, &art).expect("load");
+    let mut model = Transformer::load(CpuBackend::default(), &art).expect("load");
     let opts = ScoreOptions { top_k: 8, prefill_chunk: None };
     let a = model.score_window(&window, FIRST_TARGET, &opts, &[]).expect("score");
     let b = model.score_window(&window, FIRST_TARGET, &opts, &[]).expect("score");

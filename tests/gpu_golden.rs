@@ -25,7 +25,7 @@ fn write_cpu_golden() {
     for m in &cases::MODELS {
         let art = cases::artifact(m);
         let tokens = cases::wiki_tokens(m, &art);
-        let mut model = Transformer::load(CpuBackend, &art).expect("load");
+        let mut model = Transformer::load(CpuBackend::default(), &art).expect("load");
         for p in &cases::PROTOCOLS {
             let mut out = Vec::new();
             for (w, t, first) in cases::windows(&art, &tokens, p) {

@@ -153,6 +153,38 @@ fn self_comparison_is_exactly_zero_and_mismatches_are_refused() {
     let own = kl["mean_nll"].as_f64().unwrap();
     let run_nll = rep["results"]["overall"]["mean_nll"].as_f64().unwrap();
     assert!((own - run_nll).abs() < 1e-6, "{own} vs {run_nll}");
+    assert_eq!(kl["worst_positions"], serde_json::json!([]), "no position moved");
+
+    // 2b. The CPU emulating the CUDA default route's bf16 roundings against
+    // the same reference: every position moves a little; the report names
+    // the ten that moved most.
+    let emu_dir = tmp.path().join("emulated");
+    let mut args = chunks_args(&model, &text, "128", "2");
+    args.extend([os("--emulate-bf16-tc"), os("--kv-dtype"), os("bf16"), os("--kl-reference"), os(&reference), os("--output"), os(&emu_dir)]);
+    let o = run(&args);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(stderr.contains("Largest KLD:"), "{stderr}");
+    let kl = &read_report(&emu_dir)["results"]["kl_divergence"];
+    let mean = kl["mean"].as_f64().unwrap();
+    assert!(mean > 1e-7 && mean < 1e-2, "bf16 rounding moves the distributions a little: mean KL {mean}");
+    let worst = kl["worst_positions"].as_array().unwrap();
+    assert_eq!(worst.len(), 10);
+    let kls: Vec<f64> = worst.iter().map(|w| w["kl"].as_f64().unwrap()).collect();
+    assert!(kls.windows(2).all(|p| p[0] >= p[1]), "largest first: {kls:?}");
+    let max = kl["quantiles"]["max"].as_f64().unwrap();
+    assert!((kls[0] - max).abs() <= 1e-6 * max, "the first is the maximum: {} vs {max}", kls[0]);
+    for w in worst {
+        assert_eq!(w["stream"], "wiki-head.txt");
+        let (window, token) = (w["window"].as_u64().unwrap(), w["token_index"].as_u64().unwrap());
+        assert!(window < n_chunks as u64);
+        assert!((window * 128 + 65..window * 128 + 128).contains(&token), "window {window} token {token}");
+        assert_eq!(w["n_context"].as_u64().unwrap(), token - window * 128);
+        let top = w["reference_top"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        let p_ref: Vec<f64> = top.iter().map(|t| t[1].as_f64().unwrap()).collect();
+        assert!(p_ref.windows(2).all(|p| p[0] >= p[1]) && p_ref.iter().all(|&p| p > 0.0 && p <= 1.0), "{top:?}");
+    }
 
     // 3. Refusals: one line naming the first difference, before any scoring.
     let out = |n: &str| tmp.path().join(n);

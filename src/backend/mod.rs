@@ -221,17 +221,9 @@ pub trait Backend {
     /// [`HeadRequest`] asks. Nothing of vocabulary size is returned.
     fn score_rows(&self, x: &Self::Act, rows: &[usize], head: &Self::Matrix, req: &HeadRequest) -> Result<Vec<RowScore>>;
 
-    /// What the report records about this backend. The default describes a
-    /// backend that keeps everything in f32 (the CPU reference).
-    fn execution(&self) -> ExecutionInfo {
-        ExecutionInfo {
-            backend: "cpu".into(),
-            device: self.describe(),
-            kv_dtype: "f32".into(),
-            route: "fp32".into(),
-            details: serde_json::json!({}),
-        }
-    }
+    /// What the report records about this backend: where it runs and every
+    /// setting that changes a number.
+    fn execution(&self) -> ExecutionInfo;
 
     /// Checks, before any window runs, that a model of `hp`-sized buffers
     /// fits: a KV cache of `kv.n_seqs` slots of `kv.max_pos` positions,
@@ -260,8 +252,9 @@ pub struct ExecutionInfo {
 }
 
 /// Element type of the KV cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum KvDtype {
+    #[default]
     F32,
     Bf16,
 }
@@ -284,7 +277,8 @@ impl KvDtype {
 /// Which backend runs the forward pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BackendKind {
-    Cpu,
+    /// The CPU backend with its emulation settings (default: the reference).
+    Cpu(cpu::CpuBackend),
     /// GPU `device`; `lossless` selects the FP32 route (f32 activations,
     /// matmuls and KV cache) instead of the default bf16 tensor-core route;
     /// `kv_dtype` overrides the route's KV cache type.
@@ -294,7 +288,7 @@ pub enum BackendKind {
 impl BackendKind {
     pub fn name(self) -> &'static str {
         match self {
-            Self::Cpu => "cpu",
+            Self::Cpu(_) => "cpu",
             Self::Cuda { .. } => "cuda",
         }
     }

@@ -32,7 +32,6 @@ use anyhow::{bail, ensure, Context, Result};
 use crate::artifact::meta::{Architecture, HParams};
 use crate::artifact::names::{self, blk};
 use crate::artifact::{Artifact, TensorView};
-use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{CudaBackend, Route};
 use crate::backend::{AttnParams, Backend, BackendKind, ExecutionInfo, HeadRequest, KvGeometry, PassRows, RopeParams, MAX_TOP_K};
 
@@ -455,7 +454,7 @@ where
 /// Loads `artifact` on the chosen backend.
 pub fn load_model(artifact: &Artifact, kind: BackendKind) -> Result<Box<dyn WindowScorer>> {
     match kind {
-        BackendKind::Cpu => Ok(Box::new(Transformer::load(CpuBackend, artifact)?)),
+        BackendKind::Cpu(cpu) => Ok(Box::new(Transformer::load(cpu, artifact)?)),
         BackendKind::Cuda { device, lossless, kv_dtype } => {
             let route = if lossless { Route::Fp32 } else { Route::Bf16TensorCore };
             let backend = CudaBackend::open(device, route, kv_dtype.unwrap_or(route.kv_dtype())).context("backend cuda")?;

@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 
 use super::*;
+use crate::backend::cpu::CpuBackend;
 use crate::artifact::format::TensorFormat;
 use crate::artifact::meta::{Activation, Component, RopeStyle, TensorEntry};
 
@@ -146,7 +147,7 @@ fn load(arch: Architecture, t: &Tiny) -> Transformer<CpuBackend> {
         let entry = t.entries.get(name).with_context(|| format!("tensor {name} not found"))?;
         Ok(TensorView { entry, bytes: &t.bytes[name] })
     };
-    Transformer::load_with(CpuBackend, arch, t.hp.clone(), &get).expect("load tiny model")
+    Transformer::load_with(CpuBackend::default(), arch, t.hp.clone(), &get).expect("load tiny model")
 }
 
 // ---------------------------------------------------------------------------
@@ -392,12 +393,12 @@ fn missing_or_misshapen_tensors_are_named() {
         let entry = t.entries.get(name).with_context(|| format!("tensor {name} not found"))?;
         Ok(TensorView { entry, bytes: &t.bytes[name] })
     };
-    let err = Transformer::load_with(CpuBackend, arch, t.hp.clone(), &get).err().expect("must fail");
+    let err = Transformer::load_with(CpuBackend::default(), arch, t.hp.clone(), &get).err().expect("must fail");
     assert!(format!("{err:#}").contains("blk.1.attn_k.bias"), "{err:#}");
 
     let mut t = tiny(arch, 2);
     t.hp.d_ffn = 40;
     let get = |name: &str| -> Result<TensorView<'_>> { Ok(TensorView { entry: &t.entries[name], bytes: &t.bytes[name] }) };
-    let err = Transformer::load_with(CpuBackend, arch, t.hp.clone(), &get).err().expect("must fail");
+    let err = Transformer::load_with(CpuBackend::default(), arch, t.hp.clone(), &get).err().expect("must fail");
     assert!(format!("{err:#}").contains("ffn_gate.weight: shape [48, 32], expected [40, 32]"), "{err:#}");
 }

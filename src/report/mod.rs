@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 
 use crate::artifact::Artifact;
-use crate::score::kl::KlSummary;
+use crate::score::kl::{KlSummary, WorstPosition};
 use crate::score::Summary;
 
 pub const SCHEMA_VERSION: u32 = 3;
@@ -141,6 +141,9 @@ pub struct KlReport {
     pub bound: &'static str,
     #[serde(flatten)]
     pub summary: KlSummary,
+    /// The positions with the largest KL (at most `kl::N_WORST_POSITIONS`,
+    /// largest first; none with KL 0).
+    pub worst_positions: Vec<WorstPosition>,
 }
 
 impl KlReport {

@@ -506,6 +506,39 @@ impl KlAccumulator {
     }
 }
 
+/// Positions with the largest KL the report names.
+pub const N_WORST_POSITIONS: usize = 10;
+
+/// One of a run's largest-KL positions, with what moved there.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct WorstPosition {
+    pub kl: f64,
+    pub stream: String,
+    pub window: usize,
+    /// Index in the stream of the predicted token.
+    pub token_index: usize,
+    /// Tokens before it in its window.
+    pub n_context: usize,
+    /// The reference's most probable ids (at most 3): `[id, reference p, this run's p]`.
+    pub reference_top: Vec<(u32, f64, f64)>,
+    /// This run's most probable id.
+    pub top1: Option<u32>,
+    pub nll: f64,
+    pub reference_nll: f64,
+}
+
+/// Keeps `worst` the `n` largest finite, positive KLs seen, largest first
+/// (the earlier position first among equals). `make` builds the entry only
+/// when it is kept.
+pub fn keep_worst(worst: &mut Vec<WorstPosition>, n: usize, kl: f64, make: impl FnOnce() -> WorstPosition) {
+    if !(kl.is_finite() && kl > 0.0) || (worst.len() >= n && worst.last().is_some_and(|w| w.kl >= kl)) {
+        return;
+    }
+    let at = worst.partition_point(|w| w.kl >= kl);
+    worst.insert(at, make());
+    worst.truncate(n);
+}
+
 /// A figure as llama.cpp prints it (`%10.6f`), or in scientific notation
 /// when that would show only zeros (KLs of a lossless route are ~1e-11).
 fn fixed_or_sci(v: f64, width: usize, decimals: usize) -> String {
@@ -746,6 +779,32 @@ mod tests {
         assert_eq!(fixed_or_sci(8.5e-12, 10, 6), " 8.500e-12");
         assert_eq!(fixed_or_sci(100.0, 6, 3), "100.000");
         assert_eq!(fixed_or_sci(8.3e-5, 6, 3), "8.300e-5");
+    }
+
+    #[test]
+    fn worst_positions_keep_the_largest_in_order() {
+        let entry = |kl: f64, window: usize| WorstPosition {
+            kl,
+            stream: "s".into(),
+            window,
+            token_index: window,
+            n_context: 0,
+            reference_top: Vec::new(),
+            top1: None,
+            nll: 0.0,
+            reference_nll: 0.0,
+        };
+        let mut worst = Vec::new();
+        for (i, kl) in [0.1, 0.0, 0.5, f64::NAN, 0.3, 0.5, f64::INFINITY, 0.2, 0.05].into_iter().enumerate() {
+            keep_worst(&mut worst, 3, kl, || entry(kl, i));
+        }
+        let got: Vec<(f64, usize)> = worst.iter().map(|w| (w.kl, w.window)).collect();
+        assert_eq!(got, vec![(0.5, 2), (0.5, 5), (0.3, 4)]);
+        // Zero and non-finite KLs are never listed; a smaller one is not built.
+        keep_worst(&mut worst, 3, 0.25, || panic!("must not be built"));
+        let mut none = Vec::new();
+        keep_worst(&mut none, 3, 0.0, || entry(0.0, 0));
+        assert!(none.is_empty());
     }
 
     #[test]

@@ -11,6 +11,13 @@
 //! Parallelism: rayon across output columns, heads and vocabulary tiles;
 //! partial results are always combined in a fixed order, so two runs give
 //! bit-identical numbers.
+//!
+//! Emulation: on request the backend rounds where a faster route rounds --
+//! both inputs of every matrix product to bf16 (the CUDA default route's
+//! tensor-core inputs), and K and V to bf16 as they enter the cache -- and
+//! nowhere else. Its distance from the exact reference then measures that
+//! rounding alone, with no kernel in the way, and the CUDA route must land
+//! on the emulation position by position.
 
 pub mod attention;
 pub mod dequant;
@@ -21,9 +28,13 @@ pub mod ops;
 use anyhow::{ensure, Context, Result};
 use rayon::prelude::*;
 
+use std::borrow::Cow;
+
+use half::bf16;
+
 use crate::artifact::meta::Activation;
 use crate::artifact::TensorView;
-use crate::backend::{AttnParams, Backend, HeadRequest, KvGeometry, PassRows, RopeParams, RowScore};
+use crate::backend::{AttnParams, Backend, ExecutionInfo, HeadRequest, KvDtype, KvGeometry, PassRows, RopeParams, RowScore};
 
 /// Row-major `(n_rows, n_cols)` f32 activations.
 #[derive(Debug, Clone, PartialEq)]
@@ -59,9 +70,45 @@ pub struct CpuKvCache {
 }
 
 /// The CPU backend. Threads come from rayon's global pool
-/// (`RAYON_NUM_THREADS`).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct CpuBackend;
+/// (`RAYON_NUM_THREADS`). `CpuBackend::default()` is the reference: f32
+/// everywhere, nothing rounded on purpose.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CpuBackend {
+    /// Round both inputs of every matrix product (activations and dequantized
+    /// weights, LM head included) to bf16 before the f32 product, as the CUDA
+    /// default route feeds its tensor cores (`--emulate-bf16-tc`).
+    pub bf16_matmul_inputs: bool,
+    /// Element type K and V are rounded to when stored in the cache.
+    pub kv_dtype: KvDtype,
+}
+
+/// `v` rounded to the nearest bf16 (ties to even), back in f32.
+fn round_bf16(v: &[f32]) -> Vec<f32> {
+    v.par_iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
+}
+
+impl CpuBackend {
+    /// A matrix-product input as this backend feeds it: as is, or rounded to bf16.
+    fn matmul_input<'a>(&self, v: &'a [f32]) -> Cow<'a, [f32]> {
+        if self.bf16_matmul_inputs {
+            Cow::Owned(round_bf16(v))
+        } else {
+            Cow::Borrowed(v)
+        }
+    }
+
+    /// Copies `src` into a KV cache slice, rounded to the cache's element type.
+    fn kv_store(&self, dst: &mut [f32], src: &[f32]) {
+        match self.kv_dtype {
+            KvDtype::F32 => dst.copy_from_slice(src),
+            KvDtype::Bf16 => {
+                for (d, &s) in dst.iter_mut().zip(src) {
+                    *d = bf16::from_f32(s).to_f32();
+                }
+            }
+        }
+    }
+}
 
 fn same_shape(op: &str, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
     ensure!(
@@ -147,7 +194,8 @@ impl Backend for CpuBackend {
             x.n_cols,
             w.n_in
         );
-        let out = gemm::matmul_nt(&x.data, x.n_rows, &w.data, w.n_out, w.n_in).with_context(|| format!("matmul {}", w.name))?;
+        let (xs, ws) = (self.matmul_input(&x.data), self.matmul_input(&w.data));
+        let out = gemm::matmul_nt(&xs, x.n_rows, &ws, w.n_out, w.n_in).with_context(|| format!("matmul {}", w.name))?;
         CpuTensor::new(x.n_rows, w.n_out, out)
     }
 
@@ -226,8 +274,8 @@ impl Backend for CpuBackend {
             // Slot s of this layer's cache: (max_pos, cols).
             let kc = &mut cache.k[layer][s * g.max_pos * k_cols..(s + 1) * g.max_pos * k_cols];
             let vc = &mut cache.v[layer][s * g.max_pos * v_cols..(s + 1) * g.max_pos * v_cols];
-            kc[pos0 * k_cols..(pos0 + n) * k_cols].copy_from_slice(&k.data[s * n * k_cols..(s + 1) * n * k_cols]);
-            vc[pos0 * v_cols..(pos0 + n) * v_cols].copy_from_slice(&v.data[s * n * v_cols..(s + 1) * n * v_cols]);
+            self.kv_store(&mut kc[pos0 * k_cols..(pos0 + n) * k_cols], &k.data[s * n * k_cols..(s + 1) * n * k_cols]);
+            self.kv_store(&mut vc[pos0 * v_cols..(pos0 + n) * v_cols], &v.data[s * n * v_cols..(s + 1) * n * v_cols]);
             let q_s = &q.data[s * n * q.n_cols..(s + 1) * n * q.n_cols];
             out.extend(attention::attention(q_s, n, kc, vc, pos0, p)?);
         }
@@ -269,7 +317,24 @@ impl Backend for CpuBackend {
             ensure!(r < x.n_rows, "score_rows: row {r} of {}", x.n_rows);
             gathered.extend_from_slice(&x.data[r * d..(r + 1) * d]);
         }
-        head::score_rows(&gathered, rows.len(), &head.data, head.n_out, d, req)
+        let (xs, ws) = (self.matmul_input(&gathered), self.matmul_input(&head.data));
+        head::score_rows(&xs, rows.len(), &ws, head.n_out, d, req)
+    }
+
+    fn execution(&self) -> ExecutionInfo {
+        let route = if self.bf16_matmul_inputs { "bf16-tc-emulated" } else { "fp32" };
+        let matmul = if self.bf16_matmul_inputs {
+            "inputs rounded to bf16 (round to nearest even), f32 products (emulates the CUDA default route)"
+        } else {
+            "f32 inputs, f32 products"
+        };
+        ExecutionInfo {
+            backend: "cpu".into(),
+            device: self.describe(),
+            kv_dtype: self.kv_dtype.name().into(),
+            route: route.into(),
+            details: serde_json::json!({ "matmul": matmul, "lm_head": matmul }),
+        }
     }
 }
 
@@ -287,7 +352,7 @@ mod tests {
         // Two heads of 2: [3, 4] and [0, 2], eps 0, weight [1, 1]:
         // rms 3.5355 -> [0.8485, 1.1314]; rms sqrt(2) -> [0, 1.4142].
         let mut x = t(1, 4, &[3.0, 4.0, 0.0, 2.0]);
-        CpuBackend.rms_norm_heads(&mut x, &vec![1.0, 1.0], 2, 0.0).unwrap();
+        CpuBackend::default().rms_norm_heads(&mut x, &vec![1.0, 1.0], 2, 0.0).unwrap();
         let want = [3.0 / 12.5f64.sqrt(), 4.0 / 12.5f64.sqrt(), 0.0, 2.0 / 2f64.sqrt()];
         for (a, b) in x.data.iter().zip(want) {
             assert!((*a as f64 - b).abs() < 1e-6, "{:?}", x.data);
@@ -298,13 +363,13 @@ mod tests {
     fn gated_act_and_bias() {
         let g = t(1, 2, &[0.0, 2.0]);
         let u = t(1, 2, &[5.0, 3.0]);
-        let y = CpuBackend.gated_act(&g, &u, Activation::Silu).unwrap();
+        let y = CpuBackend::default().gated_act(&g, &u, Activation::Silu).unwrap();
         assert_eq!(y.data[0], 0.0);
         assert!((y.data[1] as f64 - 3.0 * ops::silu(2.0)).abs() < 1e-6);
         let mut x = t(2, 2, &[1.0, 2.0, 3.0, 4.0]);
-        CpuBackend.add_bias(&mut x, &vec![10.0, 20.0]).unwrap();
+        CpuBackend::default().add_bias(&mut x, &vec![10.0, 20.0]).unwrap();
         assert_eq!(x.data, vec![11.0, 22.0, 13.0, 24.0]);
-        assert!(CpuBackend.add_bias(&mut x, &vec![1.0]).is_err());
+        assert!(CpuBackend::default().add_bias(&mut x, &vec![1.0]).is_err());
     }
 
     #[test]
@@ -312,22 +377,89 @@ mod tests {
         // Row i is at position pos0 + i: with pos0 = 1, row 0 turns by 1 rad (inv_freq 1).
         let p = RopeParams { style: RopeStyle::Neox, base: 10000.0, scale: 1.0, rope_dim: 2 };
         let mut x = t(2, 2, &[1.0, 0.0, 1.0, 0.0]);
-        CpuBackend.rope(&mut x, 1, 2, PassRows::single(2, 1), &p).unwrap();
+        CpuBackend::default().rope(&mut x, 1, 2, PassRows::single(2, 1), &p).unwrap();
         assert!((x.data[0] as f64 - 1f64.cos()).abs() < 1e-6 && (x.data[1] as f64 - 1f64.sin()).abs() < 1e-6);
         assert!((x.data[2] as f64 - 2f64.cos()).abs() < 1e-6 && (x.data[3] as f64 - 2f64.sin()).abs() < 1e-6);
         // Two windows of one row each at pos0 = 1: both rows turn by 1 rad.
         let mut x = t(2, 2, &[1.0, 0.0, 1.0, 0.0]);
-        CpuBackend.rope(&mut x, 1, 2, PassRows { n_seqs: 2, n_tokens: 1, pos0: 1 }, &p).unwrap();
+        CpuBackend::default().rope(&mut x, 1, 2, PassRows { n_seqs: 2, n_tokens: 1, pos0: 1 }, &p).unwrap();
         assert_eq!(x.data[0..2], x.data[2..4]);
         assert!((x.data[2] as f64 - 1f64.cos()).abs() < 1e-6);
-        assert!(CpuBackend.rope(&mut x, 1, 2, PassRows::single(3, 0), &p).is_err());
+        assert!(CpuBackend::default().rope(&mut x, 1, 2, PassRows::single(3, 0), &p).is_err());
+    }
+
+    /// Values in [-2, 2) with full f32 mantissas (none is a bf16 value).
+    fn ragged(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2654435761) | 1;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+                (s >> 8) as f32 / (1u32 << 22) as f32 - 2.0 + 1e-3
+            })
+            .collect()
+    }
+
+    const EMULATED: CpuBackend = CpuBackend { bf16_matmul_inputs: true, kv_dtype: KvDtype::Bf16 };
+
+    #[test]
+    fn emulation_rounds_both_matmul_inputs_and_nothing_else() {
+        let (m, n, k) = (5, 70, 96);
+        let x = t(m, k, &ragged(m * k, 1));
+        let w = CpuMatrix { name: "w".into(), n_out: n, n_in: k, data: ragged(n * k, 2) };
+        let reference = CpuBackend::default();
+        let rounded_x = t(m, k, &round_bf16(&x.data));
+        let rounded_w = CpuMatrix { data: round_bf16(&w.data), ..w.clone() };
+        assert!(rounded_x.data.iter().zip(&x.data).all(|(a, b)| a != b), "the inputs must not be bf16 values already");
+        // Emulated product == reference product of rounded inputs, bit for bit.
+        let emulated = EMULATED.matmul(&x, &w).unwrap();
+        assert_eq!(emulated, reference.matmul(&rounded_x, &rounded_w).unwrap());
+        // Rounding only one side gives something else, and so does no rounding.
+        assert_ne!(emulated, reference.matmul(&rounded_x, &w).unwrap());
+        assert_ne!(emulated, reference.matmul(&x, &w).unwrap());
+        // The LM head likewise: scores of the rounded rows against the rounded head.
+        let req = HeadRequest { targets: &[3, 0, 69, 12, 5], top_k: 4, ..Default::default() };
+        let got = EMULATED.score_rows(&x, &[0, 1, 2, 3, 4], &w, &req).unwrap();
+        assert_eq!(got, reference.score_rows(&rounded_x, &[0, 1, 2, 3, 4], &rounded_w, &req).unwrap());
+        assert_ne!(got, reference.score_rows(&x, &[0, 1, 2, 3, 4], &w, &req).unwrap());
+        // Elementwise ops do not round.
+        let y = EMULATED.rms_norm(&x, &vec![1.0; k], 1e-6).unwrap();
+        assert_eq!(y, reference.rms_norm(&x, &vec![1.0; k], 1e-6).unwrap());
+    }
+
+    #[test]
+    fn bf16_kv_rounds_what_the_cache_stores() {
+        let (n, d) = (6, 8);
+        let p = AttnParams { n_heads: 2, n_kv_heads: 1, d_head: d, d_head_v: d, scale: 0.3, window: None, softcap: None };
+        let g = KvGeometry { n_layers: 1, n_kv_heads: 1, d_head: d, d_head_v: d, max_pos: n, n_seqs: 1 };
+        let (q, k, v) = (t(n, 2 * d, &ragged(n * 2 * d, 3)), t(n, d, &ragged(n * d, 4)), t(n, d, &ragged(n * d, 5)));
+        let bf16_kv = CpuBackend { kv_dtype: KvDtype::Bf16, ..Default::default() };
+        let mut cache = bf16_kv.new_kv_cache(g).unwrap();
+        let got = bf16_kv.attention(&mut cache, 0, &q, &k, &v, PassRows::single(n, 0), &p).unwrap();
+        assert_eq!(cache.k[0], round_bf16(&k.data));
+        assert_eq!(cache.v[0], round_bf16(&v.data));
+        // The same as the reference attending over pre-rounded K and V (q is not rounded).
+        let reference = CpuBackend::default();
+        let mut ref_cache = reference.new_kv_cache(g).unwrap();
+        let (kr, vr) = (t(n, d, &round_bf16(&k.data)), t(n, d, &round_bf16(&v.data)));
+        assert_eq!(got, reference.attention(&mut ref_cache, 0, &q, &kr, &vr, PassRows::single(n, 0), &p).unwrap());
+        let mut f32_cache = reference.new_kv_cache(g).unwrap();
+        assert_ne!(got, reference.attention(&mut f32_cache, 0, &q, &k, &v, PassRows::single(n, 0), &p).unwrap());
+    }
+
+    #[test]
+    fn execution_names_the_emulation() {
+        let r = CpuBackend::default().execution();
+        assert_eq!((r.route.as_str(), r.kv_dtype.as_str()), ("fp32", "f32"));
+        let e = EMULATED.execution();
+        assert_eq!((e.route.as_str(), e.kv_dtype.as_str()), ("bf16-tc-emulated", "bf16"));
+        assert!(e.details["matmul"].as_str().unwrap().contains("bf16"));
     }
 
     #[test]
     fn embed_scales_rows_and_checks_ids() {
         let table = CpuMatrix { name: "e".into(), n_out: 2, n_in: 2, data: vec![1.0, 2.0, 3.0, 4.0] };
-        let x = CpuBackend.embed(&table, &[1, 0, 1], 2.0).unwrap();
+        let x = CpuBackend::default().embed(&table, &[1, 0, 1], 2.0).unwrap();
         assert_eq!(x.data, vec![6.0, 8.0, 2.0, 4.0, 6.0, 8.0]);
-        assert!(CpuBackend.embed(&table, &[2], 1.0).is_err());
+        assert!(CpuBackend::default().embed(&table, &[2], 1.0).is_err());
     }
 }
