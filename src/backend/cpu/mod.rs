@@ -16,8 +16,7 @@
 //! both inputs of every matrix product to bf16 (the CUDA default route's
 //! tensor-core inputs), and K and V to bf16 as they enter the cache -- and
 //! nowhere else. Its distance from the exact reference then measures that
-//! rounding alone, with no kernel in the way, and the CUDA route must land
-//! on the emulation position by position.
+//! rounding alone, with no kernel in the way (docs/numerical-quality.md).
 
 pub mod attention;
 pub mod dequant;
@@ -25,12 +24,11 @@ pub mod gemm;
 pub mod head;
 pub mod ops;
 
-use anyhow::{ensure, Context, Result};
-use rayon::prelude::*;
-
 use std::borrow::Cow;
 
+use anyhow::{ensure, Context, Result};
 use half::bf16;
+use rayon::prelude::*;
 
 use crate::artifact::meta::Activation;
 use crate::artifact::TensorView;
