@@ -231,6 +231,12 @@ fn max_diffs(a: &[TargetScore], b: &[TargetScore]) -> (f64, f64) {
     (nll, extra)
 }
 
+/// Mean |a - b| over the NLLs.
+fn mean_nll_diff(a: &[TargetScore], b: &[TargetScore]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x.nll - y.nll).abs()).sum::<f64>() / a.len() as f64
+}
+
 #[test]
 fn tiny_models_match_the_cpu_emulation_of_each_route() {
     if !have_gpu() {
@@ -271,9 +277,8 @@ fn tiny_models_match_the_cpu_emulation_of_each_route() {
             // Passes of 16 tokens: the KV cache carries over three passes.
             let gpu_opts = ScoreOptions { top_k: 5, prefill_chunk: Some(16) };
             let got = gpu.score_window(&tokens, first, &gpu_opts, &extra).expect("gpu");
-            let mean_diff = |a: &[TargetScore], b: &[TargetScore]| a.iter().zip(b).map(|(g, c)| (g.nll - c.nll).abs()).sum::<f64>() / a.len() as f64;
             let (d_nll, d_extra) = max_diffs(&got, &want);
-            let (d_mean, d_mean_unrounded) = (mean_diff(&got, &want), mean_diff(&got, &reference));
+            let (d_mean, d_mean_unrounded) = (mean_nll_diff(&got, &want), mean_nll_diff(&got, &reference));
             let setting = format!("{arch:?} route {} kv {}", route.name(), kv.name());
             report(format!(
                 "tiny {setting}: vs emulation max |dNLL| {d_nll:.3e}, mean |dNLL| {d_mean:.3e}, max |d extra logit| {d_extra:.3e}; \

@@ -120,7 +120,8 @@ def load_model(args, torch, mode):
         gguf = Path(args.gguf).resolve()
         kw["quantization_config"] = GgufConfig(dequantize=True)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, **kw)
-        source = {"gguf": str(gguf), "sha256": hashlib.file_digest(gguf.open("rb"), "sha256").hexdigest()}
+        with gguf.open("rb") as f:
+            source = {"gguf": str(gguf), "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
     else:
         model = AutoModelForCausalLM.from_pretrained(args.hf, **kw)
         source = {"hf": str(Path(args.hf).resolve())}

@@ -63,6 +63,11 @@ def log(msg: str) -> None:
     print(f"transformers_peer.py: {msg}", file=sys.stderr, flush=True)
 
 
+def sha256_of(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def open_maybe_compressed(path: Path):
     if path.suffix == ".xz":
         return lzma.open(path, "rt", encoding="utf-8")
@@ -302,7 +307,7 @@ def score_file(model, torch, transformers, gguf_version, args, tokens: Path, out
                   "log-softmax in float32, sums in float64",
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
         "params_not_in_dtype": getattr(model, "params_not_in_dtype", {}),
-        "tokens_file": {"path": str(tokens), "sha256": hashlib.file_digest(tokens.open("rb"), "sha256").hexdigest()},
+        "tokens_file": {"path": str(tokens), "sha256": sha256_of(tokens)},
         "method": fp.get("method"),
         "context": fp.get("context"),
         "stride": fp.get("stride"),
@@ -400,7 +405,7 @@ def main() -> None:
 
     # Every token file is read and checked before the (slow) model load.
     loaded = [read_windows(t) for t in args.tokens]
-    args.gguf_sha256 = hashlib.file_digest(args.gguf.open("rb"), "sha256").hexdigest()
+    args.gguf_sha256 = sha256_of(args.gguf)
 
     log(f"loading {args.gguf} with transformers {transformers.__version__}, torch {torch.__version__} ({args.dtype}, {args.device})")
     t0 = time.perf_counter()

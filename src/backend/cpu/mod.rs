@@ -80,9 +80,14 @@ pub struct CpuBackend {
     pub kv_dtype: KvDtype,
 }
 
-/// `v` rounded to the nearest bf16 (ties to even), back in f32.
+/// `x` rounded to the nearest bf16 (ties to even), back in f32.
+fn to_bf16(x: f32) -> f32 {
+    bf16::from_f32(x).to_f32()
+}
+
+/// Every element of `v` through [`to_bf16`].
 fn round_bf16(v: &[f32]) -> Vec<f32> {
-    v.par_iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
+    v.par_iter().map(|&x| to_bf16(x)).collect()
 }
 
 impl CpuBackend {
@@ -101,7 +106,7 @@ impl CpuBackend {
             KvDtype::F32 => dst.copy_from_slice(src),
             KvDtype::Bf16 => {
                 for (d, &s) in dst.iter_mut().zip(src) {
-                    *d = bf16::from_f32(s).to_f32();
+                    *d = to_bf16(s);
                 }
             }
         }

@@ -169,6 +169,11 @@ impl CudaBackend {
         f(buf.slice(pos0..end)?)
     }
 
+    /// Zeroed K and V buffers of `len` elements for each of `n_layers` layers.
+    fn kv_buffers<KV: ops::KvElem>(&self, n_layers: usize, len: usize) -> Result<Vec<[DeviceBuffer<KV>; 2]>> {
+        (0..n_layers).map(|_| Ok([self.dev.alloc_zeros(len)?, self.dev.alloc_zeros(len)?])).collect()
+    }
+
     fn kv_store_and_attend<KV: ops::KvElem>(
         &self,
         kv: &mut [DeviceBuffer<KV>; 2],
@@ -221,12 +226,8 @@ impl Backend for CudaBackend {
         );
         let len = g.n_seqs * g.n_kv_heads * g.max_pos * g.d_head;
         let layers = match self.kv_dtype {
-            KvDtype::Bf16 => KvLayers::Bf16(
-                (0..g.n_layers).map(|_| Ok([self.dev.alloc_zeros(len)?, self.dev.alloc_zeros(len)?])).collect::<Result<_>>()?,
-            ),
-            KvDtype::F32 => KvLayers::F32(
-                (0..g.n_layers).map(|_| Ok([self.dev.alloc_zeros(len)?, self.dev.alloc_zeros(len)?])).collect::<Result<_>>()?,
-            ),
+            KvDtype::Bf16 => KvLayers::Bf16(self.kv_buffers(g.n_layers, len)?),
+            KvDtype::F32 => KvLayers::F32(self.kv_buffers(g.n_layers, len)?),
         };
         Ok(CudaKvCache { geometry: g, layers })
     }
