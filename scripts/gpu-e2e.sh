@@ -46,8 +46,8 @@ build)
         echo "gpu-e2e.sh: no nvcc (set NVCC=/path/to/nvcc or CUDA_HOME); the kernels would not be built" >&2
         exit 2
     fi
-    data="${INFERNIX_DATA:-${root}/../shared/corpora}"
-    reference="${INFERNIX_REFERENCE:-${root}/../shared/reference}"
+    data="${INFERNIX_DATA:-${root}/eval/corpora/ppl-v1}"
+    reference="${INFERNIX_REFERENCE:-${root}/tests/data/reference}"
     model_dir="${INFERNIX_MODELS:-${root}/models}"
     cargo build --release --bins
     rm -rf "$carry" "${carry}"-p*

@@ -20,7 +20,7 @@
 #       /tmp/peers-cpu (proves the trimmed tree builds; about 25 minutes on 2 shared
 #       cores). PEERS_LLAMA_BIN=/tmp/peers-cpu/build/bin/llama-perplexity then lets
 #       the `llama` subcommand run here.
-#   Inputs: INFERNIX_MODELS (models/), INFERNIX_DATA (../shared/corpora), INFERNIX_BIN
+#   Inputs: INFERNIX_MODELS (models/), INFERNIX_DATA (eval/corpora/ppl-v1), INFERNIX_BIN
 #   (an evaluator that knows --save-tokens), PEERS_SDIST_DIRS (other folders that may
 #   hold the sdist; default /work/peers), PEERS_CMAKE, PEERS_SKIP_CHECK=1.
 #
@@ -297,7 +297,7 @@ prepare() {
     # shellcheck source=scripts/lib/parts.sh
     source "$root/scripts/lib/parts.sh"
     local cache="${INFERNIX_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/infernix-perplexity}/peers"
-    local data="${INFERNIX_DATA:-$root/../shared/corpora}" mdir="${INFERNIX_MODELS:-$root/models}"
+    local data="${INFERNIX_DATA:-$root/eval/corpora/ppl-v1}" mdir="${INFERNIX_MODELS:-$root/models}"
     local part_mib="${PEERS_PART_MIB:-50}" sdist text bin stem whl req name
     mkdir -p "$cache"
     rm -rf "$carry" "${carry}"-m*

@@ -88,7 +88,7 @@ wait_jobs() {
 prepare() {
     [[ -f "$root/Cargo.toml" ]] || die "run prepare from the repository root"
     [[ -f "$root/.devcarry/peers/MANIFEST" ]] || die "run scripts/peers.sh prepare first"
-    local mdir="${INFERNIX_MODELS:-$root/models}" data="${INFERNIX_DATA:-$root/../shared/corpora}" target stem spec name tmp
+    local mdir="${INFERNIX_MODELS:-$root/models}" data="${INFERNIX_DATA:-$root/eval/corpora/ppl-v1}" target stem spec name tmp
     local -a args
     [[ -n "${NVCC:-}${CUDA_HOME:-}${CUDA_PATH:-}" ]] || command -v nvcc >/dev/null || die "no nvcc: the binary would carry no kernels"
     cargo build --release --bins

@@ -2,7 +2,8 @@
 # The test suite: fetches and converts the two real models when missing
 # (scripts/fetch-models.sh, converting with the same build profile the tests
 # use, so dependencies compile once), then runs every test. The corpora and
-# reference figures come from ../shared (or INFERNIX_DATA / INFERNIX_REFERENCE).
+# reference figures are the repository's own (eval/corpora/ppl-v1, tests/data/reference;
+# INFERNIX_DATA / INFERNIX_REFERENCE override them).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"

@@ -1,7 +1,8 @@
 //! Locations of the data the integration tests read: the real models
 //! (`INFERNIX_MODELS`, else `models/`, filled by `scripts/fetch-models.sh`),
-//! the corpora (`INFERNIX_DATA`, else `../shared/corpora`) and the reference
-//! figures (`INFERNIX_REFERENCE`, else `../shared/reference`). A missing
+//! the corpora (`INFERNIX_DATA`, else the bundled `eval/corpora/ppl-v1`) and
+//! the reference figures (`INFERNIX_REFERENCE`, else the repository's
+//! `tests/data/reference`, whose README gives their provenance). A missing
 //! location fails the test with the variable to set: nothing is skipped.
 #![allow(dead_code)]
 
@@ -20,11 +21,11 @@ pub fn models_dir() -> PathBuf {
 }
 
 pub fn data_root() -> PathBuf {
-    located("INFERNIX_DATA", "../shared/corpora", "corpus data root")
+    located("INFERNIX_DATA", "eval/corpora/ppl-v1", "corpus data root")
 }
 
 pub fn reference_dir() -> PathBuf {
-    located("INFERNIX_REFERENCE", "../shared/reference", "reference folder")
+    located("INFERNIX_REFERENCE", "tests/data/reference", "reference folder")
 }
 
 pub const SMOLLM2_GGUF: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
