@@ -18,7 +18,7 @@ use crate::backend::{BackendKind, KvDtype};
 use crate::compare::floor::alternate_prefill_chunk;
 use crate::compare::stats::PairedWindow;
 use crate::compare::NoiseFloor;
-use crate::config::{prepare_output_dir, BackendChoice, Input, RunConfig};
+use crate::config::{BackendChoice, Input, RunConfig};
 use crate::model::{load_model, ScoreOptions, WindowInput, WindowScorer};
 use crate::plan::{plan_windows, Window};
 use crate::report::{
@@ -30,6 +30,8 @@ use crate::score::{domain_summaries, overall_summary, StreamStats, Summary, Wind
 use crate::text::corpus;
 use crate::text::tokenizer::{token_ids_sha256, TextTokenizer};
 use crate::top_tokens::{window_tokens, TopTokensRun};
+use crate::util::outputs::{check_outputs, Named, OutputDir};
+use crate::util::signal;
 
 /// How a run that produced its report ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,14 +51,46 @@ pub struct Stream {
 }
 
 pub fn run(cfg: &RunConfig) -> Result<Outcome> {
-    let created = !cfg.output.exists();
-    prepare_output_dir(&cfg.output)?;
-    let result = run_inner(cfg);
-    if result.is_err() && created {
-        // Leave nothing behind: the folder is still empty (the report is written last).
-        let _ = std::fs::remove_dir(&cfg.output);
+    check_run_outputs(cfg)?;
+    let mut out = OutputDir::claim("--output", &cfg.output)?;
+    // On an error (or a signal) `out` removes its lock and every folder it created.
+    let outcome = run_inner(cfg)?;
+    out.keep();
+    Ok(outcome)
+}
+
+/// Every output of the run (`--save-tokens`, `--save-top-tokens`, the
+/// report) against every input (the model, the text, token or manifest
+/// file, every corpus stream, `--kl-reference`), before any work.
+fn check_run_outputs(cfg: &RunConfig) -> Result<()> {
+    let mut inputs: Vec<(String, PathBuf)> = vec![("MODEL".into(), cfg.model.clone())];
+    match &cfg.input {
+        Input::Text(p) => inputs.push(("--text".into(), p.clone())),
+        Input::Tokens(p) => inputs.push(("--tokens".into(), p.clone())),
+        Input::Corpus { manifest, quick, data_root } => {
+            inputs.push(("--corpus".into(), manifest.clone()));
+            // A manifest that does not load is reported by read_inputs, with its field.
+            if let Ok(m) = corpus::load_manifest(manifest) {
+                let root = corpus::resolve_data_root(data_root.as_deref(), manifest);
+                for spec in corpus::select(&m, *quick) {
+                    inputs.push((format!("corpus stream {}", spec.id), root.join(&spec.path)));
+                }
+            }
+        }
     }
-    result
+    if let Some(p) = &cfg.kl_reference {
+        inputs.push(("--kl-reference".into(), p.clone()));
+    }
+    let report_path = cfg.output.join(report::REPORT_FILE);
+    let mut outputs = Vec::new();
+    if let Some(p) = &cfg.save_tokens {
+        outputs.push(Named::new("--save-tokens", p));
+    }
+    if let Some(p) = &cfg.save_top_tokens {
+        outputs.push(Named::new("--save-top-tokens", p));
+    }
+    let inputs: Vec<Named<'_>> = inputs.iter().map(|(w, p)| Named::new(w, p)).collect();
+    check_outputs(&outputs, &[Named::new("--output", &report_path)], &inputs)
 }
 
 fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
@@ -85,6 +119,7 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
     let bos = meta.tokenizer.add_bos.then_some(meta.tokenizer.bos_id).flatten();
     let mut streams = Vec::with_capacity(texts.len());
     for input in texts {
+        signal::check().context("stopped while tokenizing; nothing written")?;
         let tokens = match input.content {
             Content::Text(t) => tokenizer.encode(&t).with_context(|| format!("stream {}: tokenize", input.name))?,
             Content::Tokens(t) => t,
@@ -133,6 +168,9 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
     let mut top_tokens = TopTokensRun::prepare(cfg, &artifact, report.workload.corpus.as_ref(), &streams, bos)?;
 
     if cfg.dry_run {
+        if let Some(t) = &mut top_tokens {
+            t.commit_saved_tokens()?;
+        }
         report.results.streams = streams.iter().map(|s| stream_result(s, None, Vec::new())).collect();
         report.timing.elapsed_seconds = started.elapsed().as_secs_f64();
         report::write_report(&cfg.output, &report)?;
@@ -190,10 +228,12 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
     let (stats, window_results, stream_kl) =
         score_streams(&streams, scorer.as_mut(), bos, cfg.prefill_chunk, n_seqs, top_tokens.as_mut())?;
     let scoring_seconds = t_score.elapsed().as_secs_f64();
-    report.results.kl_divergence = top_tokens.map(TopTokensRun::finish).transpose()?.flatten();
     if cfg.noise_floor {
         report.noise_floor = Some(noise_floor(cfg, &streams, &stats, scorer.as_mut(), bos, n_seqs)?);
     }
+    signal::check().context("stopped after scoring every window; no report written")?;
+    // The --save-tokens and --save-top-tokens files are renamed into place here, just before the report.
+    report.results.kl_divergence = top_tokens.map(TopTokensRun::finish).transpose()?.flatten();
 
     let overall = overall_summary(&stats);
     report.results.domains = domain_summaries(&stats)
@@ -424,6 +464,11 @@ fn score_streams(
         let t_stream = Instant::now();
         let at = |w: &Window| format!("stream {} window {} [{}, {})", s.name, w.index, w.begin, w.end);
         for batch in equal_length_batches(&s.windows, n_seqs) {
+            signal::check().with_context(|| {
+                let n_done: usize = all_stats.iter().map(|st: &StreamStats| st.windows.len()).sum::<usize>() + stats.len();
+                let n_windows: usize = streams.iter().map(|s| s.windows.len()).sum();
+                format!("stopped after {n_done} of {n_windows} windows (at stream {}); no report written", s.name)
+            })?;
             let mut tokens = Vec::with_capacity(batch.len());
             let mut extra_ids = Vec::with_capacity(batch.len());
             for w in batch {

@@ -1,7 +1,7 @@
 //! Validated run configuration: turns raw flags (`cli::Args`) into a
 //! [`RunConfig`] whose every field is known to be usable, or a one-line error.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 
@@ -101,23 +101,17 @@ impl RunConfig {
         if args.emulate_bf16_tc && args.lossless {
             bail!("--emulate-bf16-tc with --lossless: the lossless route rounds nothing; pick one");
         }
+        let n_cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         let threads = match args.threads {
             Some(0) => bail!("--threads 0: at least one thread"),
+            Some(n) if n > n_cpus => bail!("--threads {n}: this machine runs {n_cpus} threads at once (at most --threads {n_cpus})"),
             Some(n) => n,
-            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            None => n_cpus,
         };
         if args.dry_run && args.save_top_tokens.is_some() {
             bail!("--save-top-tokens needs scoring: drop --dry-run");
         }
-        let outputs = [("--save-top-tokens", &args.save_top_tokens), ("--save-tokens", &args.save_tokens)];
-        for (flag, path) in outputs.iter().filter_map(|(f, p)| p.as_ref().map(|p| (*f, p))) {
-            if args.kl_reference.as_ref() == Some(path) {
-                bail!("{flag} {} is also the --kl-reference file", path.display());
-            }
-        }
-        if args.save_top_tokens.is_some() && args.save_top_tokens == args.save_tokens {
-            bail!("--save-top-tokens and --save-tokens name the same file");
-        }
+        // Output paths against inputs and special files: `util::outputs`, when the run starts.
         let output = match &args.output {
             Some(dir) => dir.clone(),
             None => PathBuf::from("profiles/perplexity").join(timestamp_utc()),
@@ -149,18 +143,6 @@ impl RunConfig {
             save_tokens: args.save_tokens.clone(),
         })
     }
-}
-
-/// Creates `dir` (and parents) or accepts it when it exists and is empty.
-pub fn prepare_output_dir(dir: &Path) -> Result<()> {
-    if dir.exists() {
-        let mut entries = std::fs::read_dir(dir).with_context(|| format!("--output {}: read folder", dir.display()))?;
-        if entries.next().is_some() {
-            bail!("--output {}: the folder is not empty", dir.display());
-        }
-        return Ok(());
-    }
-    std::fs::create_dir_all(dir).with_context(|| format!("--output {}: create folder", dir.display()))
 }
 
 /// `YYYYMMDDTHHMMSSZ` for now, UTC.
@@ -206,10 +188,17 @@ mod tests {
     #[test]
     fn rejects_clashing_top_token_files() {
         assert!(cfg(&["--save-top-tokens", "a", "--dry-run"]).unwrap_err().to_string().contains("--dry-run"));
-        assert!(cfg(&["--save-top-tokens", "a", "--kl-reference", "a"]).unwrap_err().to_string().contains("--kl-reference"));
-        assert!(cfg(&["--save-tokens", "a", "--save-top-tokens", "a"]).is_err());
         let ok = cfg(&["--save-top-tokens", "a", "--kl-reference", "b", "--save-tokens", "c"]).unwrap();
-        assert_eq!(ok.kl_reference.as_deref(), Some(Path::new("b")));
+        assert_eq!(ok.kl_reference.as_deref(), Some(std::path::Path::new("b")));
+    }
+
+    #[test]
+    fn threads_are_bounded_by_the_machine() {
+        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(cfg(&["--threads", &n.to_string()]).unwrap().threads, n);
+        let e = cfg(&["--threads", &(n + 1).to_string()]).unwrap_err().to_string();
+        assert!(e.contains("--threads") && e.contains(&format!("at most --threads {n}")), "{e}");
+        assert!(cfg(&["--threads", "100000"]).is_err());
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! `infernix-perplexity compare BASE NEW` is dispatched on the first argument
 //! before any parsing (clap cannot mix the positional MODEL with
 //! subcommands); its exit codes are 0 PASS, 3 WARN, 1 FAIL, 2 error.
+//! SIGINT/SIGTERM stop a run at the next window (`util::signal`): exit 130/143.
 
 use std::process::ExitCode;
 
@@ -11,6 +12,7 @@ use clap::Parser;
 use infernix_perplexity::app::{self, Outcome};
 use infernix_perplexity::cli::{Args, LogLevel};
 use infernix_perplexity::config::RunConfig;
+use infernix_perplexity::util::signal;
 
 fn init_logging(level: LogLevel) {
     let level = match level {
@@ -52,7 +54,7 @@ fn main() -> ExitCode {
     }
     let args = Args::parse_from(argv);
     init_logging(args.log_level);
-    let result = RunConfig::from_args(&args).and_then(|cfg| {
+    let result = signal::install().and_then(|()| RunConfig::from_args(&args)).and_then(|cfg| {
         if let Some(n) = args.threads {
             rayon::ThreadPoolBuilder::new().num_threads(n).build_global().ok();
         }
@@ -63,7 +65,7 @@ fn main() -> ExitCode {
         Ok(Outcome::ChecksFailed) => ExitCode::from(1),
         Err(e) => {
             eprintln!("infernix-perplexity: error: {e:#}");
-            ExitCode::from(2)
+            ExitCode::from(signal::exit_code_for(&e, 2))
         }
     }
 }

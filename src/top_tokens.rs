@@ -112,6 +112,9 @@ pub struct TopTokensRun {
     fingerprint: RunFingerprint,
     /// Ids per position in the files (64, or the vocabulary if smaller).
     k: usize,
+    /// `--save-tokens`, written to its temporary file; renamed into place by
+    /// [`commit_saved_tokens`](Self::commit_saved_tokens) once the run succeeded.
+    saved_tokens: Option<crate::util::fs::AtomicFile>,
     writer: Option<TopTokensWriter>,
     reference: Option<TopTokensReader>,
     /// The reference's records of each window begun and not yet ended, oldest first.
@@ -140,6 +143,7 @@ impl TopTokensRun {
         }
         let (fp, tokens) = fingerprint(cfg, artifact, corpus, streams, bos)?;
         let k = TOP_K.min(fp.n_vocab);
+        let mut saved_tokens = None;
         if let Some(path) = &cfg.save_tokens {
             let saved = SavedTokens {
                 format: topk::TOKENS_FORMAT.into(),
@@ -148,8 +152,8 @@ impl TopTokensRun {
                 fingerprint: fp.clone(),
                 tokens,
             };
-            topk::write_saved_tokens(path, &saved).with_context(|| format!("--save-tokens {}", path.display()))?;
-            info!("wrote the input ids of {} windows to {}", fp.streams.iter().map(|s| s.windows.len()).sum::<usize>(), path.display());
+            saved_tokens = Some(topk::write_saved_tokens_pending(path, &saved).with_context(|| format!("--save-tokens {}", path.display()))?);
+            info!("wrote (pending the run's end) the input ids of {} windows to {}", fp.streams.iter().map(|s| s.windows.len()).sum::<usize>(), path.display());
         }
         let reference = match &cfg.kl_reference {
             None => None,
@@ -171,6 +175,7 @@ impl TopTokensRun {
         Ok(Some(Self {
             fingerprint: fp,
             k,
+            saved_tokens,
             writer: None,
             reference,
             window_records: VecDeque::new(),
@@ -287,9 +292,18 @@ impl TopTokensRun {
         Some(acc.summary())
     }
 
-    /// Renames the `--save-top-tokens` file into place and returns (and logs
+    /// Renames the `--save-tokens` file into place (at the end of a run).
+    pub fn commit_saved_tokens(&mut self) -> Result<()> {
+        match self.saved_tokens.take() {
+            Some(f) => f.commit().context("--save-tokens"),
+            None => Ok(()),
+        }
+    }
+
+    /// Renames the `--save-tokens` and `--save-top-tokens` files into place and returns (and logs
     /// on stderr, llama.cpp-style) the overall KL statistics.
-    pub fn finish(self) -> Result<Option<KlReport>> {
+    pub fn finish(mut self) -> Result<Option<KlReport>> {
+        self.commit_saved_tokens()?;
         if let Some(w) = self.writer {
             w.finish()?;
         }

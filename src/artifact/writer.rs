@@ -94,6 +94,7 @@ pub fn write_artifact(
         put(&mut w, HEADER_BYTES as u64, &json).map_err(io)?;
         put(&mut w, meta.tokenizer.blob.offset, tokenizer_json).map_err(io)?;
         for (t, e) in tensors.iter().zip(&meta.tensors) {
+            crate::util::signal::check().with_context(|| format!("{}: stopped before tensor {}; nothing written", path.display(), t.name))?;
             put(&mut w, e.offset, &t.bytes).map_err(io)?;
         }
         w.flush().map_err(io)?;

@@ -1,5 +1,7 @@
 //! `ninfer-convert`: GGUF files, Hugging Face folders or synthetic geometries
-//! into `.ninfer` v3 artifacts. Exit codes: 0 success, 2 error.
+//! into `.ninfer` artifacts. Exit codes: 0 success, 2 error, 130/143 stopped
+//! by SIGINT/SIGTERM (nothing written). `--out` and `--gguf-twin` are checked
+//! against the source (every file of a Hugging Face folder) before any work.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -8,6 +10,8 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use infernix_perplexity::artifact::TensorFormat;
 use infernix_perplexity::convert::{self, synthetic, ConvertOptions};
+use infernix_perplexity::util::outputs::{check_outputs, Named};
+use infernix_perplexity::util::signal;
 
 /// Converts a model to a `.ninfer` v3 artifact, keeping every tensor's block format byte for byte.
 #[derive(Parser, Debug)]
@@ -46,8 +50,27 @@ fn parse_layers(s: &str) -> Result<std::ops::Range<usize>> {
     Ok(a..b)
 }
 
+/// `--out` / `--gguf-twin` against the source file (or every file of a source folder) and each other.
+fn check_paths(args: &Args) -> Result<()> {
+    let mut inputs: Vec<PathBuf> = vec![args.source.clone()];
+    if args.source.is_dir() {
+        let entries = std::fs::read_dir(&args.source).with_context(|| format!("SOURCE {}: read folder", args.source.display()))?;
+        for e in entries {
+            inputs.push(e.with_context(|| format!("SOURCE {}: read folder", args.source.display()))?.path());
+        }
+    }
+    let inputs: Vec<Named<'_>> = inputs.iter().map(|p| Named::new("SOURCE", p)).collect();
+    let mut outputs = vec![Named::new("--out", &args.out)];
+    if let Some(t) = &args.gguf_twin {
+        outputs.push(Named::new("--gguf-twin", t));
+    }
+    check_outputs(&outputs, &[], &inputs)
+}
+
 fn run(args: Args) -> Result<()> {
     let started = std::time::Instant::now();
+    signal::install()?;
+    check_paths(&args)?;
     let meta = if let Some(geo) = &args.synthetic {
         let geo = synthetic::geometry(geo)?;
         let format = TensorFormat::from_name(&args.format).context("--format")?;
@@ -77,7 +100,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("ninfer-convert: error: {e:#}");
-            ExitCode::from(2)
+            ExitCode::from(signal::exit_code_for(&e, 2))
         }
     }
 }

@@ -146,7 +146,47 @@ struct Cursor<'a> {
     pos: usize,
 }
 
+/// Bytes of the smallest metadata key/value record: key length (8), one key
+/// byte is not required (empty keys parse), value type (4), a 1-byte value.
+const MIN_KV_BYTES: u64 = 8 + 4 + 1;
+/// Bytes of the smallest tensor-index record: name length (8), n_dims (4),
+/// one dimension (8), type (4), offset (8).
+const MIN_TENSOR_INFO_BYTES: u64 = 8 + 4 + 8 + 4 + 8;
+/// The most items reserved up front for any list read from the file; lists
+/// grow as their items are actually read.
+const MAX_PREALLOC: usize = 1 << 16;
+
+/// Bytes of the smallest encoding of a value of GGUF type `ty`.
+fn min_value_bytes(ty: u32) -> Option<u64> {
+    Some(match ty {
+        0 | 1 | 7 => 1,
+        2 | 3 => 2,
+        4..=6 => 4,
+        8 | 10..=12 => 8,
+        9 => 4 + 8,
+        _ => return None,
+    })
+}
+
 impl<'a> Cursor<'a> {
+    /// Bytes left after the cursor.
+    fn remaining(&self) -> u64 {
+        (self.bytes.len() - self.pos) as u64
+    }
+
+    /// Checks a count read from the file against what the remaining bytes
+    /// can hold at `min_bytes` per record.
+    fn check_count(&self, n: u64, min_bytes: u64, what: &str) -> Result<()> {
+        let fits = self.remaining() / min_bytes.max(1);
+        if n > fits {
+            bail!(
+                "{what} {n}: the remaining {} bytes hold at most {fits} records of at least {min_bytes} bytes (corrupted count)",
+                self.remaining()
+            );
+        }
+        Ok(())
+    }
+
     fn take(&mut self, n: usize, what: &dyn Fn() -> String) -> Result<&'a [u8]> {
         let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len());
         match end {
@@ -171,8 +211,8 @@ impl<'a> Cursor<'a> {
     }
     fn string(&mut self, what: &dyn Fn() -> String) -> Result<String> {
         let n = self.u64(what)?;
-        let n = usize::try_from(n).ok().filter(|&n| n <= self.bytes.len()).ok_or_else(|| {
-            anyhow!("truncated: {} claims a string of {n} bytes", what())
+        let n = usize::try_from(n).ok().filter(|&n| n as u64 <= self.remaining()).ok_or_else(|| {
+            anyhow!("truncated: {} claims a string of {n} bytes, {} remain", what(), self.remaining())
         })?;
         let b = self.take(n, what)?;
         String::from_utf8(b.to_vec()).map_err(|_| anyhow!("{} is not valid UTF-8", what()))
@@ -194,10 +234,9 @@ impl<'a> Cursor<'a> {
                 }
                 let item_ty = self.u32(what)?;
                 let n = self.u64(what)?;
-                if n > self.bytes.len() as u64 {
-                    bail!("truncated: {} claims an array of {n} items", what());
-                }
-                let mut items = Vec::with_capacity(n as usize);
+                let min = min_value_bytes(item_ty).ok_or_else(|| anyhow!("{}: unknown array item type {item_ty}", what()))?;
+                self.check_count(n, min, &format!("{}: array length", what()))?;
+                let mut items = Vec::with_capacity((n as usize).min(MAX_PREALLOC));
                 for _ in 0..n {
                     items.push(self.value(item_ty, what, depth + 1)?);
                 }
@@ -222,93 +261,118 @@ impl GgufFile {
     }
 
     fn parse(path: &Path, mmap: Mmap) -> Result<Self> {
-        let bytes: &[u8] = &mmap;
-        let mut cur = Cursor { bytes, pos: 0 };
-        let magic = cur.take(4, &|| "magic".into())?;
-        if magic != GGUF_MAGIC {
-            bail!("magic: expected \"GGUF\", found {:?}", String::from_utf8_lossy(magic));
-        }
-        let version = cur.u32(&|| "version".into())?;
-        if !(2..=3).contains(&version) {
-            bail!("version: GGUF version {version} is not supported (2 or 3)");
-        }
-        let n_tensors = cur.u64(&|| "tensor_count".into())?;
-        let n_kv = cur.u64(&|| "kv_count".into())?;
-        if n_tensors > bytes.len() as u64 || n_kv > bytes.len() as u64 {
-            bail!("tensor_count {n_tensors} / kv_count {n_kv}: larger than the file");
-        }
-        let mut metadata = Vec::with_capacity(n_kv as usize);
-        for i in 0..n_kv {
-            let key = cur.string(&|| format!("metadata key #{i}"))?;
-            let ty = cur.u32(&|| format!("metadata {key}: type"))?;
-            let value = cur.value(ty, &|| format!("metadata {key}"), 0)?;
-            metadata.push((key, value));
-        }
-        let alignment = metadata
-            .iter()
-            .find(|(k, _)| k == "general.alignment")
-            .map(|(_, v)| v.as_u64().ok_or_else(|| anyhow!("general.alignment: not an integer")))
-            .transpose()?
-            .unwrap_or(DEFAULT_ALIGNMENT);
-        if alignment == 0 || !alignment.is_power_of_two() {
-            bail!("general.alignment: {alignment} is not a power of two");
-        }
-        let mut tensors = Vec::with_capacity(n_tensors as usize);
-        for i in 0..n_tensors {
-            let name = cur.string(&|| format!("tensor #{i}: name"))?;
-            let n_dims = cur.u32(&|| format!("tensor {name}: n_dims"))?;
-            if n_dims == 0 || n_dims > 4 {
-                bail!("tensor {name}: n_dims {n_dims} is not in 1..=4");
-            }
-            let mut dims = Vec::with_capacity(n_dims as usize);
-            for d in 0..n_dims {
-                dims.push(cur.u64(&|| format!("tensor {name}: dim {d}"))?);
-            }
-            let ggml_type = cur.u32(&|| format!("tensor {name}: type"))?;
-            let offset = cur.u64(&|| format!("tensor {name}: offset"))?;
-            tensors.push(GgufTensor { name, dims, ggml_type, offset, n_bytes: 0 });
-        }
-        let data_offset = (cur.pos as u64).div_ceil(alignment) * alignment;
-        let file_len = bytes.len() as u64;
-        let mut index = HashMap::with_capacity(tensors.len());
-        for (i, t) in tensors.iter_mut().enumerate() {
-            if index.insert(t.name.clone(), i).is_some() {
-                bail!("tensor {}: duplicate name", t.name);
-            }
-            let n_elems = t.dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
-            let n_elems = n_elems.ok_or_else(|| anyhow!("tensor {}: shape overflows", t.name))?;
-            // Unknown types are kept here (the converter names them); their size is unknown.
-            if let Some(f) = t.format() {
-                t.n_bytes = f
-                    .bytes_for(n_elems)
-                    .with_context(|| format!("tensor {}: shape {:?}", t.name, t.dims))?;
-            }
-            if t.offset % alignment != 0 {
-                bail!("tensor {}: offset {} is not aligned to {alignment}", t.name, t.offset);
-            }
-            let start = data_offset.checked_add(t.offset);
-            let end = start.and_then(|s| s.checked_add(t.n_bytes));
-            match (start, end) {
-                (Some(s), Some(e)) if e <= file_len => t.offset = s,
-                _ => bail!(
-                    "tensor {}: offset {} + {} bytes is past the end of the file ({file_len} bytes)",
-                    t.name,
-                    t.offset,
-                    t.n_bytes
-                ),
-            }
-        }
-        let mut spans: Vec<(u64, u64, &str)> =
-            tensors.iter().map(|t| (t.offset, t.offset + t.n_bytes, t.name.as_str())).collect();
-        spans.sort();
-        for w in spans.windows(2) {
-            if w[1].0 < w[0].1 {
-                bail!("tensor {}: overlaps tensor {}", w[1].2, w[0].2);
-            }
-        }
+        let GgufIndex { version, metadata, index, tensors, data_offset } = parse_index(&mmap)?;
         Ok(Self { path: path.to_path_buf(), version, metadata, index, tensors, data_offset, mmap })
     }
+}
 
+/// Everything the header and the tensor index say, validated against the bytes.
+pub struct GgufIndex {
+    pub version: u32,
+    pub metadata: Vec<(String, GgufValue)>,
+    index: HashMap<String, usize>,
+    pub tensors: Vec<GgufTensor>,
+    pub data_offset: u64,
+}
+
+/// Parses and validates a GGUF file's header, metadata and tensor index
+/// from its bytes (the whole file: tensor spans are checked against its
+/// length). Every count is bounded by the bytes that remain.
+pub fn parse_index(bytes: &[u8]) -> Result<GgufIndex> {
+    let mut cur = Cursor { bytes, pos: 0 };
+    let magic = cur.take(4, &|| "magic".into())?;
+    if magic != GGUF_MAGIC {
+        bail!("magic: expected \"GGUF\", found {:?}", String::from_utf8_lossy(magic));
+    }
+    let version = cur.u32(&|| "version".into())?;
+    if !(2..=3).contains(&version) {
+        bail!("version: GGUF version {version} is not supported (2 or 3)");
+    }
+    let n_tensors = cur.u64(&|| "tensor_count".into())?;
+    let n_kv = cur.u64(&|| "kv_count".into())?;
+    cur.check_count(n_kv, MIN_KV_BYTES, "kv_count")?;
+    cur.check_count(n_tensors, MIN_TENSOR_INFO_BYTES, "tensor_count")?;
+    let both = n_kv * MIN_KV_BYTES + n_tensors * MIN_TENSOR_INFO_BYTES;
+    if both > cur.remaining() {
+        bail!(
+            "kv_count {n_kv} and tensor_count {n_tensors}: need at least {both} bytes, {} remain (corrupted count)",
+            cur.remaining()
+        );
+    }
+    let mut metadata = Vec::with_capacity((n_kv as usize).min(MAX_PREALLOC));
+    for i in 0..n_kv {
+        let key = cur.string(&|| format!("metadata key #{i}"))?;
+        let ty = cur.u32(&|| format!("metadata {key}: type"))?;
+        let value = cur.value(ty, &|| format!("metadata {key}"), 0)?;
+        metadata.push((key, value));
+    }
+    let alignment = metadata
+        .iter()
+        .find(|(k, _)| k == "general.alignment")
+        .map(|(_, v)| v.as_u64().ok_or_else(|| anyhow!("general.alignment: not an integer")))
+        .transpose()?
+        .unwrap_or(DEFAULT_ALIGNMENT);
+    if alignment == 0 || !alignment.is_power_of_two() {
+        bail!("general.alignment: {alignment} is not a power of two");
+    }
+    cur.check_count(n_tensors, MIN_TENSOR_INFO_BYTES, "tensor_count")?;
+    let mut tensors = Vec::with_capacity((n_tensors as usize).min(MAX_PREALLOC));
+    for i in 0..n_tensors {
+        let name = cur.string(&|| format!("tensor #{i}: name"))?;
+        let n_dims = cur.u32(&|| format!("tensor {name}: n_dims"))?;
+        if n_dims == 0 || n_dims > 4 {
+            bail!("tensor {name}: n_dims {n_dims} is not in 1..=4");
+        }
+        let mut dims = Vec::with_capacity(n_dims as usize);
+        for d in 0..n_dims {
+            dims.push(cur.u64(&|| format!("tensor {name}: dim {d}"))?);
+        }
+        let ggml_type = cur.u32(&|| format!("tensor {name}: type"))?;
+        let offset = cur.u64(&|| format!("tensor {name}: offset"))?;
+        tensors.push(GgufTensor { name, dims, ggml_type, offset, n_bytes: 0 });
+    }
+    let data_offset = (cur.pos as u64).div_ceil(alignment) * alignment;
+    let file_len = bytes.len() as u64;
+    let mut index = HashMap::with_capacity(tensors.len());
+    for (i, t) in tensors.iter_mut().enumerate() {
+        if index.insert(t.name.clone(), i).is_some() {
+            bail!("tensor {}: duplicate name", t.name);
+        }
+        let n_elems = t.dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        let n_elems = n_elems.ok_or_else(|| anyhow!("tensor {}: shape overflows", t.name))?;
+        // Unknown types are kept here (the converter names them); their size is unknown.
+        if let Some(f) = t.format() {
+            t.n_bytes = f
+                .bytes_for(n_elems)
+                .with_context(|| format!("tensor {}: shape {:?}", t.name, t.dims))?;
+        }
+        if t.offset % alignment != 0 {
+            bail!("tensor {}: offset {} is not aligned to {alignment}", t.name, t.offset);
+        }
+        let start = data_offset.checked_add(t.offset);
+        let end = start.and_then(|s| s.checked_add(t.n_bytes));
+        match (start, end) {
+            (Some(s), Some(e)) if e <= file_len => t.offset = s,
+            _ => bail!(
+                "tensor {}: offset {} + {} bytes is past the end of the file ({file_len} bytes)",
+                t.name,
+                t.offset,
+                t.n_bytes
+            ),
+        }
+    }
+    let mut spans: Vec<(u64, u64, &str)> =
+        tensors.iter().map(|t| (t.offset, t.offset + t.n_bytes, t.name.as_str())).collect();
+    spans.sort();
+    for w in spans.windows(2) {
+        if w[1].0 < w[0].1 {
+            bail!("tensor {}: overlaps tensor {}", w[1].2, w[0].2);
+        }
+    }
+    Ok(GgufIndex { version, metadata, index, tensors, data_offset })
+}
+
+impl GgufFile {
     pub fn get(&self, key: &str) -> Option<&GgufValue> {
         self.metadata.iter().find(|(k, _)| k == key).map(|(_, v)| v)
     }

@@ -463,13 +463,19 @@ pub struct SavedTokens {
 
 /// Writes `saved` as JSON to `path` (temporary file, then rename).
 pub fn write_saved_tokens(path: &Path, saved: &SavedTokens) -> Result<()> {
+    write_saved_tokens_pending(path, saved)?.commit()
+}
+
+/// Writes `saved` as JSON to `path`'s temporary file and returns it
+/// uncommitted: the caller renames it into place once the run succeeded.
+pub fn write_saved_tokens_pending(path: &Path, saved: &SavedTokens) -> Result<AtomicFile> {
     let atomic = AtomicFile::create(path)?;
     {
         let mut out = BufWriter::new(atomic.file());
         serde_json::to_writer(&mut out, saved).with_context(|| format!("write {}", path.display()))?;
         out.flush().with_context(|| format!("write {}", path.display()))?;
     }
-    atomic.commit()
+    Ok(atomic)
 }
 
 /// Reads a `--save-tokens` file and checks every window's ids against its fingerprint.

@@ -30,10 +30,17 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use super::tokenizer::{check_text_size, MAX_TEXT_BYTES};
+use crate::util::fs::read_bounded;
+
 /// The manifest version this reader understands.
 pub const MANIFEST_VERSION: u32 = 1;
 /// Environment variable naming the data root when `--data-root` is absent.
 pub const DATA_ROOT_ENV: &str = "INFERNIX_DATA";
+/// The largest corpus manifest read (the shipped one is 12 kB).
+pub const MAX_MANIFEST_BYTES: u64 = 16 << 20;
+/// The largest `--tokens` file read: 64 MiB of JSON, at least 2 bytes per id.
+pub const MAX_TOKENS_FILE_BYTES: u64 = 64 << 20;
 /// The only `source_encoding` the download script can convert from.
 pub const SOURCE_ENCODING_LATIN1: &str = "ISO-8859-1";
 
@@ -99,11 +106,15 @@ impl Corpus {
 /// Reads, parses and validates a manifest. Errors name the file and the
 /// offending field or value (serde names a missing field: "missing field `sha256`").
 pub fn load_manifest(path: &Path) -> Result<Manifest> {
-    let bytes = std::fs::read(path).with_context(|| format!("read corpus manifest {}", path.display()))?;
-    let mut manifest: Manifest = serde_json::from_slice(&bytes)
-        .with_context(|| format!("corpus manifest {}: invalid manifest", path.display()))?;
-    manifest.sha256 = sha256_hex(&bytes);
-    validate(&manifest).with_context(|| format!("corpus manifest {}", path.display()))?;
+    let bytes = read_bounded(path, MAX_MANIFEST_BYTES, "corpus manifest")?;
+    parse_manifest(&bytes).with_context(|| format!("corpus manifest {}", path.display()))
+}
+
+/// A manifest from its bytes, validated (the fuzzed entry point).
+pub fn parse_manifest(bytes: &[u8]) -> Result<Manifest> {
+    let mut manifest: Manifest = serde_json::from_slice(bytes).context("invalid manifest")?;
+    manifest.sha256 = sha256_hex(bytes);
+    validate(&manifest)?;
     Ok(manifest)
 }
 
@@ -185,8 +196,9 @@ fn resolve_data_root_from(cli: Option<&Path>, env: Option<PathBuf>, manifest_pat
 /// manifest and decodes it as UTF-8. Errors name the stream id and the file.
 pub fn read_stream(root: &Path, spec: &StreamSpec) -> Result<String> {
     let path = root.join(&spec.path);
-    let bytes = std::fs::read(&path)
-        .with_context(|| format!("stream {}: read {} (data root {})", spec.id, path.display(), root.display()))?;
+    check_text_size(spec.bytes).with_context(|| format!("stream {}: field `bytes`", spec.id))?;
+    // One byte more than the manifest says: a longer file is reported below, never read whole.
+    let bytes = read_bounded(&path, spec.bytes + 1, &format!("stream {} (data root {})", spec.id, root.display()))?;
     if bytes.len() as u64 != spec.bytes {
         bail!(
             "stream {}: {} has {} bytes, the manifest says {} (re-download it with scripts/download-corpus.py)",
@@ -210,17 +222,21 @@ pub fn read_stream(root: &Path, spec: &StreamSpec) -> Result<String> {
 
 /// Reads `--text FILE`: the file's bytes as they are, which must be UTF-8.
 pub fn read_text_file(path: &Path) -> Result<String> {
-    let bytes = std::fs::read(path).with_context(|| format!("read text file {}", path.display()))?;
+    let bytes = read_bounded(path, MAX_TEXT_BYTES, "--text")?;
     decode_utf8(bytes, path)
 }
 
 /// Reads `--tokens FILE`: a JSON array of token ids (`[1, 2, 3]`).
 pub fn read_tokens_file(path: &Path) -> Result<Vec<u32>> {
-    let bytes = std::fs::read(path).with_context(|| format!("read token file {}", path.display()))?;
-    let ids: Vec<u32> = serde_json::from_slice(&bytes)
-        .with_context(|| format!("token file {}: expected a JSON array of token ids (u32)", path.display()))?;
+    let bytes = read_bounded(path, MAX_TOKENS_FILE_BYTES, "--tokens")?;
+    parse_tokens(&bytes).with_context(|| format!("token file {}", path.display()))
+}
+
+/// The ids of a `--tokens` file's bytes: a non-empty JSON array of u32.
+pub fn parse_tokens(bytes: &[u8]) -> Result<Vec<u32>> {
+    let ids: Vec<u32> = serde_json::from_slice(bytes).context("expected a JSON array of token ids (u32)")?;
     if ids.is_empty() {
-        bail!("token file {}: the array is empty", path.display());
+        bail!("the array is empty");
     }
     Ok(ids)
 }

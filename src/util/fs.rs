@@ -118,3 +118,22 @@ mod tests {
         assert!(!tmp_path(&target).exists());
     }
 }
+
+/// Reads a whole file of at most `max_bytes`, refusing a larger one before
+/// reading it (`what` names the flag or role in the message).
+pub fn read_bounded(path: &Path, max_bytes: u64, what: &str) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let file = File::open(path).with_context(|| format!("{what} {}: open", path.display()))?;
+    let n = file.metadata().with_context(|| format!("{what} {}: stat", path.display()))?.len();
+    let too_big = |n: u64| anyhow::anyhow!("{what} {}: {n} bytes, larger than the limit of {max_bytes} bytes", path.display());
+    if n > max_bytes {
+        return Err(too_big(n));
+    }
+    let mut bytes = Vec::with_capacity(n as usize);
+    // take(): a file that grows while read (or a special file reporting 0) stays bounded.
+    file.take(max_bytes + 1).read_to_end(&mut bytes).with_context(|| format!("{what} {}: read", path.display()))?;
+    if bytes.len() as u64 > max_bytes {
+        return Err(too_big(bytes.len() as u64));
+    }
+    Ok(bytes)
+}

@@ -105,8 +105,8 @@ fn identity(path: &Path) -> Result<Identity> {
 }
 
 /// Checks an output file's own path: an existing target must be a regular
-/// file, its folder must exist.
-fn check_target(out: Named<'_>) -> Result<()> {
+/// file, its folder must exist (unless `folder_may_be_created`).
+fn check_target(out: Named<'_>, folder_may_be_created: bool) -> Result<()> {
     let p = out.path;
     let at = || format!("{} {}", out.what, p.display());
     if p.file_name().is_none() {
@@ -122,6 +122,9 @@ fn check_target(out: Named<'_>) -> Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(anyhow::Error::new(e).context(format!("{}: stat", at()))),
     }
+    if folder_may_be_created {
+        return Ok(());
+    }
     let parent = match p.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
@@ -134,15 +137,17 @@ fn check_target(out: Named<'_>) -> Result<()> {
 }
 
 /// Refuses any output that could destroy an input or a special file, or
-/// that two outputs share, before any work starts. `outputs` are files;
-/// `inputs` are every file the run reads (missing ones are left to their
-/// readers).
-pub fn check_outputs(outputs: &[Named<'_>], inputs: &[Named<'_>]) -> Result<()> {
+/// that two outputs share, before any work starts. `outputs` are files
+/// whose folder must exist; `in_new_folders` are files inside a folder the
+/// run may still create (the report in `--output`); `inputs` are every file
+/// the run reads (missing ones are left to their readers).
+pub fn check_outputs(outputs: &[Named<'_>], in_new_folders: &[Named<'_>], inputs: &[Named<'_>]) -> Result<()> {
     let mut seen: Vec<(Named<'_>, Identity)> = Vec::with_capacity(outputs.len());
     let input_ids: Vec<(Named<'_>, Identity)> =
         inputs.iter().filter_map(|i| identity(i.path).ok().map(|id| (*i, id))).collect();
-    for out in outputs {
-        check_target(*out)?;
+    let all = outputs.iter().map(|o| (o, false)).chain(in_new_folders.iter().map(|o| (o, true)));
+    for (out, may_create) in all {
+        check_target(*out, may_create)?;
         let id = identity(out.path).with_context(|| format!("{} {}", out.what, out.path.display()))?;
         if let Some((inp, _)) = input_ids.iter().find(|(_, i)| i.same(&id)) {
             bail!(
@@ -271,12 +276,12 @@ mod tests {
         std::fs::hard_link(&model, &hard).unwrap();
         let inputs = [n("MODEL", &model)];
         for (p, want) in [(&model, "is the MODEL"), (&dotted, "is the MODEL"), (&link, "symbolic link"), (&hard, "is the MODEL")] {
-            let e = format!("{:#}", check_outputs(&[n("--save-tokens", p)], &inputs).unwrap_err());
+            let e = format!("{:#}", check_outputs(&[n("--save-tokens", p)], &[], &inputs).unwrap_err());
             assert!(e.contains(want) && e.starts_with("--save-tokens"), "{p:?}: {e}");
         }
         let fresh = dir.path().join("new.json");
-        check_outputs(&[n("--save-tokens", &fresh)], &inputs).unwrap();
-        let e = format!("{:#}", check_outputs(&[n("--a", &fresh), n("--b", &sub.join("../new.json"))], &inputs).unwrap_err());
+        check_outputs(&[n("--save-tokens", &fresh)], &[], &inputs).unwrap();
+        let e = format!("{:#}", check_outputs(&[n("--a", &fresh)], &[n("--b", &sub.join("../new.json"))], &inputs).unwrap_err());
         assert!(e.contains("is also the --a"), "{e}");
         assert_eq!(std::fs::read(&model).unwrap(), b"m");
     }
@@ -290,12 +295,12 @@ mod tests {
             (dir.path().to_path_buf(), "a folder"),
             (dir.path().join("no/such/x"), "does not exist"),
         ] {
-            let e = format!("{:#}", check_outputs(&[n("--out", &p)], &[]).unwrap_err());
+            let e = format!("{:#}", check_outputs(&[n("--out", &p)], &[], &[]).unwrap_err());
             assert!(e.contains(want), "{p:?}: {e}");
         }
         let fifo = dir.path().join("fifo");
         assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
-        let e = format!("{:#}", check_outputs(&[n("--out", &fifo)], &[]).unwrap_err());
+        let e = format!("{:#}", check_outputs(&[n("--out", &fifo)], &[], &[]).unwrap_err());
         assert!(e.contains("a FIFO"), "{e}");
     }
 
