@@ -306,7 +306,7 @@ fn noise_floor_gate() {
 }
 
 #[test]
-fn kl_gates_need_a_common_reference() {
+fn kl_gates_read_new_and_fail_closed() {
     let kl = |mean: f64, top1: f64, flips: u64, reference: &str| {
         json!({"mean": mean, "uncertainty": mean / 10.0, "top1_agreement": top1, "confident_flips": flips,
                "reference_sha256": reference})
@@ -323,13 +323,59 @@ fn kl_gates_need_a_common_reference() {
     assert_eq!(code(&o), 1);
     let (o, _) = gate(&base, &new, &["--max-flips", "20", "--min-top1", "0.95", "--max-mean-kl", "0.01"]);
     assert_eq!(code(&o), 0, "{}", stdout(&o));
-    // Another reference: the gates are skipped with a note and the PPL verdict stands.
+    // Another reference: NEW's own block is gated (its reference is the one it names), with a note.
     new["kl_divergence"]["reference_sha256"] = json!("ref-b");
     let (o, v) = gate(&base, &new, &["--max-mean-kl", "1e-3"]);
+    assert_eq!(code(&o), 1, "{}", stdout(&o));
+    assert_eq!(check(&v.unwrap(), "max_mean_kl")["status"], "FAIL");
+    assert!(stdout(&o).contains("KL references differ"), "{}", stdout(&o));
+    // The documented recipe: BASE without a block, NEW scored against BASE's --save-top-tokens file.
+    let plain = report(|_, _| 0.0);
+    let (o, _) = gate(&plain, &new, &["--max-mean-kl", "1e-3"]);
+    assert_eq!(code(&o), 1, "a breached gate against NEW's own reference must fail: {}", stdout(&o));
+    let (o, _) = gate(&plain, &new, &["--max-mean-kl", "0.01", "--min-top1", "0.95", "--max-flips", "20"]);
     assert_eq!(code(&o), 0, "{}", stdout(&o));
-    let v = v.unwrap();
-    assert_eq!(check(&v, "kl")["status"], "SKIP");
-    assert!(stdout(&o).contains("KL gates skipped: the reports' KL references differ"), "{}", stdout(&o));
+    // A gate that cannot be evaluated fails: NEW without a block, or without the gated field.
+    let (o, v) = gate(&base, &plain, &["--max-flips", "20"]);
+    assert_eq!(code(&o), 1, "{}", stdout(&o));
+    assert_eq!(check(&v.unwrap(), "kl")["status"], "FAIL");
+    new["kl_divergence"].as_object_mut().unwrap().remove("confident_flips");
+    let (o, _) = gate(&plain, &new, &["--max-flips", "20"]);
+    assert_eq!(code(&o), 1, "{}", stdout(&o));
+}
+
+#[test]
+fn compare_fails_closed_on_impossible_or_unpairable_data() {
+    let base = report(|_, _| 0.0);
+    // Every window non-finite in BASE: nothing pairs -> error, not PASS.
+    let mut all_bad = base.clone();
+    for s in all_bad["results"]["streams"].as_array_mut().unwrap() {
+        for w in s["windows"].as_array_mut().unwrap() {
+            w["n_nonfinite"] = json!(1);
+        }
+    }
+    let (o, _) = gate(&all_bad, &base, &[]);
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(stderr(&o).contains("no window is finite in both reports"), "{}", stderr(&o));
+    // Overflowing NLL sums: non-finite statistics -> FAIL.
+    let huge = |_: usize, _: usize| 1e305;
+    let (o, v) = gate(&report(huge), &report(|_, _| 6e305), &[]);
+    assert_eq!(code(&o), 1, "{}", stdout(&o));
+    assert_eq!(check(&v.unwrap(), "finite")["status"], "FAIL");
+    // Impossible values: exit 2 naming the report, the window and the field.
+    for (field, value, want) in [
+        ("nll_sum", json!(-1.0), "nll_sum -1 is impossible"),
+        ("scored", json!(100_000), "scored 100000 is more than"),
+        ("first_target", json!(10_000_000), "first_target 10000000 is outside"),
+        ("n_nonfinite", json!(1000), "n_nonfinite 1000 is more than scored"),
+    ] {
+        let mut bad = base.clone();
+        bad["results"]["streams"][1]["windows"][3][field] = value;
+        let (o, _) = gate(&base, &bad, &[]);
+        assert_eq!(code(&o), 2, "{field}: {}", stderr(&o));
+        let e = stderr(&o);
+        assert!(e.contains(want) && e.contains("NEW") && e.contains("window 3"), "{field}: {e}");
+    }
 }
 
 #[test]

@@ -8,7 +8,15 @@
 //!   or `|ppl_change_pct| >= max_delta_pct`, or `|ppl_change_pct|` exceeds
 //!   `--max-delta-over-floor` times BASE's recorded noise floor;
 //! - FAIL when `|ppl_change_pct| > fail_delta_pct`, when NEW has non-finite
-//!   scores in windows where BASE had none, or when a KL gate is breached.
+//!   scores in windows where BASE had none, when a statistic is not finite
+//!   (overflowing NLL sums), or when a KL gate is breached or cannot be
+//!   evaluated (NEW carries no `kl_divergence`, or not the gated field).
+//!
+//! KL gates are evaluated from NEW's own `kl_divergence` block: it was
+//! measured against the reference NEW names (typically BASE's
+//! `--save-top-tokens` file), whether or not BASE carries a block itself.
+//! Nothing fails open: a check that cannot be evaluated on data that should
+//! be there is a FAIL, never a silent PASS.
 //!
 //! Changes are judged by their absolute size: a large improvement is as
 //! suspicious as a large regression (a causal-mask bug lowers perplexity).
@@ -163,6 +171,14 @@ pub fn ppl_checks(scope: &str, s: &PairedStats, th: &Thresholds, floor_pct: Opti
     let mut out = Vec::new();
     let mut push = |name, status, detail: String| out.push(Check { name, scope: scope.to_string(), status, detail });
     let change = s.ppl_change_pct;
+    if !(change.is_finite() && s.mean_diff.is_finite()) {
+        push(
+            "finite",
+            Status::Fail,
+            format!("statistics are not finite (dPPL {change}%, mean NLL change {}): the NLL sums overflow or are corrupted", s.mean_diff),
+        );
+        return out;
+    }
     if s.identical {
         push("identical", Status::Pass, format!("all {} windows bit-identical", s.n_windows));
     }
@@ -213,21 +229,31 @@ pub fn nonfinite_check(base_windows: usize, new_windows: usize) -> Check {
     Check { name: "nonfinite", scope: "overall".to_string(), status, detail }
 }
 
-/// The KL gates on NEW (only when both reports share a reference).
+/// The KL gates on NEW, from NEW's own `kl_divergence` block; FAIL when a
+/// gate was asked for and cannot be evaluated.
 pub fn kl_checks(kl: &KlComparison, th: &Thresholds) -> Vec<Check> {
     let asked = th.max_mean_kl.is_some() || th.min_top1.is_some() || th.max_flips.is_some();
     if !asked {
         return Vec::new();
     }
     let check = |name, status, detail: String| Check { name, scope: "kl".to_string(), status, detail };
-    let new = match (&kl.new, &kl.note) {
-        (Some(n), None) => n,
-        (_, note) => {
-            let why = note.clone().unwrap_or_else(|| "no KL statistics".to_string());
-            return vec![check("kl", Status::Skip, format!("KL gates skipped: {why}"))];
-        }
+    let Some(new) = &kl.new else {
+        return vec![check(
+            "kl",
+            Status::Fail,
+            "KL gates asked for, but NEW carries no kl_divergence (score NEW with --kl-reference)".to_string(),
+        )];
     };
     let mut out = Vec::new();
+    let unc_ok = new.uncertainty.is_none_or(|u| u.is_finite() && u >= 0.0);
+    if !(new.mean.is_finite() && new.mean >= 0.0 && unc_ok) {
+        out.push(check(
+            "kl",
+            Status::Fail,
+            format!("NEW's kl_divergence is impossible: mean {} nats, uncertainty {:?} (KL is finite and >= 0)", new.mean, new.uncertainty),
+        ));
+        return out;
+    }
     if let Some(limit) = th.max_mean_kl {
         let ub = new.mean_upper95();
         let status = if ub > limit { Status::Fail } else { Status::Pass };
@@ -236,12 +262,13 @@ pub fn kl_checks(kl: &KlComparison, th: &Thresholds) -> Vec<Check> {
     }
     if let Some(limit) = th.min_top1 {
         out.push(match new.top1_agreement {
-            Some(v) => check(
+            Some(v) if (0.0..=1.0).contains(&v) => check(
                 "min_top1",
                 if v < limit { Status::Fail } else { Status::Pass },
                 format!("top-1 agreement {v:.6} {} --min-top1 {limit}", if v < limit { "<" } else { ">=" }),
             ),
-            None => check("min_top1", Status::Skip, "NEW's kl_divergence has no top1_agreement".to_string()),
+            Some(v) => check("min_top1", Status::Fail, format!("NEW's top1_agreement {v} is not a fraction")),
+            None => check("min_top1", Status::Fail, "NEW's kl_divergence has no top1_agreement: --min-top1 cannot be evaluated".to_string()),
         });
     }
     if let Some(limit) = th.max_flips {
@@ -251,7 +278,7 @@ pub fn kl_checks(kl: &KlComparison, th: &Thresholds) -> Vec<Check> {
                 if v > limit { Status::Fail } else { Status::Pass },
                 format!("confident flips {v} {} --max-flips {limit}", if v > limit { ">" } else { "<=" }),
             ),
-            None => check("max_flips", Status::Skip, "NEW's kl_divergence has no confident_flips".to_string()),
+            None => check("max_flips", Status::Fail, "NEW's kl_divergence has no confident_flips: --max-flips cannot be evaluated".to_string()),
         });
     }
     out
@@ -322,10 +349,35 @@ mod tests {
         assert_eq!(verdict(&kl_checks(&kl, &th(None, Some(0.995), None))), Verdict::Fail);
         assert_eq!(verdict(&kl_checks(&kl, &th(None, Some(0.98), Some(2)))), Verdict::Pass);
         assert_eq!(verdict(&kl_checks(&kl, &th(None, None, Some(1)))), Verdict::Fail);
-        let skipped = KlComparison { note: Some("BASE carries no kl_divergence".into()), comparable: false, ..kl };
-        let c = kl_checks(&skipped, &th(Some(0.0), None, None));
-        assert_eq!((c.len(), c[0].status), (1, Status::Skip));
-        assert!(c[0].detail.contains("BASE carries no kl_divergence"));
+        // BASE without a block (NEW scored against BASE's own --save-top-tokens): NEW's block is gated.
+        let own = KlComparison { base: None, note: Some("BASE carries no kl_divergence".into()), comparable: false, ..kl.clone() };
+        assert_eq!(verdict(&kl_checks(&own, &th(Some(1e-4), None, None))), Verdict::Fail);
+        assert_eq!(verdict(&kl_checks(&own, &th(Some(1.2e-3), None, None))), Verdict::Pass);
+        // A gate that cannot be evaluated fails.
+        let none = KlComparison { new: None, note: Some("NEW carries no kl_divergence".into()), comparable: false, ..kl.clone() };
+        let c = kl_checks(&none, &th(Some(1.0), None, None));
+        assert_eq!((c.len(), c[0].status), (1, Status::Fail));
+        assert!(c[0].detail.contains("NEW carries no kl_divergence"));
+        let bare = KlSummary { top1_agreement: None, confident_flips: None, ..kl.new.clone().unwrap() };
+        let partial = KlComparison { new: Some(bare), ..kl.clone() };
+        assert_eq!(verdict(&kl_checks(&partial, &th(None, Some(0.5), None))), Verdict::Fail);
+        assert_eq!(verdict(&kl_checks(&partial, &th(None, None, Some(10)))), Verdict::Fail);
+        let nan = KlSummary { mean: f64::NAN, ..kl.new.clone().unwrap() };
+        assert_eq!(verdict(&kl_checks(&KlComparison { new: Some(nan), ..kl.clone() }, &th(Some(1.0), None, None))), Verdict::Fail);
+        let negative = KlSummary { mean: -0.5, ..kl.new.clone().unwrap() };
+        assert_eq!(verdict(&kl_checks(&KlComparison { new: Some(negative), ..kl }, &th(Some(1.0), None, None))), Verdict::Fail);
+    }
+
+    #[test]
+    fn non_finite_statistics_fail() {
+        let w = [
+            PairedWindow { n_scored: 10, base_nll_sum: 1e308, new_nll_sum: 1.7e308 },
+            PairedWindow { n_scored: 10, base_nll_sum: 1e308, new_nll_sum: 1.7e308 },
+        ];
+        let s = PairedStats::of(&w);
+        let c = ppl_checks("overall", &s, &Thresholds::default(), None);
+        assert_eq!(verdict(&c), Verdict::Fail, "{c:?}");
+        assert_eq!(c[0].name, "finite");
     }
 
     #[test]

@@ -132,26 +132,57 @@ pub fn report_path(path: &Path) -> PathBuf {
     }
 }
 
+/// The largest report.json read (a full-corpus report is a few MB).
+pub const MAX_REPORT_BYTES: u64 = 1 << 30;
+
 /// Reads and parses a report (a file or a folder holding report.json).
 pub fn load_report(path: &Path, role: &str) -> Result<LoadedReport> {
     let path = report_path(path);
-    let bytes = std::fs::read(&path).with_context(|| format!("{role} {}: read", path.display()))?;
-    let raw: Value = serde_json::from_slice(&bytes).with_context(|| format!("{role} {}: not JSON", path.display()))?;
-    let view: ReportView = serde_json::from_value(raw.clone())
-        .with_context(|| format!("{role} {}: not an infernix-perplexity report", path.display()))?;
+    let bytes = crate::util::fs::read_bounded(&path, MAX_REPORT_BYTES, role)?;
+    parse_report(&bytes).with_context(|| format!("{role} {}", path.display())).map(|(view, raw)| LoadedReport { path, view, raw })
+}
+
+/// A report from its bytes: JSON, the fields `compare` reads, the schema
+/// version, at least one window, and every window's values possible.
+pub fn parse_report(bytes: &[u8]) -> Result<(ReportView, Value)> {
+    let raw: Value = serde_json::from_slice(bytes).context("not JSON")?;
+    let view: ReportView = serde_json::from_value(raw.clone()).context("not an infernix-perplexity report")?;
     if view.schema_version != crate::report::SCHEMA_VERSION {
-        bail!(
-            "{role} {}: schema_version {} (this compare reads version {})",
-            path.display(),
-            view.schema_version,
-            crate::report::SCHEMA_VERSION
-        );
+        bail!("schema_version {} (this compare reads version {})", view.schema_version, crate::report::SCHEMA_VERSION);
     }
     let n_windows: usize = view.results.streams.iter().map(|s| s.windows.len()).sum();
     if n_windows == 0 {
-        bail!("{role} {}: no scored windows (a --dry-run report?)", path.display());
+        bail!("no scored windows (a --dry-run report?)");
     }
-    Ok(LoadedReport { path, view, raw })
+    for s in &view.results.streams {
+        for w in &s.windows {
+            check_window(w).with_context(|| format!("stream '{}' window {}", s.name, w.index))?;
+        }
+    }
+    Ok((view, raw))
+}
+
+/// Refuses values no run can produce: a negative or non-finite NLL sum
+/// (every NLL is -log p >= 0; non-finite scores are counted, not summed),
+/// more scored or non-finite targets than the window has tokens, targets
+/// outside the window.
+fn check_window(w: &WindowView) -> Result<()> {
+    if !(w.nll_sum.is_finite() && w.nll_sum >= 0.0) {
+        bail!("nll_sum {} is impossible (a sum of NLLs is finite and >= 0)", w.nll_sum);
+    }
+    if w.end <= w.begin {
+        bail!("end {} is not after begin {}", w.end, w.begin);
+    }
+    if !(w.begin..=w.end).contains(&w.first_target) {
+        bail!("first_target {} is outside [begin {}, end {}]", w.first_target, w.begin, w.end);
+    }
+    if w.scored > w.end - w.begin {
+        bail!("scored {} is more than the window's {} input tokens", w.scored, w.end - w.begin);
+    }
+    if w.n_nonfinite > w.scored {
+        bail!("n_nonfinite {} is more than scored {}", w.n_nonfinite, w.scored);
+    }
+    Ok(())
 }
 
 /// One window scored in both reports.

@@ -2,9 +2,10 @@
 //! report carries when it was scored with `--kl-reference` and checks the KL
 //! gates (`--max-mean-kl`, `--min-top1`, `--max-flips`) on the NEW report.
 //!
-//! The gates apply only when both reports carry `kl_divergence` measured
-//! against the same reference (same reference fingerprint); otherwise they are
-//! skipped with a note, never guessed. Field names (with the aliases accepted
+//! The gates read NEW's own block (measured against the reference NEW
+//! names); a gate asked for without that block fails (`gate::kl_checks`).
+//! `comparable` and `note` say whether BASE's block shares NEW's reference,
+//! for the record. Field names (with the aliases accepted
 //! while the KL report format settles; the first is the documented one):
 //!
 //! | meaning | fields |

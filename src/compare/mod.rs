@@ -156,6 +156,16 @@ pub fn compare(base: &LoadedReport, new: &LoadedReport, th: &Thresholds, n_top: 
     th.validate()?;
     let rows = input::pair_windows(&base.view, &new.view)?;
     let finite: Vec<&WindowRow> = rows.iter().filter(|r| r.finite()).collect();
+    if finite.is_empty() {
+        anyhow::bail!(
+            "no window is finite in both reports ({} windows; BASE {} and NEW {} have non-finite scores in {} and {}): nothing to compare",
+            rows.len(),
+            base.path.display(),
+            new.path.display(),
+            rows.iter().filter(|r| r.base_nonfinite > 0).count(),
+            rows.iter().filter(|r| r.new_nonfinite > 0).count()
+        );
+    }
     let mut notes = Vec::new();
 
     let overall = PairedStats::of(&finite.iter().map(|r| paired(r)).collect::<Vec<_>>());
@@ -209,7 +219,7 @@ pub fn compare(base: &LoadedReport, new: &LoadedReport, th: &Thresholds, n_top: 
     checks.extend(gate::kl_checks(&kl, th));
     if let Some(note) = &kl.note {
         if kl.base.is_some() || kl.new.is_some() {
-            notes.push(format!("KL: {note}"));
+            notes.push(format!("KL: {note} (the KL gates read NEW's own kl_divergence)"));
         }
     }
 
@@ -265,6 +275,24 @@ pub fn compare(base: &LoadedReport, new: &LoadedReport, th: &Thresholds, n_top: 
     Ok(c)
 }
 
+/// `--markdown` / `--json` against BASE, NEW and `--model`, before any work.
+fn check_compare_outputs(args: &CompareArgs) -> Result<()> {
+    use crate::util::outputs::{check_outputs, Named};
+    let (base, new) = (input::report_path(&args.base), input::report_path(&args.new));
+    let mut inputs = vec![Named::new("BASE", &base), Named::new("NEW", &new)];
+    if let Some(m) = &args.model {
+        inputs.push(Named::new("--model", m));
+    }
+    let mut outputs = Vec::new();
+    if let Some(p) = &args.markdown {
+        outputs.push(Named::new("--markdown", p));
+    }
+    if let Some(p) = &args.json {
+        outputs.push(Named::new("--json", p));
+    }
+    check_outputs(&outputs, &[], &inputs)
+}
+
 impl CompareArgs {
     pub fn thresholds(&self) -> Thresholds {
         Thresholds {
@@ -285,6 +313,7 @@ impl CompareArgs {
 pub fn run(args: &CompareArgs) -> Result<Comparison> {
     let th = args.thresholds();
     th.validate()?;
+    check_compare_outputs(args)?;
     let base = input::load_report(&args.base, "BASE")?;
     let new = input::load_report(&args.new, "NEW")?;
     let mut c = compare(&base, &new, &th, args.top)?;
