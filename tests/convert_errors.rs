@@ -120,17 +120,23 @@ fn hf_folder_without_tokenizer() {
     assert!(!out.exists());
 }
 
-/// Rewrites the metadata JSON of an artifact in place (same data offset).
-fn patch_artifact_json(path: &Path, f: impl FnOnce(&mut serde_json::Value)) {
+/// Rewrites the metadata JSON of a v4 artifact in place (same data offset);
+/// with `redigest`, the header's metadata SHA-256 is updated to match.
+fn patch_artifact_json(path: &Path, redigest: bool, f: impl FnOnce(&mut serde_json::Value)) {
+    use sha2::Digest;
+    const H: usize = 64;
     let mut b = std::fs::read(path).unwrap();
     let n = u64::from_le_bytes(b[16..24].try_into().unwrap()) as usize;
     let data = u64::from_le_bytes(b[24..32].try_into().unwrap()) as usize;
-    let mut v: serde_json::Value = serde_json::from_slice(&b[32..32 + n]).unwrap();
+    let mut v: serde_json::Value = serde_json::from_slice(&b[H..H + n]).unwrap();
     f(&mut v);
     let j = serde_json::to_vec(&v).unwrap();
-    assert!(32 + j.len() <= data);
+    assert!(H + j.len() <= data);
     b[16..24].copy_from_slice(&(j.len() as u64).to_le_bytes());
-    b[32..32 + j.len()].copy_from_slice(&j);
+    b[H..H + j.len()].copy_from_slice(&j);
+    if redigest {
+        b[32..64].copy_from_slice(&sha2::Sha256::digest(&j));
+    }
     std::fs::write(path, b).unwrap();
 }
 
@@ -146,9 +152,9 @@ fn reader_rejects_bad_tensor_entries() {
     use infernix_perplexity::artifact::writer::{write_artifact, TensorSource};
     use infernix_perplexity::artifact::TensorFormat;
     let hp = HParams {
-        n_layers: 0, d_model: 32, n_heads: 1, n_kv_heads: 1, d_head: 32, d_head_v: 32, d_ffn: 64, n_vocab: 4,
+        n_layers: 1, d_model: 32, n_heads: 1, n_kv_heads: 1, d_head: 32, d_head_v: 32, d_ffn: 64, n_vocab: 4,
         rms_eps: 1e-5, rope_base: 1e4, rope_base_local: 1e4, rope_scale: 1.0, rope_dim: 32,
-        rope_style: RopeStyle::Neox, sliding_window: vec![], context_length: 0, embed_scale: 1.0,
+        rope_style: RopeStyle::Neox, sliding_window: vec![None], context_length: 64, embed_scale: 1.0,
         attn_scale: 1.0, attn_softcap: None, final_softcap: None, activation: Activation::Silu,
         qkv_bias: false, qk_norm: false, post_norms: false, tied_embeddings: true,
     };
@@ -162,10 +168,19 @@ fn reader_rejects_bad_tensor_entries() {
         provenance: Provenance { sources: vec![], converter: "test".into(), converter_version: "0".into(), source_layers: None, synthetic: None, source_metadata: serde_json::json!({}) },
         tensors: vec![],
     };
-    let ts = vec![
+    let mut ts = vec![
         TensorSource { name: "token_embd.weight".into(), component: Component::Text, format: TensorFormat::Q8_0, shape: vec![4, 32], bytes: vec![1u8; 136].into() },
         TensorSource { name: "output_norm.weight".into(), component: Component::Text, format: TensorFormat::F32, shape: vec![32], bytes: vec![0u8; 128].into() },
     ];
+    let f32s = |name: &str, shape: Vec<u64>| {
+        let n: u64 = shape.iter().product();
+        TensorSource { name: format!("blk.0.{name}.weight"), component: Component::Text, format: TensorFormat::F32, shape, bytes: vec![0u8; 4 * n as usize].into() }
+    };
+    for (name, shape) in [("attn_norm", vec![32]), ("ffn_norm", vec![32]), ("attn_q", vec![32, 32]), ("attn_k", vec![32, 32]),
+                          ("attn_v", vec![32, 32]), ("attn_output", vec![32, 32]), ("ffn_gate", vec![64, 32]), ("ffn_up", vec![64, 32]),
+                          ("ffn_down", vec![32, 64])] {
+        ts.push(f32s(name, shape));
+    }
     write_artifact(&out, meta, &ts, b"{}").unwrap();
     let a = Artifact::open(&out).unwrap();
     a.verify().unwrap();
@@ -178,15 +193,38 @@ fn reader_rejects_bad_tensor_entries() {
         ("overlaps", Box::new(|v| { let o = v["tensors"][0]["offset"].clone(); v["tensors"][1]["offset"] = o })),
         ("duplicate", Box::new(|v| v["tensors"][1]["name"] = "token_embd.weight".into())),
         ("unknown variant", Box::new(|v| v["tensors"][0]["format"] = "IQ1_M".into())),
-        ("output_norm.weight is required", Box::new(|v| v["tensors"][1]["name"] = "other".into())),
+        ("output_norm.weight is missing", Box::new(|v| v["tensors"][1]["name"] = "other".into())),
+        ("hparams.rms_eps", Box::new(|v| v["hparams"]["rms_eps"] = (-1.0).into())),
+        ("hparams.rope_base", Box::new(|v| v["hparams"]["rope_base"] = 0.0.into())),
+        ("hparams.attn_scale", Box::new(|v| v["hparams"]["attn_scale"] = 1e9.into())),
+        ("token_embd.weight has shape [4, 32]", Box::new(|v| v["hparams"]["n_vocab"] = 5.into())),
+        ("hparams.sliding_window[0]", Box::new(|v| v["hparams"]["sliding_window"] = serde_json::json!([0]))),
     ];
     for (expect, patch) in cases {
-        let p = dir.path().join(format!("case-{}.ninfer", expect.replace(' ', "_")));
+        let p = dir.path().join(format!("case-{}.ninfer", expect.replace([' ', '[', ']', ','], "_")));
         std::fs::copy(&out, &p).unwrap();
-        patch_artifact_json(&p, |v| patch(v));
+        patch_artifact_json(&p, true, |v| patch(v));
         let err = format!("{:#}", Artifact::open(&p).err().unwrap_or_else(|| panic!("{expect}: opened")));
         assert!(err.contains(expect) && err.contains(&p.display().to_string()), "{expect}: {err}");
     }
+    // A version-3 file (no metadata digest, JSON at 32) still opens; --verify refuses it.
+    let p = dir.path().join("v3.ninfer");
+    let mut b = std::fs::read(&out).unwrap();
+    let n = u64::from_le_bytes(b[16..24].try_into().unwrap()) as usize;
+    b[8..12].copy_from_slice(&3u32.to_le_bytes());
+    b.copy_within(64..64 + n, 32);
+    b[32 + n..64 + n].fill(0);
+    std::fs::write(&p, b).unwrap();
+    let v3 = Artifact::open(&p).unwrap();
+    assert!(!v3.metadata_digest_checked);
+    let err = format!("{:#}", v3.verify().unwrap_err());
+    assert!(err.contains("version 3") && err.contains("reconvert with ninfer-convert"), "{err}");
+    // One changed digit of the metadata without its digest: refused at open.
+    let p = dir.path().join("edited.ninfer");
+    std::fs::copy(&out, &p).unwrap();
+    patch_artifact_json(&p, false, |v| v["hparams"]["rope_base"] = 10001.0.into());
+    let err = format!("{:#}", Artifact::open(&p).err().expect("an edited metadata block opened"));
+    assert!(err.contains("metadata_sha256") && err.contains("reconvert with ninfer-convert"), "{err}");
     // A flipped tensor byte is caught by --verify, not by open.
     let p = dir.path().join("flipped.ninfer");
     let mut b = std::fs::read(&out).unwrap();

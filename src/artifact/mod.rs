@@ -1,6 +1,7 @@
 //! The `.ninfer` v3 container: format table, metadata schema, reader (mmap,
 //! validation, typed tensor views) and writer. See `docs/ninfer-v3.md`.
 
+pub mod check;
 pub mod container;
 pub mod format;
 pub mod meta;

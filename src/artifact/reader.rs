@@ -1,7 +1,8 @@
-//! Opens a `.ninfer` v3 artifact: maps the file, parses the header and the
-//! metadata, and validates every tensor entry (bounds, alignment, overlaps,
-//! format against shape against byte length, required tensors for the
-//! architecture) before anything reads tensor bytes. Hashing the whole file is
+//! Opens a `.ninfer` artifact (v4, or v3 without a metadata digest): maps
+//! the file, parses the header and the metadata (checking its digest), and
+//! validates every tensor entry (bounds, alignment, overlaps, format against
+//! shape against byte length) and the hyperparameters against the shapes
+//! (`check`) before anything reads tensor bytes. Hashing the whole file is
 //! left to [`Artifact::verify`], so opening a multi-GB file takes milliseconds.
 
 use std::collections::HashMap;
@@ -11,10 +12,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use memmap2::Mmap;
 
-use super::container::{sha256_hex, ALIGNMENT, HEADER_BYTES, MAGIC, VERSION};
+use super::check::check_hparams;
+use super::container::{sha256_hex, ALIGNMENT, HEADER_BYTES, HEADER_BYTES_V3, MAGIC, VERSION, VERSION_V3};
 use super::format::TensorFormat;
 use super::meta::{ArtifactMeta, Component, TensorEntry};
-use super::names::required_tensors;
 
 /// A validated, memory-mapped artifact.
 pub struct Artifact {
@@ -23,6 +24,8 @@ pub struct Artifact {
     /// SHA-256 of the metadata block: identifies the artifact (it holds every
     /// tensor's SHA-256 and the tokenizer's) without hashing the whole file.
     pub digest: String,
+    /// The header carries the metadata's SHA-256 (version 4) and it matched.
+    pub metadata_digest_checked: bool,
     pub n_file_bytes: u64,
     index: HashMap<String, usize>,
     mmap: Mmap,
@@ -61,28 +64,10 @@ impl Artifact {
         // SAFETY: read-only map; the artifact is never modified while open.
         let mmap = unsafe { Mmap::map(&file) }.context("mmap")?;
         let n_file_bytes = mmap.len() as u64;
-        ensure!(mmap.len() >= HEADER_BYTES, "header: file is {n_file_bytes} bytes, too short");
-        if &mmap[0..8] != MAGIC {
-            bail!("magic: not a .ninfer artifact (expected NINFER, found {:?})", &mmap[0..8]);
-        }
-        let version = u32::from_le_bytes(mmap[8..12].try_into().expect("4 bytes"));
-        ensure!(
-            version == VERSION,
-            "version: artifact version {version}, this build reads {VERSION}; re-run ninfer-convert on the source"
-        );
-        let meta_bytes = u64::from_le_bytes(mmap[16..24].try_into().expect("8 bytes"));
-        let data_offset = u64::from_le_bytes(mmap[24..32].try_into().expect("8 bytes"));
-        let meta_end = (HEADER_BYTES as u64).checked_add(meta_bytes).filter(|&e| e <= data_offset);
-        ensure!(
-            meta_end.is_some() && data_offset <= n_file_bytes,
-            "metadata_bytes: {meta_bytes} bytes at {HEADER_BYTES} with data at {data_offset} do not fit the file ({n_file_bytes} bytes)"
-        );
-        let raw = &mmap[HEADER_BYTES..HEADER_BYTES + meta_bytes as usize];
-        let meta: ArtifactMeta =
-            serde_json::from_slice(raw).map_err(|e| anyhow!("metadata: {e}"))?;
-        let digest = sha256_hex(raw);
+        let parsed = parse_header_and_meta(&mmap)?;
+        let (meta, digest, data_offset, metadata_digest_checked) =
+            (parsed.meta, parsed.digest, parsed.data_offset, parsed.metadata_digest_checked);
 
-        ensure!(meta.components.contains(&Component::Text), "components: `text` is required");
         let mut index = HashMap::with_capacity(meta.tensors.len());
         let mut spans = Vec::with_capacity(meta.tensors.len() + 1);
         let blob = &meta.tokenizer.blob;
@@ -121,10 +106,9 @@ impl Artifact {
         for w in spans.windows(2) {
             ensure!(w[1].0 >= w[0].1, "tensor {}: overlaps {}", w[1].2, w[0].2);
         }
-        for name in required_tensors(&meta.hparams, meta.architecture) {
-            ensure!(index.contains_key(&name), "tensors: {name} is required for {}", meta.architecture.name());
-        }
-        Ok(Self { path: path.to_path_buf(), meta, digest, n_file_bytes, index, mmap })
+        let shape_of = |n: &str| index.get(n).map(|&i| meta.tensors[i].shape.as_slice());
+        check_hparams(&meta.hparams, shape_of, meta.tensors.iter().map(|t| t.name.as_str())).context("metadata")?;
+        Ok(Self { path: path.to_path_buf(), meta, digest, metadata_digest_checked, n_file_bytes, index, mmap })
     }
 
     pub fn tensor(&self, name: &str) -> Result<TensorView<'_>> {
@@ -145,9 +129,16 @@ impl Artifact {
         &self.mmap[b.offset as usize..(b.offset + b.n_bytes) as usize]
     }
 
-    /// Hashes every tensor and the tokenizer blob against the recorded SHA-256.
+    /// Hashes every tensor and the tokenizer blob against the recorded
+    /// SHA-256; with the metadata digest checked at open, everything in the
+    /// file is covered. A version-3 file (no metadata digest) is refused.
     pub fn verify(&self) -> Result<()> {
         use rayon::prelude::*;
+        ensure!(
+            self.metadata_digest_checked,
+            "{}: version {VERSION_V3} artifact: its metadata carries no digest, so --verify cannot check the hyperparameters; reconvert with ninfer-convert (scripts/fetch-models.sh does)",
+            self.path.display()
+        );
         let tok = sha256_hex(self.tokenizer_json());
         ensure!(
             tok == self.meta.tokenizer.blob.sha256,
@@ -177,6 +168,56 @@ impl Artifact {
         }
         out
     }
+}
+
+/// The header and metadata of an artifact, parsed from its first bytes.
+pub struct HeaderAndMeta {
+    pub version: u32,
+    pub meta: ArtifactMeta,
+    /// SHA-256 (hex) of the metadata block.
+    pub digest: String,
+    pub data_offset: u64,
+    pub metadata_digest_checked: bool,
+}
+
+/// Parses the header and the metadata JSON from `bytes` (the whole file, or
+/// at least up to the data section): magic, version, lengths against the
+/// file, the metadata digest (version 4), the JSON, and the `text`
+/// component. The tensor table is checked against the file by `Artifact::open`.
+pub fn parse_header_and_meta(bytes: &[u8]) -> Result<HeaderAndMeta> {
+    let n_file_bytes = bytes.len() as u64;
+    ensure!(bytes.len() >= HEADER_BYTES_V3, "header: file is {n_file_bytes} bytes, too short");
+    if &bytes[0..8] != MAGIC {
+        bail!("magic: not a .ninfer artifact (expected NINFER, found {:?})", &bytes[0..8]);
+    }
+    let le64 = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap_or([0; 8]));
+    let version = u32::from_le_bytes(bytes[8..12].try_into().unwrap_or([0; 4]));
+    let header_bytes = match version {
+        VERSION => HEADER_BYTES,
+        VERSION_V3 => HEADER_BYTES_V3,
+        _ => bail!("version: artifact version {version}, this build reads {VERSION_V3} and {VERSION}; reconvert with ninfer-convert"),
+    };
+    ensure!(bytes.len() >= header_bytes, "header: file is {n_file_bytes} bytes, too short for a version {version} header");
+    let meta_bytes = le64(16);
+    let data_offset = le64(24);
+    let meta_end = (header_bytes as u64).checked_add(meta_bytes).filter(|&e| e <= data_offset);
+    ensure!(
+        meta_end.is_some() && data_offset <= n_file_bytes,
+        "metadata_bytes: {meta_bytes} bytes at {header_bytes} with data at {data_offset} do not fit the file ({n_file_bytes} bytes)"
+    );
+    let raw = &bytes[header_bytes..header_bytes + meta_bytes as usize];
+    let digest = sha256_hex(raw);
+    let metadata_digest_checked = version == VERSION;
+    if metadata_digest_checked {
+        let recorded = super::container::hex(&bytes[32..64]);
+        ensure!(
+            recorded == digest,
+            "metadata_sha256: the metadata block hashes to {digest}, the header records {recorded} (the metadata was changed or corrupted; reconvert with ninfer-convert)"
+        );
+    }
+    let meta: ArtifactMeta = serde_json::from_slice(raw).map_err(|e| anyhow!("metadata: {e}"))?;
+    ensure!(meta.components.contains(&Component::Text), "components: `text` is required");
+    Ok(HeaderAndMeta { version, meta, digest, data_offset, metadata_digest_checked })
 }
 
 fn check_span(what: &str, offset: u64, n_bytes: u64, data_offset: u64, n_file_bytes: u64) -> Result<()> {

@@ -1,4 +1,4 @@
-//! Writes a `.ninfer` v3 file atomically: the layout is computed, every
+//! Writes a `.ninfer` v4 file atomically: the layout is computed, every
 //! tensor and blob hashed, and the bytes go to `OUT.tmp-<pid>` which is renamed
 //! over `OUT` only once complete.
 
@@ -9,6 +9,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 
 use super::container::{align_up, encode_header, sha256_hex, HEADER_BYTES};
+use super::check::check_hparams;
 use super::format::TensorFormat;
 use super::meta::{ArtifactMeta, BlobRef, Component, TensorEntry};
 use crate::util::fs::AtomicFile;
@@ -79,6 +80,11 @@ pub fn write_artifact(
         data_offset = need;
     };
 
+    // The one hyperparameter check (also run at every open): refuse metadata that disagrees with the tensors.
+    let shapes: std::collections::HashMap<&str, &[u64]> = meta.tensors.iter().map(|t| (t.name.as_str(), t.shape.as_slice())).collect();
+    check_hparams(&meta.hparams, |n| shapes.get(n).copied(), shapes.keys().copied()).context("metadata")?;
+    drop(shapes);
+
     let out = AtomicFile::create(path)?;
     {
         let mut w = BufWriter::with_capacity(1 << 22, out.file());
@@ -90,7 +96,7 @@ pub fn write_artifact(
             Ok(())
         };
         let io = |e| anyhow::Error::new(e).context(format!("write {}", path.display()));
-        put(&mut w, 0, &encode_header(json.len() as u64, data_offset)).map_err(io)?;
+        put(&mut w, 0, &encode_header(&json, data_offset)).map_err(io)?;
         put(&mut w, HEADER_BYTES as u64, &json).map_err(io)?;
         put(&mut w, meta.tokenizer.blob.offset, tokenizer_json).map_err(io)?;
         for (t, e) in tensors.iter().zip(&meta.tensors) {

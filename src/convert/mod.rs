@@ -133,5 +133,6 @@ fn convert_gguf(path: &Path, out: &Path, opts: &ConvertOptions) -> Result<Artifa
     };
     drop(source_bytes);
     apply_layers(&mut meta, &opts.layers)?;
-    write_artifact(out, meta, &tensors, &tokenizer_json)
+    // Hyperparameters are checked against the tensors inside write_artifact; name the source.
+    write_artifact(out, meta, &tensors, &tokenizer_json).with_context(|| path.display().to_string())
 }
