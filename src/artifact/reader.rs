@@ -68,46 +68,7 @@ impl Artifact {
         let (meta, digest, data_offset, metadata_digest_checked) =
             (parsed.meta, parsed.digest, parsed.data_offset, parsed.metadata_digest_checked);
 
-        let mut index = HashMap::with_capacity(meta.tensors.len());
-        let mut spans = Vec::with_capacity(meta.tensors.len() + 1);
-        let blob = &meta.tokenizer.blob;
-        check_span("tokenizer.blob", blob.offset, blob.n_bytes, data_offset, n_file_bytes)?;
-        spans.push((blob.offset, blob.offset + blob.n_bytes, "tokenizer.blob".to_string()));
-        for (i, t) in meta.tensors.iter().enumerate() {
-            if index.insert(t.name.clone(), i).is_some() {
-                bail!("tensors: duplicate tensor name {}", t.name);
-            }
-            let n_elems = t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
-            let n_elems = n_elems.ok_or_else(|| anyhow!("tensor {}: shape overflows", t.name))?;
-            let want = t
-                .format
-                .bytes_for(n_elems)
-                .with_context(|| format!("tensor {}: shape {:?}", t.name, t.shape))?;
-            ensure!(
-                want == t.n_bytes,
-                "tensor {}: n_bytes {} does not match {} of shape {:?} ({want} bytes)",
-                t.name,
-                t.n_bytes,
-                t.format,
-                t.shape
-            );
-            if let Some(&n_cols) = t.shape.last() {
-                ensure!(
-                    n_cols % t.format.block_elems() as u64 == 0,
-                    "tensor {}: rows of {n_cols} elements do not hold whole {} blocks",
-                    t.name,
-                    t.format
-                );
-            }
-            check_span(&format!("tensor {}", t.name), t.offset, t.n_bytes, data_offset, n_file_bytes)?;
-            spans.push((t.offset, t.offset + t.n_bytes, t.name.clone()));
-        }
-        spans.sort();
-        for w in spans.windows(2) {
-            ensure!(w[1].0 >= w[0].1, "tensor {}: overlaps {}", w[1].2, w[0].2);
-        }
-        let shape_of = |n: &str| index.get(n).map(|&i| meta.tensors[i].shape.as_slice());
-        check_hparams(&meta.hparams, shape_of, meta.tensors.iter().map(|t| t.name.as_str())).context("metadata")?;
+        let index = check_tensor_table(&meta, data_offset, n_file_bytes)?;
         Ok(Self { path: path.to_path_buf(), meta, digest, metadata_digest_checked, n_file_bytes, index, mmap })
     }
 
@@ -168,6 +129,54 @@ impl Artifact {
         }
         out
     }
+}
+
+/// Checks the tensor table of `meta` against a file of `n_file_bytes` whose
+/// data section starts at `data_offset` (names, shapes against formats and
+/// byte lengths, spans inside the data section, aligned, not overlapping),
+/// then the hyperparameters against the shapes. Returns the name index.
+pub fn check_tensor_table(meta: &ArtifactMeta, data_offset: u64, n_file_bytes: u64) -> Result<HashMap<String, usize>> {
+    let mut index = HashMap::with_capacity(meta.tensors.len().min(1 << 16));
+    let mut spans = Vec::with_capacity(meta.tensors.len().min(1 << 16) + 1);
+    let blob = &meta.tokenizer.blob;
+    check_span("tokenizer.blob", blob.offset, blob.n_bytes, data_offset, n_file_bytes)?;
+    spans.push((blob.offset, blob.offset + blob.n_bytes, "tokenizer.blob".to_string()));
+    for (i, t) in meta.tensors.iter().enumerate() {
+        if index.insert(t.name.clone(), i).is_some() {
+            bail!("tensors: duplicate tensor name {}", t.name);
+        }
+        let n_elems = t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        let n_elems = n_elems.ok_or_else(|| anyhow!("tensor {}: shape overflows", t.name))?;
+        let want = t
+            .format
+            .bytes_for(n_elems)
+            .with_context(|| format!("tensor {}: shape {:?}", t.name, t.shape))?;
+        ensure!(
+            want == t.n_bytes,
+            "tensor {}: n_bytes {} does not match {} of shape {:?} ({want} bytes)",
+            t.name,
+            t.n_bytes,
+            t.format,
+            t.shape
+        );
+        if let Some(&n_cols) = t.shape.last() {
+            ensure!(
+                n_cols % t.format.block_elems() as u64 == 0,
+                "tensor {}: rows of {n_cols} elements do not hold whole {} blocks",
+                t.name,
+                t.format
+            );
+        }
+        check_span(&format!("tensor {}", t.name), t.offset, t.n_bytes, data_offset, n_file_bytes)?;
+        spans.push((t.offset, t.offset + t.n_bytes, t.name.clone()));
+    }
+    spans.sort();
+    for w in spans.windows(2) {
+        ensure!(w[1].0 >= w[0].1, "tensor {}: overlaps {}", w[1].2, w[0].2);
+    }
+    let shape_of = |n: &str| index.get(n).map(|&i| meta.tensors[i].shape.as_slice());
+    check_hparams(&meta.hparams, shape_of, meta.tensors.iter().map(|t| t.name.as_str())).context("metadata")?;
+    Ok(index)
 }
 
 /// The header and metadata of an artifact, parsed from its first bytes.

@@ -112,6 +112,11 @@ fn check_target(out: Named<'_>, folder_may_be_created: bool) -> Result<()> {
     if p.file_name().is_none() {
         bail!("{}: not a file name", at());
     }
+    if folder_may_be_created {
+        if let Some(dir) = p.parent().filter(|d| d.exists() && !d.is_dir()) {
+            bail!("{} {}: exists and is not a folder", out.what, dir.display());
+        }
+    }
     match std::fs::symlink_metadata(p) {
         Ok(m) if m.file_type().is_file() => {}
         Ok(m) => bail!(
@@ -173,6 +178,8 @@ pub struct OutputDir {
     lock: PathBuf,
     /// Folders this claim created, outermost first.
     created: Vec<PathBuf>,
+    /// The lock file was created by this claim (so it is ours to remove).
+    locked: bool,
     keep: bool,
 }
 
@@ -196,7 +203,7 @@ impl OutputDir {
             }
         }
         missing.reverse();
-        let mut claim = Self { dir: dir.to_path_buf(), lock: dir.join(LOCK_FILE), created: Vec::new(), keep: false };
+        let mut claim = Self { dir: dir.to_path_buf(), lock: dir.join(LOCK_FILE), created: Vec::new(), locked: false, keep: false };
         for m in &missing {
             match std::fs::create_dir(m) {
                 Ok(()) => claim.created.push(m.clone()),
@@ -208,31 +215,43 @@ impl OutputDir {
         if !meta.is_dir() {
             bail!("{}: exists and is not a folder", at());
         }
+        // Refuse a used folder before touching it, then lock, then look again (another
+        // process may have claimed it in between: the lock decides).
+        claim.check_empty(what)?;
         match std::fs::OpenOptions::new().write(true).create_new(true).open(&claim.lock) {
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                // Not ours: never remove it.
-                claim.lock = PathBuf::new();
-                bail!("{}: another run is writing into this folder ({} exists)", at(), LOCK_FILE);
-            }
+            Ok(_) => claim.locked = true,
             Err(e) => {
-                claim.lock = PathBuf::new();
+                if e.kind() == std::io::ErrorKind::AlreadyExists {
+                    bail!("{}: another run is writing into this folder ({} exists)", at(), LOCK_FILE);
+                }
                 return Err(anyhow::Error::new(e).context(format!("{}: create {LOCK_FILE}", at())));
             }
         }
-        let entries = std::fs::read_dir(dir).with_context(|| format!("{}: read folder", at()))?;
-        for e in entries {
-            let e = e.with_context(|| format!("{}: read folder", at()))?;
-            if e.file_name() != LOCK_FILE {
-                bail!("{}: the folder is not empty ({} is there; name a new or empty folder)", at(), e.file_name().to_string_lossy());
-            }
-        }
+        claim.check_empty(what)?;
         Ok(claim)
     }
 
     pub fn path(&self) -> &Path {
         &self.dir
     }
+
+    /// Refuses a folder holding anything but this claim's own lock.
+    fn check_empty(&self, what: &str) -> Result<()> {
+        let at = || format!("{what} {}", self.dir.display());
+        let entries = std::fs::read_dir(&self.dir).with_context(|| format!("{}: read folder", at()))?;
+        for e in entries {
+            let name = e.with_context(|| format!("{}: read folder", at()))?.file_name();
+            if name == LOCK_FILE {
+                if !self.locked {
+                    bail!("{}: another run is writing into this folder ({LOCK_FILE} exists)", at());
+                }
+                continue;
+            }
+            bail!("{}: the folder is not empty ({} is there; name a new or empty folder)", at(), name.to_string_lossy());
+        }
+        Ok(())
+    }
+
 
     /// The run succeeded: keep the folder (the lock is still removed on drop).
     pub fn keep(&mut self) {
@@ -242,7 +261,7 @@ impl OutputDir {
 
 impl Drop for OutputDir {
     fn drop(&mut self) {
-        if !self.lock.as_os_str().is_empty() {
+        if self.locked {
             let _ = std::fs::remove_file(&self.lock);
         }
         if !self.keep {
