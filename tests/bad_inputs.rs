@@ -485,3 +485,54 @@ fn bad_input_table() {
     assert!(dev_full_before && std::fs::metadata(&dev_full).unwrap().file_type().is_char_device(), "/dev/full is no longer a device");
     assert!(!d.join("profiles").exists(), "a default profiles/ folder was left behind");
 }
+
+/// Class 9: SIGINT and SIGTERM stop a scoring run at the next window: exit
+/// 128 + signal, a last line saying how far it got, and nothing left behind
+/// (no output folder, no --save-tokens file, no temporary).
+#[test]
+fn signals_stop_cleanly_and_leave_nothing() {
+    use std::io::{BufRead, BufReader};
+    let model = common::models_dir().join(SMOLLM2);
+    let text = common::data_root().join("wikitext-2-raw/wiki.test.raw");
+    for (signal, code) in [("-INT", 130), ("-TERM", 143)] {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_infernix-perplexity"))
+            .arg(&model)
+            .args(["--text".as_ref(), text.as_os_str()])
+            // Small one-window passes: the run reaches a window boundary soon after the signal.
+            .args(["--method", "chunks", "--context", "64", "--batch-tokens", "64", "--prefill-chunk", "128"])
+            .args(["--backend", "cpu", "--log-level", "info"])
+            .arg("--save-tokens")
+            .arg(d.join("tokens.json"))
+            .arg("--output")
+            .arg(d.join("out"))
+            .current_dir(d)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let mut seen = Vec::new();
+        for line in lines.by_ref() {
+            let line = line.unwrap();
+            let ready = line.contains("ready in");
+            seen.push(line);
+            if ready {
+                break;
+            }
+        }
+        assert!(seen.last().is_some_and(|l| l.contains("ready in")), "no backend line: {seen:?}");
+        assert!(Command::new("kill").arg(signal).arg(child.id().to_string()).status().unwrap().success());
+        let t = std::time::Instant::now();
+        seen.extend(lines.map(Result::unwrap));
+        let status = child.wait().unwrap();
+        assert!(t.elapsed().as_secs() < 60, "{signal}: took {:?} to stop", t.elapsed());
+        let last = seen.last().cloned().unwrap_or_default();
+        assert_eq!(status.code(), Some(code), "{signal}: {seen:?}");
+        assert!(last.contains("error: stopped") && last.contains("interrupted by SIG"), "{signal}: {last}");
+        assert!(last.contains(" windows") || last.contains("every window"), "{signal}: says what was completed: {last}");
+        let left: Vec<_> = std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert!(left.is_empty(), "{signal}: left behind: {left:?}");
+    }
+}
