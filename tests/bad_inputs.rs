@@ -20,9 +20,9 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-use infernix_perplexity::artifact::meta::*;
-use infernix_perplexity::artifact::writer::{write_artifact, TensorSource};
-use infernix_perplexity::artifact::TensorFormat;
+#[path = "common/tiny_artifact.rs"]
+mod tiny;
+
 use infernix_perplexity::convert::gguf::{GgufValue, GgufWriter};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -123,65 +123,19 @@ fn s(p: &Path) -> String {
     p.display().to_string()
 }
 
-/// A tiny, consistent one-layer llama artifact (dummy tokenizer): every
-/// artifact check passes; `edit` changes the metadata JSON and `redigest`
-/// keeps the header's digest in step (else the digest check trips).
+/// The tiny artifact at `dir/name`, its metadata JSON changed by `edit`;
+/// `redigest` keeps the header's digest in step (else the digest check trips).
 fn tiny_artifact(dir: &Path, name: &str, redigest: bool, edit: impl FnOnce(&mut Value)) -> PathBuf {
     let path = dir.join(name);
-    let hp = HParams {
-        n_layers: 1, d_model: 32, n_heads: 1, n_kv_heads: 1, d_head: 32, d_head_v: 32, d_ffn: 64, n_vocab: 4,
-        rms_eps: 1e-5, rope_base: 1e4, rope_base_local: 1e4, rope_scale: 1.0, rope_dim: 32,
-        rope_style: RopeStyle::Neox, sliding_window: vec![None], context_length: 64, embed_scale: 1.0,
-        attn_scale: 0.17, attn_softcap: None, final_softcap: None, activation: Activation::Silu,
-        qkv_bias: false, qk_norm: false, post_norms: false, tied_embeddings: true,
-    };
-    let meta = ArtifactMeta {
-        architecture: Architecture::Llama,
-        public_name: "tiny".into(),
-        hparams: hp,
-        components: vec![Component::Text],
-        tokenizer: TokenizerMeta { kind: "test".into(), pre: None, bos_id: None, eos_id: None, add_bos: false, add_eos: false,
-            blob: BlobRef { offset: 0, n_bytes: 0, sha256: String::new() } },
-        provenance: Provenance { sources: vec![], converter: "test".into(), converter_version: "0".into(), source_layers: None, synthetic: None, source_metadata: json!({}) },
-        tensors: vec![],
-    };
-    let f32s = |name: &str, shape: Vec<u64>| {
-        let n: u64 = shape.iter().product();
-        TensorSource { name: name.into(), component: Component::Text, format: TensorFormat::F32, shape, bytes: vec![0u8; 4 * n as usize].into() }
-    };
-    let mut ts = vec![f32s("token_embd.weight", vec![4, 32]), f32s("output_norm.weight", vec![32])];
-    for (n, shape) in [("attn_norm", vec![32]), ("ffn_norm", vec![32]), ("attn_q", vec![32, 32]), ("attn_k", vec![32, 32]),
-                       ("attn_v", vec![32, 32]), ("attn_output", vec![32, 32]), ("ffn_gate", vec![64, 32]), ("ffn_up", vec![64, 32]),
-                       ("ffn_down", vec![32, 64])] {
-        ts.push(f32s(&format!("blk.0.{n}.weight"), shape));
-    }
-    write_artifact(&path, meta, &ts, b"{}").unwrap();
-    let mut b = std::fs::read(&path).unwrap();
-    let n = u64::from_le_bytes(b[16..24].try_into().unwrap()) as usize;
-    let data = u64::from_le_bytes(b[24..32].try_into().unwrap()) as usize;
-    let mut v: Value = serde_json::from_slice(&b[64..64 + n]).unwrap();
-    edit(&mut v);
-    let j = serde_json::to_vec(&v).unwrap();
-    assert!(64 + j.len() <= data);
-    b[64..data].fill(0);
-    b[16..24].copy_from_slice(&(j.len() as u64).to_le_bytes());
-    b[64..64 + j.len()].copy_from_slice(&j);
-    if redigest {
-        b[32..64].copy_from_slice(&Sha256::digest(&j));
-    }
-    std::fs::write(&path, b).unwrap();
+    tiny::write_tiny(&path);
+    tiny::patch_json(&path, redigest, edit);
     path
 }
 
 /// The tiny artifact as version 3 (no digest, JSON at 32).
 fn tiny_v3(dir: &Path) -> PathBuf {
     let p = tiny_artifact(dir, "v3.ninfer", true, |_| {});
-    let mut b = std::fs::read(&p).unwrap();
-    let n = u64::from_le_bytes(b[16..24].try_into().unwrap()) as usize;
-    b[8..12].copy_from_slice(&3u32.to_le_bytes());
-    b.copy_within(64..64 + n, 32);
-    b[32 + n..64 + n].fill(0);
-    std::fs::write(&p, b).unwrap();
+    tiny::to_v3(&p);
     p
 }
 

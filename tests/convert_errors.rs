@@ -8,6 +8,9 @@ use std::process::Command;
 use infernix_perplexity::artifact::Artifact;
 use infernix_perplexity::convert::gguf::{GgufValue, GgufWriter};
 
+#[path = "common/tiny_artifact.rs"]
+mod tiny_artifact;
+
 /// A tiny, structurally valid llama GGUF: one Q8_0 embedding and one F32 norm.
 fn tiny_gguf(tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>) -> Vec<u8> {
     let owned = tensors;
@@ -120,68 +123,14 @@ fn hf_folder_without_tokenizer() {
     assert!(!out.exists());
 }
 
-/// Rewrites the metadata JSON of a v4 artifact in place (same data offset);
-/// with `redigest`, the header's metadata SHA-256 is updated to match.
-fn patch_artifact_json(path: &Path, redigest: bool, f: impl FnOnce(&mut serde_json::Value)) {
-    use sha2::Digest;
-    const H: usize = 64;
-    let mut b = std::fs::read(path).unwrap();
-    let n = u64::from_le_bytes(b[16..24].try_into().unwrap()) as usize;
-    let data = u64::from_le_bytes(b[24..32].try_into().unwrap()) as usize;
-    let mut v: serde_json::Value = serde_json::from_slice(&b[H..H + n]).unwrap();
-    f(&mut v);
-    let j = serde_json::to_vec(&v).unwrap();
-    assert!(H + j.len() <= data);
-    b[16..24].copy_from_slice(&(j.len() as u64).to_le_bytes());
-    b[H..H + j.len()].copy_from_slice(&j);
-    if redigest {
-        b[32..64].copy_from_slice(&sha2::Sha256::digest(&j));
-    }
-    std::fs::write(path, b).unwrap();
-}
-
 #[test]
 fn reader_rejects_bad_tensor_entries() {
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path().join("tiny.gguf");
     let out = dir.path().join("tiny.ninfer");
     std::fs::write(&src, tiny_gguf(good_tensors())).unwrap();
-    // The tiny GGUF lacks hyperparameters, so build the artifact through a synthetic-free
-    // path: write it with the library writer directly.
-    use infernix_perplexity::artifact::meta::*;
-    use infernix_perplexity::artifact::writer::{write_artifact, TensorSource};
-    use infernix_perplexity::artifact::TensorFormat;
-    let hp = HParams {
-        n_layers: 1, d_model: 32, n_heads: 1, n_kv_heads: 1, d_head: 32, d_head_v: 32, d_ffn: 64, n_vocab: 4,
-        rms_eps: 1e-5, rope_base: 1e4, rope_base_local: 1e4, rope_scale: 1.0, rope_dim: 32,
-        rope_style: RopeStyle::Neox, sliding_window: vec![None], context_length: 64, embed_scale: 1.0,
-        attn_scale: 1.0, attn_softcap: None, final_softcap: None, activation: Activation::Silu,
-        qkv_bias: false, qk_norm: false, post_norms: false, tied_embeddings: true,
-    };
-    let meta = ArtifactMeta {
-        architecture: Architecture::Llama,
-        public_name: "tiny".into(),
-        hparams: hp,
-        components: vec![Component::Text],
-        tokenizer: TokenizerMeta { kind: "test".into(), pre: None, bos_id: None, eos_id: None, add_bos: false, add_eos: false,
-            blob: BlobRef { offset: 0, n_bytes: 0, sha256: String::new() } },
-        provenance: Provenance { sources: vec![], converter: "test".into(), converter_version: "0".into(), source_layers: None, synthetic: None, source_metadata: serde_json::json!({}) },
-        tensors: vec![],
-    };
-    let mut ts = vec![
-        TensorSource { name: "token_embd.weight".into(), component: Component::Text, format: TensorFormat::Q8_0, shape: vec![4, 32], bytes: vec![1u8; 136].into() },
-        TensorSource { name: "output_norm.weight".into(), component: Component::Text, format: TensorFormat::F32, shape: vec![32], bytes: vec![0u8; 128].into() },
-    ];
-    let f32s = |name: &str, shape: Vec<u64>| {
-        let n: u64 = shape.iter().product();
-        TensorSource { name: format!("blk.0.{name}.weight"), component: Component::Text, format: TensorFormat::F32, shape, bytes: vec![0u8; 4 * n as usize].into() }
-    };
-    for (name, shape) in [("attn_norm", vec![32]), ("ffn_norm", vec![32]), ("attn_q", vec![32, 32]), ("attn_k", vec![32, 32]),
-                          ("attn_v", vec![32, 32]), ("attn_output", vec![32, 32]), ("ffn_gate", vec![64, 32]), ("ffn_up", vec![64, 32]),
-                          ("ffn_down", vec![32, 64])] {
-        ts.push(f32s(name, shape));
-    }
-    write_artifact(&out, meta, &ts, b"{}").unwrap();
+    // The tiny GGUF lacks hyperparameters: build the artifact with the library writer.
+    tiny_artifact::write_tiny(&out);
     let a = Artifact::open(&out).unwrap();
     a.verify().unwrap();
     assert_eq!(a.tensor("token_embd.weight").unwrap().rows_cols(), (4, 32));
@@ -203,18 +152,14 @@ fn reader_rejects_bad_tensor_entries() {
     for (expect, patch) in cases {
         let p = dir.path().join(format!("case-{}.ninfer", expect.replace([' ', '[', ']', ','], "_")));
         std::fs::copy(&out, &p).unwrap();
-        patch_artifact_json(&p, true, |v| patch(v));
+        tiny_artifact::patch_json(&p, true, |v| patch(v));
         let err = format!("{:#}", Artifact::open(&p).err().unwrap_or_else(|| panic!("{expect}: opened")));
         assert!(err.contains(expect) && err.contains(&p.display().to_string()), "{expect}: {err}");
     }
     // A version-3 file (no metadata digest, JSON at 32) still opens; --verify refuses it.
     let p = dir.path().join("v3.ninfer");
-    let mut b = std::fs::read(&out).unwrap();
-    let n = u64::from_le_bytes(b[16..24].try_into().unwrap()) as usize;
-    b[8..12].copy_from_slice(&3u32.to_le_bytes());
-    b.copy_within(64..64 + n, 32);
-    b[32 + n..64 + n].fill(0);
-    std::fs::write(&p, b).unwrap();
+    std::fs::copy(&out, &p).unwrap();
+    tiny_artifact::to_v3(&p);
     let v3 = Artifact::open(&p).unwrap();
     assert!(!v3.metadata_digest_checked);
     let err = format!("{:#}", v3.verify().unwrap_err());
@@ -222,7 +167,7 @@ fn reader_rejects_bad_tensor_entries() {
     // One changed digit of the metadata without its digest: refused at open.
     let p = dir.path().join("edited.ninfer");
     std::fs::copy(&out, &p).unwrap();
-    patch_artifact_json(&p, false, |v| v["hparams"]["rope_base"] = 10001.0.into());
+    tiny_artifact::patch_json(&p, false, |v| v["hparams"]["rope_base"] = 10001.0.into());
     let err = format!("{:#}", Artifact::open(&p).err().expect("an edited metadata block opened"));
     assert!(err.contains("metadata_sha256") && err.contains("reconvert with ninfer-convert"), "{err}");
     // A flipped tensor byte is caught by --verify, not by open.
