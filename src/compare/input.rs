@@ -167,6 +167,11 @@ pub fn parse_report(bytes: &[u8]) -> Result<(ReportView, Value)> {
 /// more scored or non-finite targets than the window has tokens, targets
 /// outside the window.
 fn check_window(w: &WindowView) -> Result<()> {
+    // 2^40 tokens: far beyond any corpus; keeps every sum of counts exact.
+    const MAX_POSITION: usize = 1 << 40;
+    if w.end > MAX_POSITION {
+        bail!("end {} is impossible (more than 2^40 tokens)", w.end);
+    }
     if !(w.nll_sum.is_finite() && w.nll_sum >= 0.0) {
         bail!("nll_sum {} is impossible (a sum of NLLs is finite and >= 0)", w.nll_sum);
     }

@@ -83,8 +83,9 @@ pub struct WindowFingerprint {
 }
 
 impl WindowFingerprint {
+    /// Targets of the window (0 for a malformed one whose first target lies past its end).
     pub fn n_targets(&self) -> usize {
-        self.end - self.first_target
+        self.end.saturating_sub(self.first_target)
     }
 }
 
@@ -118,7 +119,7 @@ fn opt(v: Option<usize>) -> String {
 impl RunFingerprint {
     /// Scored positions over every window.
     pub fn n_positions(&self) -> usize {
-        self.streams.iter().flat_map(|s| &s.windows).map(WindowFingerprint::n_targets).sum()
+        self.streams.iter().flat_map(|s| &s.windows).map(WindowFingerprint::n_targets).fold(0, usize::saturating_add)
     }
 
     /// The first way `run` differs from this (recorded) fingerprint, as a
@@ -379,6 +380,19 @@ impl TopTokensReader {
         let header: FileHeader =
             serde_json::from_slice(&json).with_context(|| format!("{}: top-tokens header", path.display()))?;
         ensure!(header.format == FORMAT, "{}: header format {:?}, expected {FORMAT:?}", path.display(), header.format);
+        for (si, s) in header.fingerprint.streams.iter().enumerate() {
+            for w in &s.windows {
+                ensure!(
+                    w.begin <= w.first_target && w.first_target <= w.end,
+                    "{}: header: stream {si} window {}: first_target {} is outside [begin {}, end {}]",
+                    path.display(),
+                    w.index,
+                    w.first_target,
+                    w.begin,
+                    w.end
+                );
+            }
+        }
         let n = header.fingerprint.n_positions();
         ensure!(
             header.n_positions == n,
@@ -386,8 +400,12 @@ impl TopTokensReader {
             path.display(),
             header.n_positions
         );
-        let expected = PREAMBLE_BYTES as u64 + n_header + (n * record_bytes(k)) as u64 + TRAILER_BYTES as u64;
-        if n_file_bytes != expected {
+        // Checked: the counts come from the file.
+        let expected = (n as u64)
+            .checked_mul(record_bytes(k) as u64)
+            .and_then(|r| r.checked_add(PREAMBLE_BYTES as u64 + n_header + TRAILER_BYTES as u64));
+        if expected != Some(n_file_bytes) {
+            let expected = expected.map_or_else(|| "more than 2^64".to_string(), |e| e.to_string());
             bail!(
                 "{}: {n_file_bytes} bytes, expected {expected} for {n} positions of K = {k} (truncated or not finished; {regen})",
                 path.display()
