@@ -184,17 +184,37 @@ fn write_generated(out_dir: &Path, nvcc_version: Option<&str>, arch: &str, sha: 
     std::fs::write(&dst, s).unwrap_or_else(|e| panic!("write {}: {e}", dst.display()));
 }
 
-/// Records `git rev-parse HEAD` (plus `-dirty` for uncommitted changes) as
-/// `INFERNIX_GIT_REVISION` for the report; `unknown` outside a git checkout.
+/// Records `git rev-parse HEAD` (plus `-dirty` for uncommitted changes to
+/// tracked files) as `INFERNIX_GIT_REVISION` for the report; `unknown`
+/// outside a git checkout.
+///
+/// Nothing here writes to the repository: `git status` would rewrite
+/// `.git/index` to refresh its stat cache, so it runs with
+/// `--no-optional-locks`, which leaves the index as it is (checked: the
+/// index's mtime is unchanged after the build). The script reruns when HEAD
+/// moves (the HEAD file, and the branch's ref file or packed-refs), not on
+/// index changes, so a fresh clone compiles once; `-dirty` is as of the
+/// build script's last run.
 fn emit_git_revision() {
     let git = |args: &[&str]| {
-        Command::new("git").args(args).output().ok().filter(|o| o.status.success()).map(|o| {
-            String::from_utf8_lossy(&o.stdout).trim().to_string()
-        })
+        Command::new("git")
+            .arg("--no-optional-locks")
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
-    if let Some(dir) = git(&["rev-parse", "--git-dir"]) {
+    if let (Some(dir), Some(common)) = (git(&["rev-parse", "--git-dir"]), git(&["rev-parse", "--git-common-dir"])) {
         println!("cargo:rerun-if-changed={dir}/HEAD");
-        println!("cargo:rerun-if-changed={dir}/index");
+        if let Some(branch) = git(&["symbolic-ref", "-q", "HEAD"]) {
+            let loose = std::path::Path::new(&common).join(&branch);
+            let packed = std::path::Path::new(&common).join("packed-refs");
+            // A missing path would rerun the script on every build: name only what exists.
+            for p in [loose, packed].iter().filter(|p| p.exists()) {
+                println!("cargo:rerun-if-changed={}", p.display());
+            }
+        }
     }
     let rev = match (git(&["rev-parse", "HEAD"]), git(&["status", "--porcelain", "--untracked-files=no"])) {
         (Some(rev), Some(status)) if !status.is_empty() => format!("{rev}-dirty"),

@@ -1,9 +1,17 @@
 #!/usr/bin/env python3
-"""Download every stream of a corpus manifest from its canonical URL.
+"""Check a copy of a corpus against its manifest, or fetch missing streams
+from their canonical URLs.
 
-    scripts/download-corpus.py                                   # eval/corpora/ppl-v1, next to the manifest
-    scripts/download-corpus.py --manifest M.json --data-root DIR
-    scripts/download-corpus.py --verify-only --data-root DIR     # check files already there, no network
+    scripts/download-corpus.py --verify-only                     # the repository copy, eval/corpora/ppl-v1
+    scripts/download-corpus.py --verify-only --data-root DIR     # another copy, no network
+    scripts/download-corpus.py --manifest M.json --data-root DIR # fetch what is missing or wrong
+
+Not needed to use the tool: the ppl-v1 corpus is in the repository
+(eval/corpora/ppl-v1) and compiled into infernix-perplexity. Fetching is for
+other manifests or for re-checking the pinned sources: the URLs are GitHub
+raw files at pinned commits, which machines that reach only the package
+registries cannot download (there every stream fails with a network error;
+--verify-only works everywhere).
 
 Each stream is written to DATA_ROOT/<path> through a temporary file in the
 same folder and a rename, only after its SHA-256 matches the manifest. A file

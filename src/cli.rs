@@ -11,6 +11,9 @@ pub enum MethodArg {
     Sliding,
     /// llama.cpp's perplexity method: non-overlapping chunks, second half scored.
     Chunks,
+    /// llama.cpp's strided method (`llama-perplexity -c C --ppl-stride S`):
+    /// windows of C + S/2 tokens padded to 256, every S tokens, last S scored.
+    PplStride,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -46,7 +49,7 @@ pub enum LogLevel {
 #[derive(Parser, Debug)]
 #[command(
     name = "infernix-perplexity",
-    version,
+    version = concat!(env!("CARGO_PKG_VERSION"), " (git ", env!("INFERNIX_GIT_REVISION"), ")"),
     about,
     long_about = None,
     after_help = "Compare two reports (CI quality gate): infernix-perplexity compare BASE NEW\n\
@@ -57,31 +60,38 @@ pub struct Args {
     pub model: PathBuf,
 
     /// Score one text file (read as raw UTF-8 bytes) as a single stream.
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["tokens", "corpus"])]
+    /// `-f`/`--file` are llama.cpp's spellings (aliases).
+    #[arg(long, short = 'f', visible_alias = "file", value_name = "FILE", conflicts_with_all = ["tokens", "corpus"])]
     pub text: Option<PathBuf>,
     /// Score a JSON array of token ids as a single stream.
     #[arg(long, value_name = "FILE", conflicts_with = "corpus")]
     pub tokens: Option<PathBuf>,
-    /// A corpus manifest (e.g. eval/corpora/ppl-v1/manifest.json).
+    /// A corpus manifest. Without --text, --tokens or --corpus, the corpus
+    /// compiled into this program (ppl-v1, 21 streams) is scored.
     #[arg(long, value_name = "MANIFEST")]
     pub corpus: Option<PathBuf>,
-    /// Only the first stream of each domain of the corpus.
-    #[arg(long, requires = "corpus")]
+    /// Only the first stream of each domain of the corpus (the bundled one or --corpus).
+    #[arg(long, conflicts_with_all = ["text", "tokens"])]
     pub quick: bool,
     /// Folder the manifest's paths are relative to (else $INFERNIX_DATA, else the manifest's folder).
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR", requires = "corpus")]
     pub data_root: Option<PathBuf>,
 
     /// Window method.
     #[arg(long, value_enum, default_value_t = MethodArg::Sliding)]
     pub method: MethodArg,
-    /// Tokens per window (sliding) or per chunk (chunks).
-    #[arg(long, default_value_t = 4096)]
+    /// Tokens per window (sliding), per chunk (chunks), or llama.cpp's -c
+    /// (ppl-stride). `-c`/`--ctx-size` are llama.cpp's spellings (aliases).
+    #[arg(long, short = 'c', visible_alias = "ctx-size", default_value_t = 4096)]
     pub context: usize,
-    /// Scored targets a sliding window advances by.
+    /// Scored targets a sliding (or ppl-stride) window advances by.
     #[arg(long, default_value_t = 2048)]
     pub stride: usize,
-    /// Score only the first N windows (sliding) or chunks (chunks) of each stream.
+    /// llama.cpp's `--ppl-stride S`: alias of `--method ppl-stride --stride S`.
+    #[arg(long, value_name = "S", conflicts_with = "stride")]
+    pub ppl_stride: Option<usize>,
+    /// Score only the first N windows (sliding, ppl-stride) or chunks (chunks)
+    /// of each stream; llama.cpp's `--chunks N` means the same.
     #[arg(long, value_name = "N")]
     pub chunks: Option<usize>,
     /// Tokens per prefill pass (multiple of 128).
@@ -108,8 +118,7 @@ pub struct Args {
     pub lossless: bool,
     /// Element type of the KV cache (auto: bf16 on the default CUDA route, f32
     /// with --lossless and on the CPU). On the CPU, bf16 rounds K and V as they
-    /// are stored, as the CUDA cache does; the KV-format issue adds the
-    /// quantized types.
+    /// are stored, as the CUDA cache does.
     #[arg(long, value_enum, default_value_t = KvDtypeArg::Auto, value_name = "DTYPE")]
     pub kv_dtype: KvDtypeArg,
     /// With --backend cpu: round both inputs of every matrix product (LM head
@@ -146,6 +155,16 @@ pub struct Args {
     /// Write every window's input token ids and the run fingerprint as JSON (for tools/fp64_reference.py).
     #[arg(long, value_name = "FILE")]
     pub save_tokens: Option<PathBuf>,
+    /// llama.cpp's `--kl-divergence-base FILE`: alias of `--save-top-tokens FILE`,
+    /// or of `--kl-reference FILE` with `--kl-divergence` (as in llama.cpp,
+    /// where the base file is written, or read back with --kl-divergence).
+    /// The file is this program's top-tokens file, not llama.cpp's logits file.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["save_top_tokens", "kl_reference"])]
+    pub kl_divergence_base: Option<PathBuf>,
+    /// llama.cpp's `--kl-divergence`: compare with the file given by
+    /// `--kl-divergence-base` instead of writing it.
+    #[arg(long, requires = "kl_divergence_base")]
+    pub kl_divergence: bool,
     /// Log verbosity on stderr.
     #[arg(long, value_enum, default_value_t = LogLevel::Info)]
     pub log_level: LogLevel,

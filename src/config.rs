@@ -14,7 +14,8 @@ use crate::plan::{validate_prefill_chunk, Method};
 pub enum Input {
     Text(PathBuf),
     Tokens(PathBuf),
-    Corpus { manifest: PathBuf, quick: bool, data_root: Option<PathBuf> },
+    /// `manifest` `None`: the corpus compiled into the binary.
+    Corpus { manifest: Option<PathBuf>, quick: bool, data_root: Option<PathBuf> },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,15 +60,27 @@ pub struct RunConfig {
 
 impl RunConfig {
     pub fn from_args(args: &Args) -> Result<Self> {
+        if args.model.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+            let out = args.model.with_extension("ninfer");
+            bail!(
+                "{}: this program reads .ninfer artifacts; convert it first with `ninfer-convert {} --out {}`",
+                args.model.display(),
+                args.model.display(),
+                out.display()
+            );
+        }
         let input = match (&args.text, &args.tokens, &args.corpus) {
             (Some(t), None, None) => Input::Text(t.clone()),
             (None, Some(t), None) => Input::Tokens(t.clone()),
-            (None, None, Some(m)) => Input::Corpus { manifest: m.clone(), quick: args.quick, data_root: args.data_root.clone() },
-            (None, None, None) => bail!("no input: give --text FILE, --tokens FILE or --corpus MANIFEST"),
+            (None, None, m) => Input::Corpus { manifest: m.clone(), quick: args.quick, data_root: args.data_root.clone() },
             _ => bail!("give only one of --text, --tokens, --corpus"),
         };
-        let method = match args.method {
-            MethodArg::Sliding => {
+        // --ppl-stride S is --method ppl-stride --stride S (llama.cpp's spelling).
+        let method = match (args.method, args.ppl_stride) {
+            (MethodArg::Chunks, Some(_)) => bail!("--ppl-stride selects the ppl-stride method: drop --method chunks"),
+            (MethodArg::PplStride, None) => ppl_stride_method(args.context, args.stride)?,
+            (_, Some(stride)) => ppl_stride_method(args.context, stride)?,
+            (MethodArg::Sliding, None) => {
                 if args.stride == 0 {
                     bail!("--stride 0: the stride must be at least 1");
                 }
@@ -76,12 +89,18 @@ impl RunConfig {
                 }
                 Method::Sliding { context: args.context, stride: args.stride }
             }
-            MethodArg::Chunks => {
+            (MethodArg::Chunks, None) => {
                 if args.context < 4 {
                     bail!("--context {}: a chunk needs at least 4 tokens", args.context);
                 }
                 Method::Chunks { context: args.context }
             }
+        };
+        // llama.cpp's --kl-divergence-base FILE writes FILE, or with --kl-divergence reads it back.
+        let (save_top_tokens, kl_reference) = match (&args.kl_divergence_base, args.kl_divergence) {
+            (Some(base), true) => (None, Some(base.clone())),
+            (Some(base), false) => (Some(base.clone()), None),
+            (None, _) => (args.save_top_tokens.clone(), args.kl_reference.clone()),
         };
         if args.chunks == Some(0) {
             bail!("--chunks 0: nothing would be scored");
@@ -108,7 +127,7 @@ impl RunConfig {
             Some(n) => n,
             None => n_cpus,
         };
-        if args.dry_run && args.save_top_tokens.is_some() {
+        if args.dry_run && save_top_tokens.is_some() {
             bail!("--save-top-tokens needs scoring: drop --dry-run");
         }
         // Output paths against inputs and special files: `util::outputs`, when the run starts.
@@ -138,11 +157,23 @@ impl RunConfig {
             verify: args.verify,
             allow_nonfinite: args.allow_nonfinite,
             noise_floor: args.noise_floor,
-            save_top_tokens: args.save_top_tokens.clone(),
-            kl_reference: args.kl_reference.clone(),
+            save_top_tokens,
+            kl_reference,
             save_tokens: args.save_tokens.clone(),
         })
     }
+}
+
+/// The ppl-stride method for llama.cpp's `-c context --ppl-stride stride`.
+fn ppl_stride_method(context: usize, stride: usize) -> Result<Method> {
+    if stride == 0 || context == 0 {
+        bail!("ppl-stride method: -c {context} and --ppl-stride {stride} must both be at least 1");
+    }
+    let window = crate::plan::ppl_stride_window(context, stride);
+    if stride >= window {
+        bail!("--ppl-stride {stride} must be smaller than the window of {window} tokens (-c {context} + stride/2, padded to 256)");
+    }
+    Ok(Method::PplStride { context, stride })
 }
 
 /// `YYYYMMDDTHHMMSSZ` for now, UTC.
@@ -183,6 +214,39 @@ mod tests {
         assert!(cfg(&["--chunks", "0"]).is_err());
         let ok = cfg(&["--method", "chunks", "--context", "512"]).unwrap();
         assert_eq!(ok.method, Method::Chunks { context: 512 });
+    }
+
+    #[test]
+    fn gguf_model_says_convert_first_and_no_input_is_the_bundled_corpus() {
+        let args = Args::try_parse_from(["infernix-perplexity", "models/M.Q4_1.GGUF", "--quick"]).unwrap();
+        let e = RunConfig::from_args(&args).unwrap_err().to_string();
+        assert!(e.contains("convert it first with `ninfer-convert models/M.Q4_1.GGUF --out models/M.Q4_1.ninfer`"), "{e}");
+        let args = Args::try_parse_from(["infernix-perplexity", "m.ninfer", "--quick"]).unwrap();
+        let cfg = RunConfig::from_args(&args).unwrap();
+        assert!(matches!(cfg.input, Input::Corpus { manifest: None, quick: true, data_root: None }), "{:?}", cfg.input);
+        assert!(Args::try_parse_from(["infernix-perplexity", "m.ninfer", "--data-root", "d"]).is_err());
+        assert!(Args::try_parse_from(["infernix-perplexity", "m.ninfer", "--quick", "--text", "t"]).is_err());
+    }
+
+    #[test]
+    fn llama_cpp_spellings_are_aliases() {
+        let args = Args::try_parse_from(["infernix-perplexity", "m.ninfer", "-f", "t.txt", "-c", "512", "--ppl-stride", "256", "--chunks", "3"]).unwrap();
+        let c = RunConfig::from_args(&args).unwrap();
+        assert_eq!(c.method, Method::PplStride { context: 512, stride: 256 });
+        assert!(matches!(&c.input, Input::Text(p) if p == Path::new("t.txt")));
+        assert_eq!(c.chunks_limit, Some(3));
+        let c = RunConfig::from_args(&Args::try_parse_from(["x", "m.ninfer", "--file", "t", "--ctx-size", "128", "--method", "ppl-stride", "--stride", "64"]).unwrap()).unwrap();
+        assert_eq!(c.method, Method::PplStride { context: 128, stride: 64 });
+        assert!(cfg(&["--method", "chunks", "--ppl-stride", "4"]).unwrap_err().to_string().contains("drop --method chunks"));
+        assert!(cfg(&["-c", "8", "--ppl-stride", "0"]).is_err());
+        assert!(cfg(&["-c", "8", "--ppl-stride", "300"]).unwrap_err().to_string().contains("--ppl-stride 300"));
+        // --kl-divergence-base writes the base; with --kl-divergence it is read back.
+        let c = cfg(&["--kl-divergence-base", "b.topk"]).unwrap();
+        assert_eq!((c.save_top_tokens.as_deref(), c.kl_reference.as_deref()), (Some(Path::new("b.topk")), None));
+        let c = cfg(&["--kl-divergence-base", "b.topk", "--kl-divergence"]).unwrap();
+        assert_eq!((c.save_top_tokens.as_deref(), c.kl_reference.as_deref()), (None, Some(Path::new("b.topk"))));
+        assert!(cfg(&["--kl-divergence"]).is_err(), "--kl-divergence needs the base file");
+        assert!(cfg(&["--kl-divergence-base", "b", "--kl-reference", "c"]).is_err());
     }
 
     #[test]

@@ -47,6 +47,14 @@ fn compare_main(argv: Vec<std::ffi::OsString>) -> ExitCode {
 
 fn main() -> ExitCode {
     let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    // `help` and `help compare`, as users of subcommand CLIs type them.
+    if argv.get(1).is_some_and(|a| a == "help") {
+        let program = argv[0].clone();
+        argv = match argv.get(2) {
+            Some(a) if a == "compare" => vec![program, "compare".into(), "--help".into()],
+            _ => vec![program, "--help".into()],
+        };
+    }
     if argv.get(1).is_some_and(|a| a == "compare") {
         // "infernix-perplexity compare" becomes the program name in usage lines.
         argv.remove(0);

@@ -7,7 +7,7 @@
 //! `--prefill-chunk`). It does not touch tokens, models or scores: the caller
 //! slices the stream with the returned positions.
 //!
-//! Conventions shared by both methods, for a stream `x[0..N)`:
+//! Conventions shared by every method, for a stream `x[0..N)`:
 //! - a window's input tokens are `x[begin..end)`, evaluated from empty state
 //!   (no KV cache carried between windows, streams never share history);
 //! - its targets are the stream positions `first_target..end`; target `t` is
@@ -38,6 +38,19 @@ pub enum Method {
     /// llama.cpp's `llama-perplexity` method: non-overlapping chunks of
     /// `context` tokens, the second half of each scored (see [`plan_windows`]).
     Chunks { context: usize },
+    /// llama.cpp's strided method, `llama-perplexity -c context --ppl-stride
+    /// stride` (its `perplexity_v2`): windows of [`ppl_stride_window`] tokens
+    /// starting every `stride` tokens, the last `stride` tokens of each scored.
+    PplStride { context: usize, stride: usize },
+}
+
+/// The window length llama.cpp's strided method uses for `-c context
+/// --ppl-stride stride` when its context holds one sequence (`-b` below
+/// `2 * context`): `main()` adds `stride / 2` to `n_ctx` and the context pads
+/// it to a multiple of 256 (`GGML_PAD(cparams.n_ctx, 256)` in
+/// `src/llama-context.cpp`); `perplexity_v2` then uses `llama_n_ctx(ctx)`.
+pub fn ppl_stride_window(context: usize, stride: usize) -> usize {
+    (context + stride / 2).div_ceil(256) * 256
 }
 
 impl Method {
@@ -46,20 +59,21 @@ impl Method {
         match self {
             Method::Sliding { .. } => "sliding",
             Method::Chunks { .. } => "chunks",
+            Method::PplStride { .. } => "ppl-stride",
         }
     }
 
-    /// The window length limit (`--context`).
+    /// `--context` as given (for ppl-stride llama.cpp's `-c`, not the window length).
     pub fn context(&self) -> usize {
         match *self {
-            Method::Sliding { context, .. } | Method::Chunks { context } => context,
+            Method::Sliding { context, .. } | Method::Chunks { context } | Method::PplStride { context, .. } => context,
         }
     }
 
-    /// The stride of the sliding method; `None` for chunks.
+    /// The stride of the sliding and ppl-stride methods; `None` for chunks.
     pub fn stride(&self) -> Option<usize> {
         match *self {
-            Method::Sliding { stride, .. } => Some(stride),
+            Method::Sliding { stride, .. } | Method::PplStride { stride, .. } => Some(stride),
             Method::Chunks { .. } => None,
         }
     }
@@ -141,9 +155,25 @@ impl Window {
 ///   (255 for `n_ctx = 512`, llama.cpp's `count += n_ctx - first - 1`).
 /// - `if (tokens.size() < 2*n_ctx)` llama.cpp refuses the input: here an error.
 ///
+/// # PplStride (llama.cpp `perplexity_v2()`, used when `--ppl-stride S > 0`)
+/// With `W = ppl_stride_window(context, S)` (llama.cpp's `n_ctx` there):
+/// - `n_chunk_max = (N - W + S - 1) / S`, `n_chunk = min(--chunks, n_chunk_max)`;
+/// - window `i` decodes `tokens[i*S .. i*S + W)` from a cleared KV cache;
+/// - logits rows `j = W - S - 1 ..= W - 2` predict `tokens[start + j + 1]`:
+///   the last `S` tokens of the window, `first_target = end - S`. Consecutive
+///   windows' targets adjoin; the first `W - S` tokens of the stream and the
+///   tail after the last window are never scored;
+/// - no token is replaced: the loop writes BOS into `tokens[batch_start]` only
+///   after `llama_decode` of the batch has run and restores it before the
+///   next one, so the decode sees the stream's own tokens (a stream whose
+///   vocabulary adds BOS has it at `x[0]`, which only window 0 sees);
+/// - `N < 2 * W` and `N <= W` are refused, `S == 0` too; `S >= W` would index
+///   a logits row before the window (llama.cpp does not check): an error here.
+///
 /// # Errors
 /// Sliding: `stride == 0`, `context <= stride`, `N < 2`. Chunks: `context < 3`
-/// (no target would be scored), `N < 2 * context`. Both: `max_windows == Some(0)`.
+/// (no target would be scored), `N < 2 * context`. PplStride: as above.
+/// All: `max_windows == Some(0)`.
 pub fn plan_windows(
     n_tokens: usize,
     method: &Method,
@@ -157,7 +187,33 @@ pub fn plan_windows(
     match *method {
         Method::Sliding { context, stride } => plan_sliding(n_tokens, context, stride, bos.is_some(), limit),
         Method::Chunks { context } => plan_chunks(n_tokens, context, bos.is_some(), limit),
+        Method::PplStride { context, stride } => plan_ppl_stride(n_tokens, context, stride, limit),
     }
+}
+
+fn plan_ppl_stride(n_tokens: usize, context: usize, stride: usize, limit: usize) -> Result<Vec<Window>> {
+    if stride == 0 {
+        bail!("--ppl-stride is 0: it must be at least 1");
+    }
+    let window = ppl_stride_window(context, stride);
+    if stride >= window {
+        bail!("--ppl-stride {stride} must be smaller than the window of {window} tokens (-c {context} + stride/2, padded to 256)");
+    }
+    let n_min = window.saturating_mul(2);
+    if n_tokens < n_min {
+        bail!(
+            "ppl-stride method: the stream has {n_tokens} tokens, fewer than two windows of {window} tokens \
+             ({n_min}, llama.cpp's minimum for -c {context} --ppl-stride {stride})"
+        );
+    }
+    let n_windows = (n_tokens - window).div_ceil(stride).min(limit);
+    Ok((0..n_windows)
+        .map(|i| {
+            let begin = i * stride;
+            let end = begin + window;
+            Window { index: i, begin, end, first_target: end - stride, replace_first_with_bos: false }
+        })
+        .collect())
 }
 
 /// Windows after the first start mid-stream; when the vocabulary adds BOS,
@@ -262,6 +318,50 @@ mod tests {
         Some(out)
     }
 
+    /// Direct transcription of llama.cpp's `perplexity_v2()` (b11434), given
+    /// its `n_ctx` (the padded window): per window (start, end, [(logit row,
+    /// target position)]), or `None` where it refuses the input.
+    #[allow(clippy::type_complexity)]
+    fn llama_cpp_ppl_stride(
+        n_tokens: usize,
+        n_ctx: usize,
+        stride: usize,
+        n_chunks_param: i64,
+    ) -> Option<Vec<(usize, usize, Vec<(usize, usize)>)>> {
+        if n_tokens < 2 * n_ctx || stride == 0 || n_tokens <= n_ctx {
+            return None;
+        }
+        let n_chunk_max = (n_tokens - n_ctx + stride - 1) / stride;
+        let n_chunk = if n_chunks_param < 0 { n_chunk_max } else { (n_chunks_param as usize).min(n_chunk_max) };
+        let mut out = Vec::new();
+        for i in 0..n_chunk {
+            let start = i * stride;
+            let end = start + n_ctx;
+            let pairs = (n_ctx - stride - 1..n_ctx - 1).map(|j| (j, start + j + 1)).collect();
+            out.push((start, end, pairs));
+        }
+        Some(out)
+    }
+
+    #[test]
+    fn ppl_stride_window_is_llama_cpp_context() {
+        // -c 512 --ppl-stride 256: 512 + 128 = 640, padded to 768.
+        assert_eq!(ppl_stride_window(512, 256), 768);
+        assert_eq!(ppl_stride_window(128, 64), 256);
+        assert_eq!(ppl_stride_window(256, 0), 256);
+        assert_eq!(ppl_stride_window(2048, 512), 2304);
+        let w = plan_windows(2000, &Method::PplStride { context: 512, stride: 256 }, Some(1), None).unwrap();
+        // (2000 - 768 + 255) / 256 = 5 windows, targets [512, 768), [768, 1024), ...
+        let got: Vec<_> = w.iter().map(|w| (w.begin, w.end, w.first_target)).collect();
+        assert_eq!(got, vec![(0, 768, 512), (256, 1024, 768), (512, 1280, 1024), (768, 1536, 1280), (1024, 1792, 1536)]);
+        assert!(w.iter().all(|w| w.scored() == 256 && !w.replace_first_with_bos));
+        let e = plan_windows(1535, &Method::PplStride { context: 512, stride: 256 }, None, None).unwrap_err();
+        assert!(e.to_string().contains("1535") && e.to_string().contains("1536"), "{e}");
+        let e = plan_windows(10_000, &Method::PplStride { context: 100, stride: 300 }, None, None).unwrap_err();
+        assert!(e.to_string().contains("--ppl-stride 300"), "{e}");
+        assert_eq!(Method::PplStride { context: 512, stride: 256 }.name(), "ppl-stride");
+    }
+
     #[test]
     fn sliding_small_example() {
         // N = 10, context 4, stride 2: [0,4) scores 1..4; then targets 4,5 with
@@ -288,11 +388,11 @@ mod tests {
         assert_eq!((w[1].begin, w[1].end, w[1].first_target), (512, 1024, 512 + 257));
         assert!(w.iter().all(|w| w.scored() == 255 && w.replace_first_with_bos));
         assert_eq!(w[0].first_logit_row(), 256);
-        // wiki.test.raw with SmolLM2: 303,415 tokens -> 592 chunks (shared/reference/README.md).
+        // wiki.test.raw with SmolLM2: 303,415 tokens -> 592 chunks (tests/data/reference/README.md).
         let w = plan_windows(303_415, &Method::Chunks { context: 512 }, None, None).unwrap();
         assert_eq!(w.len(), 592);
         assert!(!w[0].replace_first_with_bos);
-        // The first 40 chunks score 10,200 tokens (shared/reference/README.md).
+        // The first 40 chunks score 10,200 tokens (tests/data/reference/README.md).
         let w = plan_windows(303_415, &Method::Chunks { context: 512 }, None, Some(40)).unwrap();
         assert_eq!(w.iter().map(Window::scored).sum::<usize>(), 10_200);
     }
@@ -415,6 +515,41 @@ mod tests {
                             .collect();
                         prop_assert_eq!(&mine, pairs);
                         prop_assert_eq!(win.first_logit_row(), context / 2);
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn ppl_stride_matches_llama_cpp(
+            context in 1usize..700,
+            stride in 0usize..400,
+            n in 0usize..4000,
+            limit in proptest::option::of(1usize..40),
+        ) {
+            let got = plan_windows(n, &Method::PplStride { context, stride }, None, limit);
+            let window = ppl_stride_window(context, stride);
+            // S >= W would read logits before the window in llama.cpp: refused here.
+            let want = if stride >= window { None } else {
+                llama_cpp_ppl_stride(n, window, stride, limit.map_or(-1, |l| l as i64))
+            };
+            match want {
+                None => prop_assert!(got.is_err()),
+                Some(want) => {
+                    let got = got.unwrap();
+                    prop_assert_eq!(got.len(), want.len());
+                    for (i, (win, (start, end, pairs))) in got.iter().zip(&want).enumerate() {
+                        prop_assert_eq!((win.index, win.begin, win.end), (i, *start, *end));
+                        prop_assert!(!win.replace_first_with_bos);
+                        prop_assert!(win.end <= n);
+                        let mine: Vec<(usize, usize)> = (win.first_target..win.end)
+                            .map(|t| (t - 1 - win.begin, t))
+                            .collect();
+                        prop_assert_eq!(&mine, pairs);
+                    }
+                    // Targets adjoin: each window's first target is the last one's end.
+                    for pair in got.windows(2) {
+                        prop_assert_eq!(pair[1].first_target, pair[0].end);
                     }
                 }
             }

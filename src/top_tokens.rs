@@ -58,7 +58,9 @@ fn input_fingerprint(cfg: &RunConfig, corpus: Option<&CorpusInfo>, streams: &[St
             sha256: streams.first().map_or_else(String::new, |s| s.token_ids_sha256.clone()),
             quick: None,
         },
-        (Input::Corpus { manifest, .. }, None) => anyhow::bail!("corpus {}: no corpus information", manifest.display()),
+        (Input::Corpus { manifest, .. }, None) => {
+            anyhow::bail!("corpus {}: no corpus information", manifest.as_deref().unwrap_or(std::path::Path::new(crate::text::corpus::BUNDLED_MANIFEST)).display())
+        }
     })
 }
 

@@ -1,7 +1,9 @@
 //! The evaluator binary end to end: dry runs on the real models (token ids
 //! equal llama.cpp's through the artifact's embedded tokenizer), bad input
 //! (one-line error, exit code 2, nothing left behind) and bit-identical
-//! reports across two identical CPU runs.
+//! reports across two identical CPU runs; the bundled corpus found with no
+//! flag from any folder; the habits users bring (help, --version, a .gguf
+//! MODEL, llama.cpp's flag spellings, the plan and progress on stderr).
 
 mod common;
 
@@ -196,6 +198,13 @@ fn two_identical_cpu_runs_give_bit_identical_results() {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let table = String::from_utf8(o.stdout).unwrap();
         assert!(table.lines().any(|l| l.starts_with("overall")), "{table}");
+        let header = table.lines().next().unwrap();
+        assert!(header.contains("+-(llama)") && header.contains("+-(windows)"), "{table}");
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        // The plan before scoring; progress with the final counts when redirected; no hash at info.
+        assert!(stderr.contains("plan: 1 streams, 3 windows (chunks), 384 tokens evaluated, 189 scored; estimated"), "{stderr}");
+        assert!(stderr.contains("progress: 189/189 targets"), "{stderr}");
+        assert!(!stderr.contains("sha256"), "hashes stay at debug level: {stderr}");
         let mut r = read_report(&dir);
         assert_eq!(r["execution"]["kv_dtype"], kv_dtype);
         assert_eq!(r["execution"]["details"]["kv_dtype_flag"], extra[1]);
@@ -216,4 +225,69 @@ fn two_identical_cpu_runs_give_bit_identical_results() {
     let ppl = results[0]["overall"]["perplexity"].as_f64().unwrap();
     assert!((ppl_emulated / ppl - 1.0).abs() < 0.01, "ppl {ppl} emulated {ppl_emulated}");
     assert!(ppl.is_finite() && ppl > 1.0 && ppl < 1000.0, "ppl {ppl}");
+}
+
+/// Issue 17: with no input flag the corpus compiled into the binary is scored,
+/// from any folder, whatever INFERNIX_DATA says.
+#[test]
+fn bundled_corpus_without_a_flag_from_another_folder() {
+    let elsewhere = tempfile::tempdir().unwrap();
+    let model = std::fs::canonicalize(artifact(SMOLLM2)).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_infernix-perplexity"))
+        .current_dir(elsewhere.path())
+        .env("INFERNIX_DATA", elsewhere.path().join("no-such-folder"))
+        .args([os(&model), os("--quick"), os("--dry-run"), os("--output"), os("r")])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r = read_report(&elsewhere.path().join("r"));
+    assert_eq!(r["workload"]["corpus"]["manifest"], "bundled:ppl-v1");
+    assert_eq!(r["workload"]["corpus"]["quick"], true);
+    let streams = r["results"]["streams"].as_array().unwrap();
+    let paths = [
+        "wikitext-2-raw/wiki.test.raw",
+        "pg19/frankenstein_pg84.txt",
+        "zh/rulin_waishi_pg24032.txt",
+        "code/cutlass/basic_gemm.cu",
+        "multilingual/de_die_verwandlung_pg22367.txt",
+    ];
+    assert_eq!(streams.len(), paths.len());
+    for (s, path) in streams.iter().zip(paths) {
+        let (n, sha) = reference_hash("SmolLM2-135M-Instruct.Q4_1.gguf", path);
+        assert_eq!((s["input_tokens"].as_u64().unwrap() as usize, s["token_ids_sha256"].as_str().unwrap()), (n, sha.as_str()), "{path}");
+    }
+}
+
+#[test]
+fn gguf_model_says_convert_it_first() {
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let want = format!("convert it first with `ninfer-convert {} --out {}`", gguf.display(), gguf.with_extension("ninfer").display());
+    assert_rejected(&[os(&gguf), os("--quick")], &tmp.path().join("r"), &[&want]);
+}
+
+#[test]
+fn help_and_version_describe_their_own_program() {
+    let convert = |args: &[&str]| Command::new(env!("CARGO_BIN_EXE_ninfer-convert")).args(args).output().unwrap();
+    let text = |o: Output| {
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let help = text(run(&[os("help")]));
+    assert!(help.contains("perplexity and KL-divergence evaluator") && help.contains("Usage: infernix-perplexity"), "{help}");
+    for alias in ["--ctx-size", "--file", "--ppl-stride", "--kl-divergence-base", "--kl-divergence"] {
+        assert!(help.contains(alias), "help names llama.cpp's {alias}: {help}");
+    }
+    assert_eq!(help, text(run(&[os("--help")])));
+    let compare = text(run(&[os("help"), os("compare")]));
+    assert!(compare.contains("Compares two report.json files") && compare.contains("Usage: infernix-perplexity compare"), "{compare}");
+    let convert_help = text(convert(&["--help"]));
+    assert!(convert_help.contains("Usage: ninfer-convert") && convert_help.contains("into a .ninfer v3 artifact"), "{convert_help}");
+    let v = text(run(&[os("--version")]));
+    assert!(v.starts_with(&format!("infernix-perplexity {} (git ", env!("CARGO_PKG_VERSION"))), "{v}");
+    let v = text(convert(&["--version"]));
+    assert!(v.starts_with(&format!("ninfer-convert {} (git ", env!("CARGO_PKG_VERSION"))), "{v}");
+    for t in [&help, &compare, &convert_help] {
+        assert!(!t.to_lowercase().contains("issue"), "help names an internal issue: {t}");
+    }
 }

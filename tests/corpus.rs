@@ -82,3 +82,23 @@ fn every_corpus_file_is_listed() {
     unlisted.sort();
     assert!(unlisted.is_empty(), "corpus files missing from the manifest: {unlisted:?}");
 }
+
+/// Every licence text beside the corpus is in SOURCES.md with its SHA-256,
+/// and WikiText's two licences (CC BY-SA 3.0 and GFDL) are both there.
+#[test]
+fn licence_texts_are_present_and_pinned() {
+    let root = common::data_root();
+    let sources = std::fs::read_to_string(root.join("SOURCES.md")).unwrap();
+    let licences = [
+        ("wikitext-2-raw/LICENSE-CC-BY-SA-3.0.txt", "Attribution-ShareAlike 3.0 Unported"),
+        ("wikitext-2-raw/LICENSE-GFDL-1.3.txt", "GNU Free Documentation License"),
+        ("code/cutlass/LICENSE.txt", "Redistribution and use in source and binary forms"),
+        ("code/llm.c/LICENSE", "MIT License"),
+    ];
+    for (path, phrase) in licences {
+        let bytes = std::fs::read(root.join(path)).unwrap_or_else(|e| panic!("{path}: {e}"));
+        assert!(String::from_utf8_lossy(&bytes).contains(phrase), "{path} lacks {phrase:?}");
+        let sha = infernix_perplexity::text::corpus::sha256_hex(&bytes);
+        assert!(sources.contains(&format!("| `{path}` |")) && sources.contains(&sha), "SOURCES.md lacks {path} / {sha}");
+    }
+}

@@ -15,7 +15,15 @@ use infernix_perplexity::util::signal;
 
 /// Converts a model to a `.ninfer` v3 artifact, keeping every tensor's block format byte for byte.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(
+    name = "ninfer-convert",
+    version = concat!(env!("CARGO_PKG_VERSION"), " (git ", env!("INFERNIX_GIT_REVISION"), ")"),
+    about = "Converts a GGUF file or a Hugging Face folder into a .ninfer v3 artifact for infernix-perplexity \
+             (every tensor kept in its source block format, byte for byte)",
+    long_about = None,
+    after_help = "Example: ninfer-convert SmolLM2-135M-Instruct.Q4_1.gguf --out SmolLM2-135M-Instruct.Q4_1.ninfer\n\
+                  Exit codes: 0 success, 2 error."
+)]
 struct Args {
     /// A `.gguf` file (GGUF v2/v3) or a Hugging Face folder (config.json, *.safetensors, tokenizer.json).
     /// With --synthetic: the GGUF whose tokenizer the synthetic model uses.

@@ -71,18 +71,15 @@ fn stream_tokens(tok: &TextTokenizer, data_root: Option<&Path>, base: &ReportVie
         "corpus" => {
             let c = w.corpus.as_ref().context("the report's workload has no corpus block")?;
             let manifest_path = PathBuf::from(&c.manifest);
-            let manifest = corpus::load_manifest(&manifest_path)?;
-            let root = match (data_root, &c.data_root) {
-                (Some(d), _) => d.to_path_buf(),
-                (None, Some(d)) => PathBuf::from(d),
-                (None, None) => corpus::resolve_data_root(None, &manifest_path),
-            };
+            // The bundled corpus (recorded as corpus::BUNDLED_MANIFEST) needs no data root.
+            let root = data_root.map(Path::to_path_buf).or_else(|| c.data_root.as_ref().map(PathBuf::from));
+            let (manifest, files) = corpus::open_corpus(Some(&manifest_path), root.as_deref())?;
             let spec = manifest
                 .streams
                 .iter()
                 .find(|s| s.id == stream.name)
                 .with_context(|| format!("manifest {} has no stream '{}'", c.manifest, stream.name))?;
-            tok.encode(&corpus::read_stream(&root, spec)?)?
+            tok.encode(&files.read(spec)?)?
         }
         "text" | "tokens" => {
             let p = w.input_path.as_ref().context("the report does not record its input file (workload.input_path)")?;

@@ -235,13 +235,23 @@ pub fn write_report(dir: &Path, report: &Report) -> Result<()> {
 pub fn domain_table(results: &Results) -> String {
     use std::fmt::Write;
     let mut out = String::new();
-    let _ = writeln!(out, "{:<16} {:>7} {:>10} {:>10} {:>12} {:>10}", "domain", "streams", "scored", "mean_nll", "ppl", "+-");
+    let _ = writeln!(
+        out,
+        "{:<16} {:>7} {:>10} {:>10} {:>12} {:>12} {:>12}",
+        "domain", "streams", "scored", "mean_nll", "ppl", "+-(llama)", "+-(windows)"
+    );
     let mut row = |name: &str, streams: usize, s: &Summary| {
-        let unc = s.ppl_uncertainty_llama.map_or("-".to_string(), |u| format!("{u:.4}"));
+        let fmt = |u: Option<f64>| u.map_or("-".to_string(), |u| format!("{u:.4}"));
         let _ = writeln!(
             out,
-            "{:<16} {:>7} {:>10} {:>10.6} {:>12.4} {:>10}",
-            name, streams, s.scored_tokens, s.mean_nll, s.perplexity, unc
+            "{:<16} {:>7} {:>10} {:>10.6} {:>12.4} {:>12} {:>12}",
+            name,
+            streams,
+            s.scored_tokens,
+            s.mean_nll,
+            s.perplexity,
+            fmt(s.ppl_uncertainty_llama),
+            fmt(s.ppl_uncertainty_clustered)
         );
     };
     for d in &results.domains {
@@ -250,5 +260,9 @@ pub fn domain_table(results: &Results) -> String {
     if let Some(o) = &results.overall {
         row("overall", results.streams.len(), o);
     }
+    out.push_str(
+        "+-(llama): llama.cpp's uncertainty of the PPL (tokens independent); \
+         +-(windows): clustered by window (tokens of one window correlated), the one to trust.\n",
+    );
     out
 }

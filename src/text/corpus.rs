@@ -5,8 +5,15 @@
 //!
 //! Texts are returned exactly as their bytes are on disk, decoded as UTF-8:
 //! no BOM stripping, no line-ending translation, no trailing-newline removal
-//! (llama.cpp's token-id references in `shared/reference` are of the bytes as
-//! they are). Tokenization belongs to `text::tokenizer`, not here.
+//! (llama.cpp's token-id references in `tests/data/reference` are of the bytes
+//! as they are). Tokenization belongs to `text::tokenizer`, not here.
+//!
+//! The bundled corpus: `eval/corpora/ppl-v1` (manifest and its 21 streams,
+//! 5.7 MB) is compiled into the binary with `include_bytes!`, so a run with no
+//! input flag scores it from any folder, also after `cargo install`, with no
+//! data files to find ([`bundled_manifest`], [`CorpusFiles::Bundled`]). The
+//! embedded bytes are checked against the manifest like files on disk. A
+//! report records such a run's manifest as [`BUNDLED_MANIFEST`].
 //!
 //! Manifest format (version 1):
 //! ```json
@@ -19,7 +26,7 @@
 //! ```
 //! `path` is relative to the data root; `source_encoding` (optional) says the
 //! file at `url` is in that encoding and the stream is its UTF-8 conversion
-//! (`scripts/download-corpus.py` applies it) and `source_sha256` (optional)
+//! (it was converted once; SOURCES.md says how) and `source_sha256` (optional)
 //! pins the downloaded bytes before conversion; `bytes` and `sha256` are
 //! always of the stream as stored (UTF-8).
 
@@ -199,9 +206,15 @@ pub fn read_stream(root: &Path, spec: &StreamSpec) -> Result<String> {
     check_text_size(spec.bytes).with_context(|| format!("stream {}: field `bytes`", spec.id))?;
     // One byte more than the manifest says: a longer file is reported below, never read whole.
     let bytes = read_bounded(&path, spec.bytes + 1, &format!("stream {} (data root {})", spec.id, root.display()))?;
+    checked_text(spec, bytes, &path)
+}
+
+/// The stream's bytes as text, after checking size and SHA-256 against the
+/// manifest (`path` names where they came from in errors).
+fn checked_text(spec: &StreamSpec, bytes: Vec<u8>, path: &Path) -> Result<String> {
     if bytes.len() as u64 != spec.bytes {
         bail!(
-            "stream {}: {} has {} bytes, the manifest says {} (re-download it with scripts/download-corpus.py)",
+            "stream {}: {} has {} bytes, the manifest says {} (the file is not the one the manifest pins)",
             spec.id,
             path.display(),
             bytes.len(),
@@ -211,13 +224,106 @@ pub fn read_stream(root: &Path, spec: &StreamSpec) -> Result<String> {
     let digest = sha256_hex(&bytes);
     if digest != spec.sha256 {
         bail!(
-            "stream {}: {} has SHA-256 {digest}, the manifest says {} (re-download it with scripts/download-corpus.py)",
+            "stream {}: {} has SHA-256 {digest}, the manifest says {} (the file is not the one the manifest pins)",
             spec.id,
             path.display(),
             spec.sha256
         );
     }
-    decode_utf8(bytes, &path).with_context(|| format!("stream {}", spec.id))
+    decode_utf8(bytes, path).with_context(|| format!("stream {}", spec.id))
+}
+
+/// How a report names the manifest of the corpus compiled into the binary.
+pub const BUNDLED_MANIFEST: &str = "bundled:ppl-v1";
+
+/// `include_bytes!` of files under `eval/corpora/ppl-v1/`, by manifest path.
+macro_rules! bundled_files {
+    ($($path:literal),* $(,)?) => {
+        &[$(($path, include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/eval/corpora/ppl-v1/", $path)) as &[u8])),*]
+    };
+}
+
+/// The bundled manifest's bytes.
+static BUNDLED_MANIFEST_BYTES: &[u8] =
+    include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/eval/corpora/ppl-v1/manifest.json"));
+
+/// Every stream of the bundled manifest, (manifest path, bytes); a unit test
+/// checks this list against the manifest both ways.
+static BUNDLED_FILES: &[(&str, &[u8])] = bundled_files![
+    "wikitext-2-raw/wiki.test.raw",
+    "wikitext-2-raw/wiki.valid.raw",
+    "pg19/frankenstein_pg84.txt",
+    "pg19/adventures_of_sherlock_holmes_pg1661.txt",
+    "pg19/news_from_nowhere_pg3261.txt",
+    "zh/rulin_waishi_pg24032.txt",
+    "code/cutlass/basic_gemm.cu",
+    "code/cutlass/48_hopper_warp_specialized_gemm.cu",
+    "code/cutlass/gemm_device_gemm.h",
+    "code/cutlass/half.h",
+    "code/cutlass/layout.hpp",
+    "code/cutlass/sm90_mma_tma_gmma_ss_warpspecialized.hpp",
+    "code/cutlass/tgv_gqa.cuh",
+    "code/llm.c/train_gpt2.cu",
+    "code/llm.c/attention_forward.cu",
+    "code/llm.c/attention.cuh",
+    "code/llm.c/matmul.cuh",
+    "code/llm.c/layernorm.cuh",
+    "code/llm.c/cudnn_att.cpp",
+    "multilingual/de_die_verwandlung_pg22367.txt",
+    "multilingual/fr_le_tour_du_monde_pg800.txt",
+];
+
+/// The manifest compiled into the binary (`eval/corpora/ppl-v1/manifest.json`).
+pub fn bundled_manifest() -> Result<Manifest> {
+    let mut manifest: Manifest = serde_json::from_slice(BUNDLED_MANIFEST_BYTES)
+        .with_context(|| format!("corpus manifest {BUNDLED_MANIFEST}: invalid manifest"))?;
+    manifest.sha256 = sha256_hex(BUNDLED_MANIFEST_BYTES);
+    validate(&manifest).with_context(|| format!("corpus manifest {BUNDLED_MANIFEST}"))?;
+    Ok(manifest)
+}
+
+/// Where a corpus's stream files are read from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CorpusFiles {
+    /// Files below a data root folder.
+    Dir(PathBuf),
+    /// The copies compiled into the binary ([`bundled_manifest`]'s streams only).
+    Bundled,
+}
+
+impl CorpusFiles {
+    /// Reads and checks one stream (see [`read_stream`]).
+    pub fn read(&self, spec: &StreamSpec) -> Result<String> {
+        match self {
+            CorpusFiles::Dir(root) => read_stream(root, spec),
+            CorpusFiles::Bundled => {
+                let bytes = BUNDLED_FILES
+                    .iter()
+                    .find(|(p, _)| *p == spec.path)
+                    .map(|(_, b)| b.to_vec())
+                    .with_context(|| format!("stream {}: {} is not in the bundled corpus", spec.id, spec.path))?;
+                checked_text(spec, bytes, &Path::new(BUNDLED_MANIFEST).join(&spec.path))
+            }
+        }
+    }
+
+    /// The data root as a report records it.
+    pub fn describe(&self) -> String {
+        match self {
+            CorpusFiles::Dir(root) => root.display().to_string(),
+            CorpusFiles::Bundled => BUNDLED_MANIFEST.to_string(),
+        }
+    }
+}
+
+/// The manifest and the files of a run's corpus: `manifest` `None` (or
+/// [`BUNDLED_MANIFEST`], as a report records it) is the bundled corpus;
+/// otherwise the manifest file, its streams below [`resolve_data_root`].
+pub fn open_corpus(manifest: Option<&Path>, data_root: Option<&Path>) -> Result<(Manifest, CorpusFiles)> {
+    match manifest.filter(|m| *m != Path::new(BUNDLED_MANIFEST)) {
+        None => Ok((bundled_manifest()?, CorpusFiles::Bundled)),
+        Some(m) => Ok((load_manifest(m)?, CorpusFiles::Dir(resolve_data_root(data_root, m)))),
+    }
 }
 
 /// Reads `--text FILE`: the file's bytes as they are, which must be UTF-8.
@@ -374,6 +480,27 @@ mod tests {
         assert_eq!(resolve_data_root_from(None, Some("/env".into()), m), PathBuf::from("/env"));
         assert_eq!(resolve_data_root_from(None, None, m), PathBuf::from("/x/y"));
         assert_eq!(resolve_data_root_from(None, None, Path::new("manifest.json")), PathBuf::from("."));
+    }
+
+    #[test]
+    fn bundled_corpus_is_the_manifest_exactly() {
+        let m = bundled_manifest().unwrap();
+        let on_disk = load_manifest(&Path::new(env!("CARGO_MANIFEST_DIR")).join("eval/corpora/ppl-v1/manifest.json")).unwrap();
+        assert_eq!(m, on_disk);
+        let listed: Vec<&str> = m.streams.iter().map(|s| s.path.as_str()).collect();
+        let bundled: Vec<&str> = BUNDLED_FILES.iter().map(|(p, _)| *p).collect();
+        assert_eq!(listed, bundled, "BUNDLED_FILES must list the manifest's streams in order");
+        for s in &m.streams {
+            let text = CorpusFiles::Bundled.read(s).unwrap_or_else(|e| panic!("{e:#}"));
+            assert_eq!(text.len() as u64, s.bytes, "{}", s.id);
+        }
+        let (m2, files) = open_corpus(None, Some(Path::new("/ignored"))).unwrap();
+        assert_eq!((m2.sha256, files.describe()), (m.sha256.clone(), BUNDLED_MANIFEST.to_string()));
+        assert_eq!(open_corpus(Some(Path::new(BUNDLED_MANIFEST)), None).unwrap().1, CorpusFiles::Bundled);
+        let mut other = m.streams[0].clone();
+        other.path = "nope.txt".into();
+        let e = format!("{:#}", CorpusFiles::Bundled.read(&other).unwrap_err());
+        assert!(e.contains("nope.txt") && e.contains("not in the bundled corpus"), "{e}");
     }
 
     #[test]
