@@ -270,13 +270,14 @@ struct alignas(128) TmaDesc {
 
 // gemm_bf16_wgmma's one parameter (a __grid_constant__, so the tensor maps stay in
 // parameter space). a: x (M, K) bf16, box (64 K, 128 rows); b: W (N, K) bf16, box
-// (64 K, 256 rows); y: (M, ldy) f32. Rust twin: ops::GemmParams.
+// (64 K, 256 rows); y: (M, ldy) f32; y_pairs: 1 when ldy is even and y 8-byte
+// aligned (column pairs stored as float2). Rust twin: ops::GemmParams.
 struct GemmParams {
     TmaDesc a;
     TmaDesc b;
     float* y;
     long long ldy;
-    int m, n, k, pad;
+    int m, n, k, y_pairs;
 };
 static_assert(sizeof(GemmParams) == 384 && alignof(GemmParams) == 128, "GemmParams layout (ops::GemmParams)");
 

@@ -20,7 +20,8 @@
 // swizzled shared tiles (4 per K tile), keeping one wgmma group in flight
 // and releasing a stage once the group that read it has retired. setmaxnreg
 // moves registers from the producer to the consumers. The epilogue stores
-// the accumulators straight to y with bounds checks (the m64nNk16 layout: warp
+// the accumulators straight to y with bounds checks (pairs as float2 when
+// y_pairs: ldy even and y 8-byte aligned) (the m64nNk16 layout: warp
 // w of the warpgroup holds rows 16w..16w+15; lane (g = lane/4, t = lane%4)
 // holds rows g and g+8, columns 8j+2t, 8j+2t+1 for j < 32).
 //
@@ -30,9 +31,11 @@
 // layout type 1 (128B swizzle) in bits 62-63; every tile starts 1024-byte
 // aligned; the k-th 16-element slice of a 64-element row starts 32 k bytes in.
 //
-// Launch: grid (ceil(M/128) * ceil(N/256)), block 384, dynamic shared memory
-// GEMM_SMEM_BYTES; tiles ordered in groups of GEMM_GROUP_M row tiles so that
-// the blocks in flight share their A and B tiles through L2.
+// Launch: persistent, grid min(tiles, SMs) with tiles = ceil(M/128) * ceil(N/256),
+// block 384, dynamic shared memory GEMM_SMEM_BYTES (one block per SM); block b
+// takes tiles b, b + grid, ... in an order of groups of GEMM_GROUP_M row tiles,
+// so that the tiles in flight share their A and B tiles through L2; the
+// producer loads the next tile's first stages during this tile's epilogue.
 #include "common.cuh"
 
 #define GEMM_THREADS 384
@@ -144,6 +147,16 @@ __device__ __forceinline__ void fence_acc(float d[128]) {
     for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// Tile `tile` of the grouped order: groups of GEMM_GROUP_M row tiles, column tiles within a group.
+__device__ __forceinline__ void tile_origin(int tile, int m_tiles, int n_tiles, int& m0, int& n0) {
+    const int per_group = GEMM_GROUP_M * n_tiles;
+    const int group = tile / per_group, first_m = group * GEMM_GROUP_M;
+    const int group_rows = min(m_tiles - first_m, GEMM_GROUP_M);
+    const int in_group = tile % per_group;
+    m0 = (first_m + in_group % group_rows) * GEMM_BM;
+    n0 = (in_group / group_rows) * GEMM_BN;
+}
+
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_bf16_wgmma(const __grid_constant__ GemmParams p) {
     extern __shared__ uint8_t gemm_smem_raw[];
     // 1024-byte alignment for the 128-byte swizzle (the launcher adds 1 KiB of slack).
@@ -154,76 +167,86 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_bf16_wgmma(co
     const uint32_t bar_base = base + GEMM_STAGES * GEMM_STAGE_BYTES;  // full[s] then empty[s], 8 bytes each
     const int warpgroup = threadIdx.x / 128;
     const int tid_wg = threadIdx.x % 128;
-
-    // Tile order: groups of GEMM_GROUP_M row tiles, column tiles within a group.
     const int m_tiles = (p.m + GEMM_BM - 1) / GEMM_BM, n_tiles = (p.n + GEMM_BN - 1) / GEMM_BN;
-    const int per_group = GEMM_GROUP_M * n_tiles;
-    const int group = blockIdx.x / per_group, first_m = group * GEMM_GROUP_M;
-    const int group_rows = min(m_tiles - first_m, GEMM_GROUP_M);
-    const int in_group = blockIdx.x % per_group;
-    const int tile_m = first_m + in_group % group_rows, tile_n = in_group / group_rows;
-    const int m0 = tile_m * GEMM_BM, n0 = tile_n * GEMM_BN;
+    const int n_tiles_total = m_tiles * n_tiles;
     const int k_tiles = (p.k + GEMM_BK - 1) / GEMM_BK;
 
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int s = 0; s < GEMM_STAGES; ++s) {
-            mbar_init(bar_base + 8 * s, 1);                      // full: the producer's expect_tx
-            mbar_init(bar_base + 8 * (GEMM_STAGES + s), 2);      // empty: one arrival per consumer warpgroup
+            mbar_init(bar_base + 8 * s, 1);                  // full: the producer's expect_tx
+            mbar_init(bar_base + 8 * (GEMM_STAGES + s), 2);  // empty: one arrival per consumer warpgroup
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
 
+    // Persistent: block b takes tiles b, b + gridDim.x, ...; `it` counts this block's
+    // K tiles over all its tiles (stage it % GEMM_STAGES, phase (it / GEMM_STAGES) & 1),
+    // so the producer runs ahead into the next tile while the consumers store this one.
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
         if (tid_wg == 0) {
-            for (int kt = 0; kt < k_tiles; ++kt) {
-                const int s = kt % GEMM_STAGES;
-                const uint32_t round = kt / GEMM_STAGES;
-                mbar_wait(bar_base + 8 * (GEMM_STAGES + s), (round & 1) ^ 1);
-                const uint32_t full = bar_base + 8 * s;
-                mbar_arrive_expect_tx(full, GEMM_STAGE_BYTES);
-                tma_load_2d(a_base + s * GEMM_A_STAGE_BYTES, &p.a, full, kt * GEMM_BK, m0);
-                tma_load_2d(b_base + s * GEMM_B_STAGE_BYTES, &p.b, full, kt * GEMM_BK, n0);
+            uint32_t it = 0;
+            for (int tile = blockIdx.x; tile < n_tiles_total; tile += gridDim.x) {
+                int m0, n0;
+                tile_origin(tile, m_tiles, n_tiles, m0, n0);
+                for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+                    const uint32_t s = it % GEMM_STAGES;
+                    mbar_wait(bar_base + 8 * (GEMM_STAGES + s), ((it / GEMM_STAGES) & 1) ^ 1);
+                    const uint32_t full = bar_base + 8 * s;
+                    mbar_arrive_expect_tx(full, GEMM_STAGE_BYTES);
+                    tma_load_2d(a_base + s * GEMM_A_STAGE_BYTES, &p.a, full, kt * GEMM_BK, m0);
+                    tma_load_2d(b_base + s * GEMM_B_STAGE_BYTES, &p.b, full, kt * GEMM_BK, n0);
+                }
             }
         }
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
         const int c = warpgroup - 1;  // consumer: rows 64c .. 64c+63 of the tile
-        float d[128];
-#pragma unroll
-        for (int i = 0; i < 128; ++i) d[i] = 0.0f;
-        for (int kt = 0; kt < k_tiles; ++kt) {
-            const int s = kt % GEMM_STAGES;
-            mbar_wait(bar_base + 8 * s, (kt / GEMM_STAGES) & 1);
-            const uint64_t da = sw128_desc(a_base + s * GEMM_A_STAGE_BYTES + c * 64 * 128);
-            const uint64_t db = sw128_desc(b_base + s * GEMM_B_STAGE_BYTES);
-            fence_acc(d);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < GEMM_BK / 16; ++kk) wgmma_m64n256k16(d, da + 2 * kk, db + 2 * kk);
-            wgmma_commit();
-            wgmma_wait<1>();  // the group of K tile kt-1 has retired: its stage is free
-            fence_acc(d);
-            if (kt > 0 && tid_wg == 0) mbar_arrive(bar_base + 8 * (GEMM_STAGES + (kt - 1) % GEMM_STAGES));
-        }
-        wgmma_wait<0>();
-        fence_acc(d);
-
         const int warp = tid_wg / 32, lane = tid_wg % 32;
-        const int row = m0 + c * 64 + warp * 16 + lane / 4;
-        const int col = n0 + 2 * (lane % 4);
+        uint32_t it = 0;
+        for (int tile = blockIdx.x; tile < n_tiles_total; tile += gridDim.x) {
+            int m0, n0;
+            tile_origin(tile, m_tiles, n_tiles, m0, n0);
+            float d[128];
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
+            for (int i = 0; i < 128; ++i) d[i] = 0.0f;
+            for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+                const uint32_t s = it % GEMM_STAGES;
+                mbar_wait(bar_base + 8 * s, (it / GEMM_STAGES) & 1);
+                const uint64_t da = sw128_desc(a_base + s * GEMM_A_STAGE_BYTES + c * 64 * 128);
+                const uint64_t db = sw128_desc(b_base + s * GEMM_B_STAGE_BYTES);
+                fence_acc(d);
+                wgmma_fence();
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = row + 8 * h;
-                if (r < p.m) {
-                    float* yr = p.y + (long long)r * p.ldy;
+                for (int kk = 0; kk < GEMM_BK / 16; ++kk) wgmma_m64n256k16(d, da + 2 * kk, db + 2 * kk);
+                wgmma_commit();
+                wgmma_wait<1>();  // the group of K tile it-1 has retired: its stage is free
+                fence_acc(d);
+                if (kt > 0 && tid_wg == 0) mbar_arrive(bar_base + 8 * (GEMM_STAGES + (it - 1) % GEMM_STAGES));
+            }
+            wgmma_wait<0>();
+            fence_acc(d);
+            if (tid_wg == 0) mbar_arrive(bar_base + 8 * (GEMM_STAGES + (it - 1) % GEMM_STAGES));
+
+            const int row = m0 + c * 64 + warp * 16 + lane / 4;
+            const int col = n0 + 2 * (lane % 4);
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = row + 8 * h;
                     const int n = col + 8 * j;
-                    if (n < p.n) yr[n] = d[4 * j + 2 * h];
-                    if (n + 1 < p.n) yr[n + 1] = d[4 * j + 2 * h + 1];
+                    if (r < p.m && n < p.n) {
+                        float* yr = p.y + (long long)r * p.ldy + n;
+                        if (p.y_pairs && n + 1 < p.n) {
+                            *reinterpret_cast<float2*>(yr) = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+                        } else {
+                            yr[0] = d[4 * j + 2 * h];
+                            if (n + 1 < p.n) yr[1] = d[4 * j + 2 * h + 1];
+                        }
+                    }
                 }
             }
         }

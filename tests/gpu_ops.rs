@@ -377,7 +377,8 @@ fn matmul_case(dev: &CudaDevice, rng: &mut ChaCha8Rng, format: TensorFormat, m: 
     let written = |y: &[f32]| -> Vec<f32> { (0..m).flat_map(|i| y[i * ldy..i * ldy + n].to_vec()).collect() };
     let gap_untouched = |y: &[f32]| (0..m).all(|i| y[i * ldy + n..(i + 1) * ldy].iter().all(|v| v.is_nan()));
 
-    // Default route: bf16 x, W rounded to bf16 tile by tile, f32 accumulation.
+    // Default route: bf16 x, W rounded to bf16 (in the tile or in the wgmma
+    // route's scratch), f32 accumulation, on the kernel the dispatch picks.
     // Reference: the same bf16-rounded operands, products summed in f64.
     let xb: Vec<f32> = x.iter().map(|&v| twin::round_bf16(v)).collect();
     let wb: Vec<f32> = wf.iter().map(|&v| twin::round_bf16(v)).collect();
@@ -387,7 +388,8 @@ fn matmul_case(dev: &CudaDevice, rng: &mut ChaCha8Rng, format: TensorFormat, m: 
     let gy = dev.download(&y).unwrap();
     assert!(gap_untouched(&gy), "matmul_bf16_{}: wrote past N into the row gap", format.name());
     let gy = written(&gy);
-    check(&format!("matmul_bf16_{} ({m}x{n}x{k})", format.name()), &gy, &twin::matmul_f64(&xb, &wb, m, n, k), TOL_F32_ACC);
+    let kernel = ops::bf16_kernel_for(dev, m, n).name();
+    check(&format!("matmul_bf16_{} {kernel} ({m}x{n}x{k})", format.name()), &gy, &twin::matmul_f64(&xb, &wb, m, n, k), TOL_F32_ACC);
     // For the record: the bf16 route against the exact f64 product of f32 operands.
     let exact = twin::matmul_f64(&x, &wf, m, n, k);
     let info = check(

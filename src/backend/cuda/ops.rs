@@ -413,7 +413,8 @@ struct GemmParams {
     m: i32,
     n: i32,
     k: i32,
-    pad: i32,
+    /// 1 when ldy is even and y 8-byte aligned: column pairs stored as float2.
+    y_pairs: i32,
 }
 const _: () = assert!(size_of::<GemmParams>() == 384 && align_of::<GemmParams>() == 128);
 // SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
@@ -587,10 +588,12 @@ fn gemm_wgmma(dev: &CudaDevice, xp: u64, m: usize, wp: u64, n: usize, k: usize, 
         m: i32_of(m, "M")?,
         n: i32_of(n, "N")?,
         k: i32_of(k, "K")?,
-        pad: 0,
+        y_pairs: i32::from(ldy % 2 == 0 && y.ptr() % 8 == 0),
     };
+    // Persistent: one block per SM (its shared memory allows no second), each looping over tiles.
     let n_tiles = m.div_ceil(GEMM_BM) * n.div_ceil(GEMM_BN);
-    let grid = u32::try_from(n_tiles).map_err(|_| anyhow!("{GEMM_WGMMA_KERNEL}: {n_tiles} tiles exceed one grid"))?;
+    ensure!(n_tiles <= i32::MAX as usize, "{GEMM_WGMMA_KERNEL}: {n_tiles} tiles exceed the kernel's 32-bit tile index");
+    let grid = n_tiles.min(dev.info().n_sms.max(1) as usize) as u32;
     let mut b = dev.stream().launch_builder(f);
     b.arg(&params);
     // SAFETY: `params` mirrors GemmParams of kernels/common.cuh (size asserted); the tensor maps
