@@ -851,7 +851,8 @@ pub const LM_HEAD_TILE_ROWS: usize = 256;
 /// `lmhead_reduce` into `out`; `per_tile(row0, n_tile, logits)` then sees the
 /// tile's logits (to gather listed ids). Only `out`'s few numbers per row are
 /// ever copied to the host. h in bf16 uses the tensor-core matmul, in f32 the
-/// FP32 one.
+/// FP32 one; on the wgmma kernel a block-quantized head is dequantized to bf16
+/// once per call (n_vocab x d_model bf16 of device memory while it runs).
 #[allow(clippy::too_many_arguments)]
 pub fn lm_head<X: MatmulInput>(
     dev: &CudaDevice,
@@ -872,9 +873,27 @@ pub fn lm_head<X: MatmulInput>(
     if scratch.len() < tile_len {
         bail!("lm_head: scratch holds {} f32, a tile needs {LM_HEAD_TILE_ROWS} * {n_vocab}", scratch.len());
     }
+    // Tiles on the wgmma kernel read a bf16 head: a block-quantized one is dequantized
+    // once here for all tiles (not once per tile, as `matmul` would).
+    let wgmma_tile = |rows: usize| X::NAME == "bf16" && bf16_kernel_for(dev, rows, n_vocab) == MatmulKernel::Wgmma;
+    let head_bf16 = if wgmma_tile(LM_HEAD_TILE_ROWS.min(n_rows)) && emb.format != TensorFormat::Bf16 {
+        let mut wb = dev.alloc_uninit::<bf16>(n_vocab * d_model)?;
+        dequant_bf16(dev, emb, wb.view_mut())?;
+        Some(wb)
+    } else {
+        None
+    };
     for row0 in (0..n_rows).step_by(LM_HEAD_TILE_ROWS) {
         let rows = LM_HEAD_TILE_ROWS.min(n_rows - row0);
-        matmul::<X>(dev, h.sub(row0 * d_model, rows * d_model)?, rows, emb, scratch.slice_mut(0..rows * n_vocab)?, n_vocab)?;
+        let h_tile = h.sub(row0 * d_model, rows * d_model)?;
+        match &head_bf16 {
+            Some(wb) if wgmma_tile(rows) => {
+                let y = scratch.slice_mut(0..rows * n_vocab)?;
+                check_matmul_shapes("lm_head (wgmma)", h_tile.len(), h_tile.ptr(), rows, emb, &y, n_vocab)?;
+                gemm_wgmma(dev, h_tile.ptr(), rows, wb.view().ptr(), n_vocab, d_model, y, n_vocab)?;
+            }
+            _ => matmul::<X>(dev, h_tile, rows, emb, scratch.slice_mut(0..rows * n_vocab)?, n_vocab)?,
+        }
         if let Some(cap) = softcap {
             self::softcap(dev, scratch.slice_mut(0..rows * n_vocab)?, cap)?;
         }
