@@ -1,8 +1,8 @@
 // matmul.cu: y = x · Wᵀ for a weight matrix W stored in any kept format.
 //
 // x: (M, K) activations, W: (N, row_bytes) rows of K quantized elements,
-// y: (M, N) f32 with row stride ldy. K % 32 == 0. W is never expanded in
-// device memory: each block dequantizes the (BN x 32) tile of W it needs next
+// y: (M, N) f32 with row stride ldy. K % 32 == 0. The matmul kernels here
+// never expand W in device memory: each block dequantizes the (BN x 32) tile of W it needs next
 // (dequant8, 8 elements per thread and step) straight into shared memory, so
 // the only full-precision copy of a weight is one 32-column strip of one tile.
 //

@@ -528,8 +528,9 @@ fn matmul_timing_report() {
         let (tb, tf) = (time(true), time(false));
         let flop = 2.0 * (m * n * k) as f64;
         println!(
-            "TIMING matmul {m}x{n}x{k} {:<6} bf16/mma: {:.3} ms ({:.1} TFLOP/s)   f32/ffma: {:.3} ms ({:.1} TFLOP/s)",
+            "TIMING matmul {m}x{n}x{k} {:<6} bf16/{}: {:.3} ms ({:.1} TFLOP/s)   f32/ffma: {:.3} ms ({:.1} TFLOP/s)",
             format.name(),
+            ops::bf16_kernel_for(dev, m, n).name(),
             tb * 1e3,
             flop / tb / 1e12,
             tf * 1e3,
