@@ -5,7 +5,10 @@
 //!
 //! nvcc is looked up through `NVCC` (path to the executable), then
 //! `CUDA_HOME`/bin/nvcc and `CUDA_PATH`/bin/nvcc, then `PATH`. The target arch
-//! comes from `INFERNIX_CUDA_ARCH` (default `90`; `90a` for wgmma code).
+//! comes from `INFERNIX_CUDA_ARCH` (default `90`; `90a` for wgmma code);
+//! modules named `*_sm90a.cu` (Hopper-only instructions: wgmma, setmaxnreg)
+//! are always compiled for `compute_90a`, whatever that variable says, and
+//! the device loads them only on a compute capability 9.0 GPU.
 //! Without nvcc the build warns and the CUDA backend reports "built without
 //! CUDA kernels" at run time; a kernel that fails to compile fails the build
 //! with the exact command and nvcc's output. No GPU is probed here.
@@ -18,6 +21,9 @@ use std::process::{Command, Output};
 use sha2::{Digest, Sha256};
 
 const KERNEL_DIR: &str = "kernels";
+/// File-stem suffix of the modules built for compute_90a regardless of `INFERNIX_CUDA_ARCH`
+/// (the same suffix `src/backend/cuda/device.rs` checks before loading one).
+const SM90A_SUFFIX: &str = "_sm90a";
 const ENV_VARS: [&str; 5] = ["NVCC", "CUDA_HOME", "CUDA_PATH", "PATH", "INFERNIX_CUDA_ARCH"];
 
 fn main() {
@@ -52,9 +58,10 @@ fn main() {
     for src in &sources {
         let stem = src.file_stem().and_then(|s| s.to_str()).expect("kernel file names are UTF-8");
         let ptx = out_dir.join(format!("{stem}.ptx"));
+        let module_arch = if stem.ends_with(SM90A_SUFFIX) { "90a" } else { arch.as_str() };
         let mut cmd = Command::new(&nvcc);
         cmd.arg("-ptx")
-            .arg(format!("-arch=compute_{arch}"))
+            .arg(format!("-arch=compute_{module_arch}"))
             .arg("-O3")
             .arg("-std=c++17")
             .arg("-I")

@@ -253,6 +253,34 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return warp_max(r);
 }
 
+// ---------------------------------------------------------------- GEMM parameters (gemm_sm90a.cu)
+
+// Block tile and pipeline of gemm_bf16_wgmma (mirrored in src/backend/cuda/ops.rs).
+#define GEMM_BM 128
+#define GEMM_BN 256
+#define GEMM_BK 64
+#define GEMM_STAGES 4
+#define GEMM_GROUP_M 16
+
+// A CUtensorMap (cuda.h's opaque 128-byte object; CUDA 13 aligns it to 128 bytes,
+// and so does cudarc's binding), built on the host.
+struct alignas(128) TmaDesc {
+    unsigned long long opaque[16];
+};
+
+// gemm_bf16_wgmma's one parameter (a __grid_constant__, so the tensor maps stay in
+// parameter space). a: x (M, K) bf16, box (64 K, 128 rows); b: W (N, K) bf16, box
+// (64 K, 256 rows); y: (M, ldy) f32; y_pairs: 1 when ldy is even and y 8-byte
+// aligned (column pairs stored as float2). Rust twin: ops::GemmParams.
+struct GemmParams {
+    TmaDesc a;
+    TmaDesc b;
+    float* y;
+    long long ldy;
+    int m, n, k, y_pairs;
+};
+static_assert(sizeof(GemmParams) == 384 && alignof(GemmParams) == 128, "GemmParams layout (ops::GemmParams)");
+
 // ---------------------------------------------------------------- bf16 packing
 
 // Two f32 into one 32-bit word of bf16 (round to nearest even), low half first.

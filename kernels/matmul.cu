@@ -1,8 +1,8 @@
 // matmul.cu: y = x · Wᵀ for a weight matrix W stored in any kept format.
 //
 // x: (M, K) activations, W: (N, row_bytes) rows of K quantized elements,
-// y: (M, N) f32 with row stride ldy. K % 32 == 0. W is never expanded in
-// device memory: each block dequantizes the (BN x 32) tile of W it needs next
+// y: (M, N) f32 with row stride ldy. K % 32 == 0. The matmul kernels here
+// never expand W in device memory: each block dequantizes the (BN x 32) tile of W it needs next
 // (dequant8, 8 elements per thread and step) straight into shared memory, so
 // the only full-precision copy of a weight is one 32-column strip of one tile.
 //
@@ -22,6 +22,10 @@
 // K-major in shared memory (rows padded to 68 floats).
 //
 // Launch (both): grid (ceil(N/64), ceil(M/64)); bf16: block 128, f32: block 256.
+// On sm_90 the launcher sends larger bf16 products to gemm_bf16_wgmma
+// (gemm_sm90a.cu) instead, after dequant_bf16_<fmt> (below) has expanded a
+// block-quantized W into a bf16 scratch; matmul_bf16_<fmt> keeps the small
+// shapes and GPUs without sm_90a.
 #include "common.cuh"
 
 #define MM_BM 64
@@ -205,3 +209,22 @@ __device__ void matmul_f32_impl(const float* __restrict__ x, const uint8_t* __re
         matmul_f32_impl<id>(x, w, y, M, N, K, row_bytes, ldy);                                   \
     }
 FOR_EACH_FORMAT(MATMUL)
+
+// dequant_bf16_<fmt>: out = bf16(dequant(W)), (n_rows, n_cols) row-major, the
+// weight operand of gemm_bf16_wgmma (gemm_sm90a.cu) for block-quantized
+// formats; the same dequant8 + pack_bf16x8 rounding as matmul_bf16_<fmt>'s
+// loader, so both kernels multiply identical operands. One thread per group
+// of 8 elements: grid ceil(n_groups / 256), block 256.
+#define DEQUANT_BF16(name, id)                                                                    \
+    extern "C" __global__ void __launch_bounds__(256)                                             \
+        dequant_bf16_##name(const uint8_t* __restrict__ w, bf16* __restrict__ out, long long n_groups, \
+                            int groups_per_row, long long row_bytes) {                           \
+        const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;                    \
+        if (i >= n_groups) return;                                                                \
+        const long long row = i / groups_per_row;                                                 \
+        const int g = (int)(i - row * groups_per_row);                                            \
+        float v[8];                                                                               \
+        dequant8<id>(w + row * row_bytes, g, v);                                                  \
+        reinterpret_cast<uint4*>(out)[i] = pack_bf16x8(v);                                        \
+    }
+FOR_EACH_FORMAT(DEQUANT_BF16)

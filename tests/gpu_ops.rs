@@ -377,7 +377,8 @@ fn matmul_case(dev: &CudaDevice, rng: &mut ChaCha8Rng, format: TensorFormat, m: 
     let written = |y: &[f32]| -> Vec<f32> { (0..m).flat_map(|i| y[i * ldy..i * ldy + n].to_vec()).collect() };
     let gap_untouched = |y: &[f32]| (0..m).all(|i| y[i * ldy + n..(i + 1) * ldy].iter().all(|v| v.is_nan()));
 
-    // Default route: bf16 x, W rounded to bf16 tile by tile, f32 accumulation.
+    // Default route: bf16 x, W rounded to bf16 (in the tile or in the wgmma
+    // route's scratch), f32 accumulation, on the kernel the dispatch picks.
     // Reference: the same bf16-rounded operands, products summed in f64.
     let xb: Vec<f32> = x.iter().map(|&v| twin::round_bf16(v)).collect();
     let wb: Vec<f32> = wf.iter().map(|&v| twin::round_bf16(v)).collect();
@@ -387,7 +388,8 @@ fn matmul_case(dev: &CudaDevice, rng: &mut ChaCha8Rng, format: TensorFormat, m: 
     let gy = dev.download(&y).unwrap();
     assert!(gap_untouched(&gy), "matmul_bf16_{}: wrote past N into the row gap", format.name());
     let gy = written(&gy);
-    check(&format!("matmul_bf16_{} ({m}x{n}x{k})", format.name()), &gy, &twin::matmul_f64(&xb, &wb, m, n, k), TOL_F32_ACC);
+    let kernel = ops::bf16_kernel_for(dev, m, n).name();
+    check(&format!("matmul_bf16_{} {kernel} ({m}x{n}x{k})", format.name()), &gy, &twin::matmul_f64(&xb, &wb, m, n, k), TOL_F32_ACC);
     // For the record: the bf16 route against the exact f64 product of f32 operands.
     let exact = twin::matmul_f64(&x, &wf, m, n, k);
     let info = check(
@@ -418,6 +420,78 @@ fn matmul_every_format_both_routes() {
     // A larger case on the two most common formats.
     matmul_case(dev, &mut rng, TensorFormat::Q4_0, 257, 576, 1536);
     matmul_case(dev, &mut rng, TensorFormat::Q6K, 130, 640, 2048);
+}
+
+/// The bf16 product on a chosen kernel against the f64 product of the same
+/// bf16-rounded operands, with a strided output whose gap must stay NaN.
+fn matmul_bf16_case(dev: &CudaDevice, rng: &mut ChaCha8Rng, kernel: ops::MatmulKernel, format: TensorFormat, m: usize, n: usize, k: usize) {
+    let bytes = twin::random_matrix(format, n, k, rng);
+    let w = QuantMatrix::upload(dev, format, n, k, &bytes).unwrap();
+    let wb: Vec<f32> = twin::dequant_matrix(format, &bytes, n, k).iter().map(|&v| twin::round_bf16(v)).collect();
+    let x = randn(rng, m * k, 1.0);
+    let xb: Vec<f32> = x.iter().map(|&v| twin::round_bf16(v)).collect();
+    let ldy = n + 3;
+    let xbd = upload_bf16(dev, &x);
+    let mut y = poisoned::<f32>(dev, m * ldy);
+    ops::matmul_bf16_with(dev, kernel, xbd.view(), m, &w, y.view_mut(), ldy).unwrap();
+    let gy = dev.download(&y).unwrap();
+    let op = format!("matmul_bf16 {} {} ({m}x{n}x{k})", kernel.name(), format.name());
+    assert!((0..m).all(|i| gy[i * ldy + n..(i + 1) * ldy].iter().all(|v| v.is_nan())), "{op}: wrote past N into the row gap");
+    let gy: Vec<f32> = (0..m).flat_map(|i| gy[i * ldy..i * ldy + n].to_vec()).collect();
+    check(&op, &gy, &twin::matmul_f64(&xb, &wb, m, n, k), TOL_F32_ACC);
+}
+
+/// The wgmma GEMM (sm_90a) on every format and on the tile edges: M and N below
+/// and between tile multiples, K not a multiple of the 64-wide K tile, long K.
+#[test]
+fn matmul_wgmma_every_format_and_edges() {
+    let Some(dev) = device() else { return };
+    if !dev.has_function(ops::GEMM_WGMMA_KERNEL) {
+        assert_ne!(dev.info().compute_capability, (9, 0), "a compute capability 9.0 GPU must load {}", ops::GEMM_WGMMA_KERNEL);
+        let _ = std::io::stderr()
+            .lock()
+            .write_all(format!("skipped: {} has no sm_90a kernel (not compute capability 9.0)\n", dev.info().name).as_bytes());
+        return;
+    }
+    use ops::MatmulKernel::{MmaSync, Wgmma};
+    assert_eq!(ops::bf16_kernel_for(dev, 8192, 4096), Wgmma);
+    assert_eq!(ops::bf16_kernel_for(dev, ops::GEMM_WGMMA_MIN_M - 1, 4096), MmaSync);
+    assert_eq!(ops::bf16_kernel_for(dev, 8192, ops::GEMM_WGMMA_MIN_N - 1), MmaSync);
+    let mut rng = rng_for("matmul_wgmma");
+    for format in ALL_FORMATS {
+        // One full and one partial tile each way; 8 K tiles.
+        matmul_bf16_case(dev, &mut rng, Wgmma, format, 200, 300, 512);
+    }
+    for (format, m, n, k) in [
+        (TensorFormat::Q4_0, 130, 260, 96),    // K % 64 = 32: the last K tile half zero-filled
+        (TensorFormat::Q8_0, 257, 513, 1056),  // three row tiles, three column tiles, K % 64 = 32
+        (TensorFormat::Bf16, 128, 256, 4096),  // exactly one tile, 64 K tiles
+        (TensorFormat::Q4K, 300, 1000, 4096),  // an 8B-like K
+        (TensorFormat::Q6K, 384, 768, 2304),   // whole tiles, 36 K tiles
+        (TensorFormat::Q5_0, 1, 300, 256),     // a single row
+        (TensorFormat::Q4_0, 2200, 40, 64),    // 18 row tiles in two groups of GEMM_GROUP_M, one K tile
+    ] {
+        matmul_bf16_case(dev, &mut rng, Wgmma, format, m, n, k);
+    }
+    // The same operands on both kernels: the mma.sync route still holds on a wgmma shape.
+    matmul_bf16_case(dev, &mut rng, MmaSync, TensorFormat::Q4K, 300, 1000, 4096);
+}
+
+/// dequant_bf16_<fmt> (the wgmma route's weight scratch) is bit-exact: the CPU
+/// decoder's f32 values rounded to bf16.
+#[test]
+fn dequant_bf16_every_format_bit_exact() {
+    let Some(dev) = device() else { return };
+    let mut rng = rng_for("dequant_bf16");
+    let (n, k) = (37, 512);
+    for format in ALL_FORMATS {
+        let bytes = twin::random_matrix(format, n, k, &mut rng);
+        let w = QuantMatrix::upload(dev, format, n, k, &bytes).unwrap();
+        let mut out = poisoned::<bf16>(dev, n * k);
+        ops::dequant_bf16(dev, &w, out.view_mut()).unwrap();
+        let cpu: Vec<f64> = twin::dequant_matrix(format, &bytes, n, k).iter().map(|&v| twin::round_bf16(v) as f64).collect();
+        check(&format!("dequant_bf16_{}", format.name()), &bf16_to_f32(&dev.download(&out).unwrap()), &cpu, TOL_EXACT);
+    }
 }
 
 #[test]
@@ -454,8 +528,9 @@ fn matmul_timing_report() {
         let (tb, tf) = (time(true), time(false));
         let flop = 2.0 * (m * n * k) as f64;
         println!(
-            "TIMING matmul {m}x{n}x{k} {:<6} bf16/mma: {:.3} ms ({:.1} TFLOP/s)   f32/ffma: {:.3} ms ({:.1} TFLOP/s)",
+            "TIMING matmul {m}x{n}x{k} {:<6} bf16/{}: {:.3} ms ({:.1} TFLOP/s)   f32/ffma: {:.3} ms ({:.1} TFLOP/s)",
             format.name(),
+            ops::bf16_kernel_for(dev, m, n).name(),
             tb * 1e3,
             flop / tb / 1e12,
             tf * 1e3,
@@ -662,7 +737,9 @@ fn lmhead_reduce_exact_with_ties() {
 fn lm_head_tiled_end_to_end() {
     let Some(dev) = device() else { return };
     let mut rng = rng_for("lm_head");
-    let (n_rows, n_vocab, d_model, k) = (150, 5_007, 256, 64);
+    // Two tiles of LM_HEAD_TILE_ROWS (256) and 150 rows: both on the wgmma kernel on sm_90,
+    // sharing one dequantized head.
+    let (n_rows, n_vocab, d_model, k) = (406, 5_007, 256, 64);
     for format in [TensorFormat::Q8_0, TensorFormat::Q6K, TensorFormat::Bf16, TensorFormat::F16] {
         let bytes = twin::random_matrix(format, n_vocab, d_model, &mut rng);
         let emb = QuantMatrix::upload(dev, format, n_vocab, d_model, &bytes).unwrap();

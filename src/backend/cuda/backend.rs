@@ -7,8 +7,10 @@
 //!
 //! Two numeric routes ([`Route`]):
 //! - `Bf16TensorCore` (the default): each matmul input is rounded to bf16 and
-//!   multiplied on the tensor cores with f32 accumulation (the weight tile is
-//!   dequantized and rounded to bf16 in shared memory); the KV cache is bf16.
+//!   multiplied on the tensor cores with f32 accumulation (on sm_90 larger
+//!   products run on wgmma after the weight is dequantized to a bf16 scratch,
+//!   smaller ones on mma.sync with the tile dequantized in shared memory; the
+//!   same bf16 operands either way); the KV cache is bf16.
 //! - `Fp32` (`--lossless`): f32 matmul inputs, f32 FFMA accumulation, f32 KV.
 //!
 //! `--kv-dtype` sets the KV cache type apart from the route (bf16 KV on the
@@ -530,8 +532,16 @@ impl Backend for CudaBackend {
                 "nvcc_version": info.kernels.nvcc_version,
                 "kernel_sources_sha256": info.kernels.sources_sha256,
                 "matmul": match self.route {
-                    Route::Bf16TensorCore => "bf16 inputs (weights dequantized to bf16 in shared memory), mma.sync tensor cores, f32 accumulation",
-                    Route::Fp32 => "f32 inputs, weights dequantized to f32 in shared memory, FFMA, f32 accumulation",
+                    Route::Bf16TensorCore if self.dev.has_function(ops::GEMM_WGMMA_KERNEL) => format!(
+                        "bf16 inputs, f32 accumulation; M >= {} and N >= {}: the weight dequantized to a bf16 scratch per matmul \
+                         (stored BF16 read as is), then wgmma 128x256x64 with a TMA 4-stage pipeline (sm_90a); smaller products: \
+                         mma.sync 64x64x32 with the weight dequantized to bf16 in shared memory",
+                        ops::GEMM_WGMMA_MIN_M,
+                        ops::GEMM_WGMMA_MIN_N
+                    ),
+                    Route::Bf16TensorCore => "bf16 inputs (weights dequantized to bf16 in shared memory), mma.sync tensor cores, \
+                         f32 accumulation (no sm_90a wgmma kernel on this GPU)".to_string(),
+                    Route::Fp32 => "f32 inputs, weights dequantized to f32 in shared memory, FFMA, f32 accumulation".to_string(),
                 },
                 "attention": "f32 math on the CUDA cores (online softmax), cache read as stored",
                 "lm_head": format!("{} in tiles of {LM_HEAD_TILE_ROWS} rows; max, f64 sum of exp, target, top-k on the GPU", match self.route {
@@ -548,13 +558,19 @@ impl Backend for CudaBackend {
         // attention out, gate/up/product (widest row), a bf16 copy of a matmul input.
         let act_bytes = 12 * n_pass_tokens * n_pass_cols * 4;
         let head_bytes = LM_HEAD_TILE_ROWS * n_vocab * 4 + n_pass_tokens * (4 * 4 + 8 + 2 * 4 * crate::backend::MAX_TOP_K);
-        let need = kv_bytes + act_bytes + head_bytes;
+        // The wgmma route's bf16 copy of one weight at a time: at most max(n_vocab, widest row) x widest row.
+        let scratch_bytes = if self.route == Route::Bf16TensorCore && self.dev.has_function(ops::GEMM_WGMMA_KERNEL) {
+            n_vocab.max(n_pass_cols) * n_pass_cols * 2
+        } else {
+            0
+        };
+        let need = kv_bytes + act_bytes + head_bytes + scratch_bytes;
         let (free, total) = self.dev.mem_info()?;
         if need + MEMORY_MARGIN_BYTES > free {
             bail!(
                 "the plan does not fit GPU {} ({:.2} GiB free of {:.2}): it needs {:.2} GiB \
                  (KV cache {:.2} GiB for {} windows of {} tokens, activations {:.2} GiB for passes of {} rows, \
-                 LM head {:.2} GiB) plus {:.2} GiB of margin; lower --context, --prefill-chunk or --batch-tokens",
+                 LM head {:.2} GiB, bf16 weight scratch {:.2} GiB) plus {:.2} GiB of margin; lower --context, --prefill-chunk or --batch-tokens",
                 self.dev.info().index,
                 gib(free),
                 gib(total),
@@ -565,6 +581,7 @@ impl Backend for CudaBackend {
                 gib(act_bytes),
                 n_pass_tokens,
                 gib(head_bytes),
+                gib(scratch_bytes),
                 gib(MEMORY_MARGIN_BYTES)
             );
         }

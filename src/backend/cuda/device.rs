@@ -19,6 +19,9 @@ use super::ptx::{self, build_info, KernelBuildInfo};
 pub const NO_KERNELS: &str = "CUDA backend unavailable: this binary was built without CUDA kernels \
      (nvcc was not found at build time; set NVCC or CUDA_HOME and rebuild)";
 
+/// Module-name suffix of the PTX built for compute_90a (build.rs's `SM90A_SUFFIX`).
+pub const SM90A_MODULE_SUFFIX: &str = "_sm90a";
+
 /// True when the CUDA driver library (libcuda) can be loaded. Calls nothing
 /// else in the driver, so it is safe on a machine without one.
 pub fn driver_present() -> bool {
@@ -181,6 +184,11 @@ impl CudaDevice {
         let stream = ctx.default_stream();
         let mut functions = HashMap::new();
         for (module_name, src) in ptx::MODULES {
+            // compute_90a PTX (wgmma) runs on compute capability 9.0 alone; elsewhere the
+            // launchers fall back to the portable kernels (`has_function` says which exist).
+            if module_name.ends_with(SM90A_MODULE_SUFFIX) && cc != (9, 0) {
+                continue;
+            }
             let module = ctx.load_module(Ptx::from_src(*src)).map_err(|e| {
                 anyhow!(
                     "loading CUDA module {module_name}.ptx on {} (sm_{}{}): {e}; driver CUDA {}.{}, \
@@ -222,6 +230,11 @@ impl CudaDevice {
         self.functions.get(name).ok_or_else(|| {
             anyhow!("CUDA kernel {name} is not in the embedded PTX modules (kernels sha256 {})", self.info.kernels.sources_sha256)
         })
+    }
+
+    /// True when kernel `name` was loaded (the sm_90a modules only load on sm_90).
+    pub fn has_function(&self, name: &str) -> bool {
+        self.functions.contains_key(name)
     }
 
     /// Names of every loaded kernel, sorted.

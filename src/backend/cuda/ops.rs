@@ -14,6 +14,7 @@ use half::bf16;
 
 use super::buffer::{DevView, DevViewMut, DeviceBuffer, Elem, QuantMatrix};
 use super::device::CudaDevice;
+use crate::artifact::format::TensorFormat;
 
 /// Element types a kernel can write as its activation output (f32 or bf16).
 pub trait OutElem: Elem {}
@@ -363,8 +364,83 @@ pub fn gather_pairs(dev: &CudaDevice, x: DevView<f32>, ld: usize, rows: DevView<
 
 // ------------------------------------------------------------------ matmul
 
+/// The kernel that multiplies a bf16 matmul (the default route).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatmulKernel {
+    /// `matmul_bf16_<fmt>` (kernels/matmul.cu): mma.sync 64x64x32, W dequantized in the loader.
+    MmaSync,
+    /// `dequant_bf16_<fmt>` into a bf16 scratch (none for stored BF16), then
+    /// `gemm_bf16_wgmma` (kernels/gemm_sm90a.cu): wgmma 128x256x64, TMA, 4-stage mbarrier pipeline.
+    Wgmma,
+}
+
+impl MatmulKernel {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::MmaSync => "mma.sync",
+            Self::Wgmma => "wgmma",
+        }
+    }
+}
+
+/// Name of the wgmma GEMM kernel (loaded on compute capability 9.0 only).
+pub const GEMM_WGMMA_KERNEL: &str = "gemm_bf16_wgmma";
+/// Smallest M and N sent to the wgmma kernel; smaller products keep mma.sync,
+/// whose 64 x 64 tiles fill the GPU there. Below these a 128 x 256 tile is mostly padding.
+pub const GEMM_WGMMA_MIN_M: usize = 128;
+pub const GEMM_WGMMA_MIN_N: usize = 128;
+
+// Tile and pipeline of gemm_bf16_wgmma (kernels/common.cuh GEMM_*).
+const GEMM_BM: usize = 128;
+const GEMM_BN: usize = 256;
+const GEMM_BK: usize = 64;
+const GEMM_STAGES: usize = 4;
+const GEMM_THREADS: u32 = 384;
+/// Stages of (A 128x64 + B 256x64) bf16, the 2 x GEMM_STAGES mbarriers, and 1 KiB
+/// of slack for the kernel's 1024-byte alignment of the swizzled tiles.
+const GEMM_SMEM_BYTES: usize = GEMM_STAGES * (GEMM_BM + GEMM_BN) * GEMM_BK * 2 + 2 * GEMM_STAGES * 8 + 1024;
+
+/// `GemmParams` of kernels/common.cuh (gemm_bf16_wgmma's one `__grid_constant__` parameter).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GemmParams {
+    /// x: (M, K) bf16, box (64, 128).
+    a: cudarc::driver::sys::CUtensorMap,
+    /// W: (N, K) bf16, box (64, 256).
+    b: cudarc::driver::sys::CUtensorMap,
+    y: u64,
+    ldy: i64,
+    m: i32,
+    n: i32,
+    k: i32,
+    /// 1 when ldy is even and y 8-byte aligned: column pairs stored as float2.
+    y_pairs: i32,
+}
+const _: () = assert!(size_of::<GemmParams>() == 384 && align_of::<GemmParams>() == 128);
+// SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
+unsafe impl cudarc::driver::DeviceRepr for GemmParams {}
+
+/// The kernel `matmul::<bf16>` uses for an (m, n) product on this device.
+pub fn bf16_kernel_for(dev: &CudaDevice, m: usize, n: usize) -> MatmulKernel {
+    if dev.has_function(GEMM_WGMMA_KERNEL) && m >= GEMM_WGMMA_MIN_M && n >= GEMM_WGMMA_MIN_N {
+        MatmulKernel::Wgmma
+    } else {
+        MatmulKernel::MmaSync
+    }
+}
+
+fn check_matmul_shapes(op: &str, x_len: usize, x_ptr: u64, m: usize, w: &QuantMatrix, y: &DevViewMut<f32>, ldy: usize) -> Result<()> {
+    let (n, k) = (w.n_rows, w.n_cols);
+    ensure!(k % 32 == 0, "{op}: K = {k} is not a multiple of 32");
+    ensure!(x_len == m * k, "{op}: x has {x_len} elements, m * K = {m} * {k}");
+    Rows { n_rows: m, n_cols: n, stride: ldy }.check(y.len(), op, "y")?;
+    ensure!(x_ptr % 16 == 0, "{op}: x is not 16-byte aligned");
+    Ok(())
+}
+
 /// y = x · Wᵀ. x: (m, w.n_cols) contiguous, bf16 (tensor cores) or f32 (FP32
-/// route); y: (m, ldy) f32, columns [0, w.n_rows) written.
+/// route); y: (m, ldy) f32, columns [0, w.n_rows) written. bf16 goes to the
+/// kernel `bf16_kernel_for` picks.
 pub fn matmul<X: MatmulInput>(
     dev: &CudaDevice,
     x: DevView<X>,
@@ -373,28 +449,156 @@ pub fn matmul<X: MatmulInput>(
     y: DevViewMut<f32>,
     ldy: usize,
 ) -> Result<()> {
+    if X::NAME == "bf16" {
+        let kernel = bf16_kernel_for(dev, m, w.n_rows);
+        return matmul_bf16_raw(dev, kernel, x.ptr(), x.len(), m, w, y, ldy);
+    }
+    matmul_portable(dev, X::NAME, x.ptr(), x.len(), m, w, y, ldy)
+}
+
+/// The bf16 matmul on a chosen kernel (tests and the GEMM benchmark compare them).
+pub fn matmul_bf16_with(
+    dev: &CudaDevice,
+    kernel: MatmulKernel,
+    x: DevView<bf16>,
+    m: usize,
+    w: &QuantMatrix,
+    y: DevViewMut<f32>,
+    ldy: usize,
+) -> Result<()> {
+    matmul_bf16_raw(dev, kernel, x.ptr(), x.len(), m, w, y, ldy)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn matmul_bf16_raw(dev: &CudaDevice, kernel: MatmulKernel, xp: u64, x_len: usize, m: usize, w: &QuantMatrix, y: DevViewMut<f32>, ldy: usize) -> Result<()> {
+    match kernel {
+        MatmulKernel::MmaSync => matmul_portable(dev, "bf16", xp, x_len, m, w, y, ldy),
+        MatmulKernel::Wgmma => {
+            check_matmul_shapes("matmul (wgmma)", x_len, xp, m, w, &y, ldy)?;
+            if m == 0 || w.n_rows == 0 {
+                return Ok(());
+            }
+            if w.format == TensorFormat::Bf16 {
+                return gemm_wgmma(dev, xp, m, w.data.view().ptr(), w.n_rows, w.n_cols, y, ldy);
+            }
+            let mut scratch = dev.alloc_uninit::<bf16>(w.n_rows * w.n_cols)?;
+            dequant_bf16(dev, w, scratch.view_mut())?;
+            gemm_wgmma(dev, xp, m, scratch.view().ptr(), w.n_rows, w.n_cols, y, ldy)
+            // `scratch` is freed in stream order, after the GEMM that reads it.
+        }
+    }
+}
+
+/// The mma.sync (bf16) or FFMA (f32) kernel of kernels/matmul.cu; `route` is "bf16" or "f32".
+#[allow(clippy::too_many_arguments)]
+fn matmul_portable(dev: &CudaDevice, route: &str, xp: u64, x_len: usize, m: usize, w: &QuantMatrix, y: DevViewMut<f32>, ldy: usize) -> Result<()> {
     let (n, k) = (w.n_rows, w.n_cols);
-    ensure!(k % 32 == 0, "matmul: K = {k} is not a multiple of 32");
-    ensure!(x.len() == m * k, "matmul: x has {} elements, m * K = {m} * {k}", x.len());
-    Rows { n_rows: m, n_cols: n, stride: ldy }.check(y.len(), "matmul", "y")?;
-    ensure!(x.ptr() % 16 == 0, "matmul: x is not 16-byte aligned");
+    check_matmul_shapes("matmul", x_len, xp, m, w, &y, ldy)?;
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let name = format!("matmul_{}_{}", X::NAME, w.kernel_suffix());
+    let name = format!("matmul_{route}_{}", w.kernel_suffix());
     let f = func(dev, &name)?;
-    let (xp, wp, yp) = (x.ptr(), w.data.view().ptr(), y.ptr());
+    let (wp, yp) = (w.data.view().ptr(), y.ptr());
     let (mi, ni, ki) = (i32_of(m, "M")?, i32_of(n, "N")?, i32_of(k, "K")?);
     let (rb, ld) = (w.row_bytes as i64, ldy as i64);
     let gx = grid_1d(n, 64)?;
     let gy = grid_1d(m, 64)?;
     ensure!(gy <= 65535, "matmul: M = {m} needs {gy} row blocks, over the grid's y limit");
-    let block = if X::NAME == "bf16" { 128 } else { 256 };
+    let block = if route == "bf16" { 128 } else { 256 };
     let mut b = dev.stream().launch_builder(f);
     b.arg(&xp).arg(&wp).arg(&yp).arg(&mi).arg(&ni).arg(&ki).arg(&rb).arg(&ld);
-    // SAFETY: arguments match `matmul_<route>_<fmt>` in kernels/matmul.cu; x holds (m, K),
-    // y covers (m, ldy) with ldy >= N, W holds N rows of row_bytes with K % 32 == 0.
+    // SAFETY: arguments match `matmul_<route>_<fmt>` in kernels/matmul.cu; x holds (m, K)
+    // elements of the route's type (checked), y covers (m, ldy) with ldy >= N, W holds N rows
+    // of row_bytes with K % 32 == 0.
     unsafe { b.launch(cfg((gx, gy, 1), block, 0)) }.map_err(|e| launch_err(&name, e))?;
+    Ok(())
+}
+
+/// out = bf16(dequant(W)), (n_rows, n_cols) row-major: the wgmma GEMM's weight operand.
+pub fn dequant_bf16(dev: &CudaDevice, w: &QuantMatrix, out: DevViewMut<bf16>) -> Result<()> {
+    let n_elems = w.n_rows * w.n_cols;
+    ensure!(out.len() == n_elems, "dequant_bf16: out has {} elements, W is {} x {}", out.len(), w.n_rows, w.n_cols);
+    ensure!(w.n_cols % 8 == 0 && out.ptr() % 16 == 0, "dequant_bf16: rows of {} or an unaligned output", w.n_cols);
+    if n_elems == 0 {
+        return Ok(());
+    }
+    let name = format!("dequant_bf16_{}", w.kernel_suffix());
+    let f = func(dev, &name)?;
+    let (wp, op) = (w.data.view().ptr(), out.ptr());
+    let n_groups = (n_elems / 8) as i64;
+    let (gpr, rb) = (i32_of(w.n_cols / 8, "groups per row")?, w.row_bytes as i64);
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&wp).arg(&op).arg(&n_groups).arg(&gpr).arg(&rb);
+    // SAFETY: arguments match `dequant_bf16_<fmt>` in kernels/matmul.cu; out holds n_rows * n_cols
+    // bf16 (checked), W holds n_rows rows of row_bytes (QuantMatrix invariant).
+    unsafe { b.launch(cfg((grid_1d(n_elems / 8, 256)?, 1, 1), 256, 0)) }.map_err(|e| launch_err(&name, e))?;
+    Ok(())
+}
+
+/// A 2-D bf16 tensor map over a row-major (rows, k) matrix, boxes of (64, box_rows)
+/// elements, 128-byte swizzle, zeros outside the matrix.
+fn tensor_map_bf16(ptr: u64, rows: usize, k: usize, box_rows: u32) -> Result<cudarc::driver::sys::CUtensorMap> {
+    use cudarc::driver::sys;
+    ensure!(ptr % 16 == 0 && (k * 2) % 16 == 0, "tensor map: base {ptr:#x} or row of {k} bf16 not 16-byte aligned");
+    let dims: [u64; 2] = [k as u64, rows as u64];
+    let strides: [u64; 1] = [(k * 2) as u64];
+    let boxes: [u32; 2] = [GEMM_BK as u32, box_rows];
+    let elem_strides: [u32; 2] = [1, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
+    // SAFETY: every array has the rank's length (2, and 1 stride); the map is written by the call.
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    r.result().map_err(|e| anyhow!("cuTensorMapEncodeTiled ({rows} x {k} bf16, box 64 x {box_rows}): {e}"))?;
+    // SAFETY: the call succeeded, so it wrote the whole map.
+    Ok(unsafe { map.assume_init() })
+}
+
+/// y = x · Wᵀ on gemm_bf16_wgmma: x (m, k) bf16 at `xp`, W (n, k) bf16 at `wp`.
+#[allow(clippy::too_many_arguments)]
+fn gemm_wgmma(dev: &CudaDevice, xp: u64, m: usize, wp: u64, n: usize, k: usize, y: DevViewMut<f32>, ldy: usize) -> Result<()> {
+    let f = func(dev, GEMM_WGMMA_KERNEL)?;
+    let smem = GEMM_SMEM_BYTES;
+    ensure!(
+        smem <= dev.info().max_smem_per_block_bytes as usize,
+        "{GEMM_WGMMA_KERNEL}: needs {smem} bytes of shared memory, the device allows {}",
+        dev.info().max_smem_per_block_bytes
+    );
+    f.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+        .map_err(|e| anyhow!("{GEMM_WGMMA_KERNEL}: raising dynamic shared memory to {smem} bytes: {e}"))?;
+    let params = GemmParams {
+        a: tensor_map_bf16(xp, m, k, GEMM_BM as u32)?,
+        b: tensor_map_bf16(wp, n, k, GEMM_BN as u32)?,
+        y: y.ptr(),
+        ldy: ldy as i64,
+        m: i32_of(m, "M")?,
+        n: i32_of(n, "N")?,
+        k: i32_of(k, "K")?,
+        y_pairs: i32::from(ldy % 2 == 0 && y.ptr() % 8 == 0),
+    };
+    // Persistent: one block per SM (its shared memory allows no second), each looping over tiles.
+    let n_tiles = m.div_ceil(GEMM_BM) * n.div_ceil(GEMM_BN);
+    ensure!(n_tiles <= i32::MAX as usize, "{GEMM_WGMMA_KERNEL}: {n_tiles} tiles exceed the kernel's 32-bit tile index");
+    let grid = n_tiles.min(dev.info().n_sms.max(1) as usize) as u32;
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&params);
+    // SAFETY: `params` mirrors GemmParams of kernels/common.cuh (size asserted); the tensor maps
+    // cover x (m, k) and W (n, k), which the callers checked; y covers (m, ldy) with ldy >= n.
+    unsafe { b.launch(cfg((grid, 1, 1), GEMM_THREADS, smem as u32)) }.map_err(|e| launch_err(GEMM_WGMMA_KERNEL, e))?;
     Ok(())
 }
 
@@ -647,7 +851,8 @@ pub const LM_HEAD_TILE_ROWS: usize = 256;
 /// `lmhead_reduce` into `out`; `per_tile(row0, n_tile, logits)` then sees the
 /// tile's logits (to gather listed ids). Only `out`'s few numbers per row are
 /// ever copied to the host. h in bf16 uses the tensor-core matmul, in f32 the
-/// FP32 one.
+/// FP32 one; on the wgmma kernel a block-quantized head is dequantized to bf16
+/// once per call (n_vocab x d_model bf16 of device memory while it runs).
 #[allow(clippy::too_many_arguments)]
 pub fn lm_head<X: MatmulInput>(
     dev: &CudaDevice,
@@ -668,9 +873,27 @@ pub fn lm_head<X: MatmulInput>(
     if scratch.len() < tile_len {
         bail!("lm_head: scratch holds {} f32, a tile needs {LM_HEAD_TILE_ROWS} * {n_vocab}", scratch.len());
     }
+    // Tiles on the wgmma kernel read a bf16 head: a block-quantized one is dequantized
+    // once here for all tiles (not once per tile, as `matmul` would).
+    let wgmma_tile = |rows: usize| X::NAME == "bf16" && bf16_kernel_for(dev, rows, n_vocab) == MatmulKernel::Wgmma;
+    let head_bf16 = if wgmma_tile(LM_HEAD_TILE_ROWS.min(n_rows)) && emb.format != TensorFormat::Bf16 {
+        let mut wb = dev.alloc_uninit::<bf16>(n_vocab * d_model)?;
+        dequant_bf16(dev, emb, wb.view_mut())?;
+        Some(wb)
+    } else {
+        None
+    };
     for row0 in (0..n_rows).step_by(LM_HEAD_TILE_ROWS) {
         let rows = LM_HEAD_TILE_ROWS.min(n_rows - row0);
-        matmul::<X>(dev, h.sub(row0 * d_model, rows * d_model)?, rows, emb, scratch.slice_mut(0..rows * n_vocab)?, n_vocab)?;
+        let h_tile = h.sub(row0 * d_model, rows * d_model)?;
+        match &head_bf16 {
+            Some(wb) if wgmma_tile(rows) => {
+                let y = scratch.slice_mut(0..rows * n_vocab)?;
+                check_matmul_shapes("lm_head (wgmma)", h_tile.len(), h_tile.ptr(), rows, emb, &y, n_vocab)?;
+                gemm_wgmma(dev, h_tile.ptr(), rows, wb.view().ptr(), n_vocab, d_model, y, n_vocab)?;
+            }
+            _ => matmul::<X>(dev, h_tile, rows, emb, scratch.slice_mut(0..rows * n_vocab)?, n_vocab)?,
+        }
         if let Some(cap) = softcap {
             self::softcap(dev, scratch.slice_mut(0..rows * n_vocab)?, cap)?;
         }

@@ -1,0 +1,254 @@
+// gemm_sm90a.cu: y = x · Wᵀ on Hopper's wgmma tensor cores (sm_90a only).
+//
+// x: (M, K) bf16 row-major, W: (N, K) bf16 row-major (a stored BF16 weight,
+// or the per-matmul bf16 scratch that `dequant_bf16_<fmt>` in matmul.cu
+// writes from a block-quantized one), y: (M, N) f32 with row stride ldy.
+// bf16 operands, f32 accumulation: the numerics of matmul_bf16_<fmt>, with a
+// different summation order only. CPU twin: tests/gpu_ops/twin.rs matmul_f64
+// over the same bf16-rounded operands.
+//
+// Algorithm: block tile 128 (M) x 256 (N) x 64 (K), GEMM_STAGES = 4 shared-
+// memory stages of (A 128x64 + B 256x64) bf16 = 48 KiB each. Both tiles are
+// brought in by the tensor-memory accelerator (cp.async.bulk.tensor.2d, tensor
+// maps built on the host with cuTensorMapEncodeTiled, 128-byte swizzle, zero
+// fill outside the matrix, so M, N and K need not be tile multiples; K % 8 ==
+// 0 for the 16-byte row stride) completing on a per-stage "full" mbarrier.
+// Warp specialization: warpgroup 0 is the producer (one thread issues the
+// copies after waiting on the stage's "empty" mbarrier), warpgroups 1 and 2
+// are consumers, each owning 64 rows x 256 columns of the tile (128 f32
+// accumulators per thread) and issuing wgmma.mma_async.m64n256k16 from the
+// swizzled shared tiles (4 per K tile), keeping one wgmma group in flight
+// and releasing a stage once the group that read it has retired. setmaxnreg
+// moves registers from the producer to the consumers. The epilogue stores
+// the accumulators straight to y with bounds checks (pairs as float2 when
+// y_pairs: ldy even and y 8-byte aligned) (the m64nNk16 layout: warp
+// w of the warpgroup holds rows 16w..16w+15; lane (g = lane/4, t = lane%4)
+// holds rows g and g+8, columns 8j+2t, 8j+2t+1 for j < 32).
+//
+// Shared-memory matrix descriptors (K-major, 128-byte swizzle): start address
+// >> 4 in bits 0-13, leading byte offset (unused for this layout, 1) in bits
+// 16-29, stride byte offset 1024 >> 4 (8 rows of 128 bytes) in bits 32-45,
+// layout type 1 (128B swizzle) in bits 62-63; every tile starts 1024-byte
+// aligned; the k-th 16-element slice of a 64-element row starts 32 k bytes in.
+//
+// Launch: persistent, grid min(tiles, SMs) with tiles = ceil(M/128) * ceil(N/256),
+// block 384, dynamic shared memory GEMM_SMEM_BYTES (one block per SM); block b
+// takes tiles b, b + grid, ... in an order of groups of GEMM_GROUP_M row tiles,
+// so that the tiles in flight share their A and B tiles through L2; the
+// producer loads the next tile's first stages during this tile's epilogue.
+#include "common.cuh"
+
+#define GEMM_THREADS 384
+
+static_assert(GEMM_BM * GEMM_BK * 2 == 16384, "A stage is 16 KiB");
+static_assert(GEMM_BN * GEMM_BK * 2 == 32768, "B stage is 32 KiB");
+
+#define GEMM_A_STAGE_BYTES (GEMM_BM * GEMM_BK * 2)
+#define GEMM_B_STAGE_BYTES (GEMM_BN * GEMM_BK * 2)
+#define GEMM_STAGE_BYTES (GEMM_A_STAGE_BYTES + GEMM_B_STAGE_BYTES)
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Waits until the phase of parity `parity` of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_LOOP:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_LOOP;\n"
+        "}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+
+// One 2-D tile of a tensor map into shared memory; c0 is the inner (K) coordinate.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const TmaDesc* map, uint32_t bar, int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+        : "memory");
+}
+
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// D(64 x 256, f32) += A(64 x 16, bf16, K-major, smem) * B(256 x 16, bf16, K-major, smem)ᵀ.
+__device__ __forceinline__ void wgmma_m64n256k16(float d[128], uint64_t desc_a, uint64_t desc_b) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, "
+        "%8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, "
+        "%40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, "
+        "%56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, "
+        "%72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, "
+        "%88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, "
+        "%104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, "
+        "%120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1, 0, 0;\n"
+        "}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(desc_a), "l"(desc_b), "r"(1)
+        : "memory");
+}
+
+// Keeps the compiler from moving accumulator accesses across the asynchronous wgmma.
+__device__ __forceinline__ void fence_acc(float d[128]) {
+#pragma unroll
+    for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Tile `tile` of the grouped order: groups of GEMM_GROUP_M row tiles, column tiles within a group.
+__device__ __forceinline__ void tile_origin(int tile, int m_tiles, int n_tiles, int& m0, int& n0) {
+    const int per_group = GEMM_GROUP_M * n_tiles;
+    const int group = tile / per_group, first_m = group * GEMM_GROUP_M;
+    const int group_rows = min(m_tiles - first_m, GEMM_GROUP_M);
+    const int in_group = tile % per_group;
+    m0 = (first_m + in_group % group_rows) * GEMM_BM;
+    n0 = (in_group / group_rows) * GEMM_BN;
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_bf16_wgmma(const __grid_constant__ GemmParams p) {
+    extern __shared__ uint8_t gemm_smem_raw[];
+    // 1024-byte alignment for the 128-byte swizzle (the launcher adds 1 KiB of slack).
+    const uint32_t raw = smem_addr(gemm_smem_raw);
+    const uint32_t base = (raw + 1023u) & ~1023u;
+    const uint32_t a_base = base;
+    const uint32_t b_base = base + GEMM_STAGES * GEMM_A_STAGE_BYTES;
+    const uint32_t bar_base = base + GEMM_STAGES * GEMM_STAGE_BYTES;  // full[s] then empty[s], 8 bytes each
+    const int warpgroup = threadIdx.x / 128;
+    const int tid_wg = threadIdx.x % 128;
+    const int m_tiles = (p.m + GEMM_BM - 1) / GEMM_BM, n_tiles = (p.n + GEMM_BN - 1) / GEMM_BN;
+    const int n_tiles_total = m_tiles * n_tiles;
+    const int k_tiles = (p.k + GEMM_BK - 1) / GEMM_BK;
+
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int s = 0; s < GEMM_STAGES; ++s) {
+            mbar_init(bar_base + 8 * s, 1);                  // full: the producer's expect_tx
+            mbar_init(bar_base + 8 * (GEMM_STAGES + s), 2);  // empty: one arrival per consumer warpgroup
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    // Persistent: block b takes tiles b, b + gridDim.x, ...; `it` counts this block's
+    // K tiles over all its tiles (stage it % GEMM_STAGES, phase (it / GEMM_STAGES) & 1),
+    // so the producer runs ahead into the next tile while the consumers store this one.
+    if (warpgroup == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        if (tid_wg == 0) {
+            uint32_t it = 0;
+            for (int tile = blockIdx.x; tile < n_tiles_total; tile += gridDim.x) {
+                int m0, n0;
+                tile_origin(tile, m_tiles, n_tiles, m0, n0);
+                for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+                    const uint32_t s = it % GEMM_STAGES;
+                    mbar_wait(bar_base + 8 * (GEMM_STAGES + s), ((it / GEMM_STAGES) & 1) ^ 1);
+                    const uint32_t full = bar_base + 8 * s;
+                    mbar_arrive_expect_tx(full, GEMM_STAGE_BYTES);
+                    tma_load_2d(a_base + s * GEMM_A_STAGE_BYTES, &p.a, full, kt * GEMM_BK, m0);
+                    tma_load_2d(b_base + s * GEMM_B_STAGE_BYTES, &p.b, full, kt * GEMM_BK, n0);
+                }
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+        const int c = warpgroup - 1;  // consumer: rows 64c .. 64c+63 of the tile
+        const int warp = tid_wg / 32, lane = tid_wg % 32;
+        uint32_t it = 0;
+        for (int tile = blockIdx.x; tile < n_tiles_total; tile += gridDim.x) {
+            int m0, n0;
+            tile_origin(tile, m_tiles, n_tiles, m0, n0);
+            float d[128];
+#pragma unroll
+            for (int i = 0; i < 128; ++i) d[i] = 0.0f;
+            for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+                const uint32_t s = it % GEMM_STAGES;
+                mbar_wait(bar_base + 8 * s, (it / GEMM_STAGES) & 1);
+                const uint64_t da = sw128_desc(a_base + s * GEMM_A_STAGE_BYTES + c * 64 * 128);
+                const uint64_t db = sw128_desc(b_base + s * GEMM_B_STAGE_BYTES);
+                fence_acc(d);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < GEMM_BK / 16; ++kk) wgmma_m64n256k16(d, da + 2 * kk, db + 2 * kk);
+                wgmma_commit();
+                wgmma_wait<1>();  // the group of K tile it-1 has retired: its stage is free
+                fence_acc(d);
+                if (kt > 0 && tid_wg == 0) mbar_arrive(bar_base + 8 * (GEMM_STAGES + (it - 1) % GEMM_STAGES));
+            }
+            wgmma_wait<0>();
+            fence_acc(d);
+            if (tid_wg == 0) mbar_arrive(bar_base + 8 * (GEMM_STAGES + (it - 1) % GEMM_STAGES));
+
+            const int row = m0 + c * 64 + warp * 16 + lane / 4;
+            const int col = n0 + 2 * (lane % 4);
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = row + 8 * h;
+                    const int n = col + 8 * j;
+                    if (r < p.m && n < p.n) {
+                        float* yr = p.y + (long long)r * p.ldy + n;
+                        if (p.y_pairs && n + 1 < p.n) {
+                            *reinterpret_cast<float2*>(yr) = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+                        } else {
+                            yr[0] = d[4 * j + 2 * h];
+                            if (n + 1 < p.n) yr[1] = d[4 * j + 2 * h + 1];
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
