@@ -252,12 +252,15 @@ fn tiny_models_match_the_cpu_emulation_of_each_route() {
     // (measured worst: 2.1e-3 for the bf16 KV cache alone, 4.4e-2 for the
     // default route's matmul inputs alone, 0.10 for both; against the
     // unrounded CPU 6.9e-2, 0.17 and 0.21, where the real models move by
-    // 3e-3); a wiring mistake moves NLLs by whole nats.
+    // 3e-3); a wiring mistake moves NLLs by whole nats. The default route with
+    // a bf16 cache runs the tensor-core attention (kernel v2), which also
+    // rounds the probabilities to bf16 before P·V (not emulated; q's rounding
+    // is): measured worst 0.114 / mean 0.030 / listed logits 0.104 (Llama).
     let settings = [
         (Route::Fp32, KvDtype::F32, 1e-4, 1e-4, 1e-3),
         (Route::Fp32, KvDtype::Bf16, 5e-3, 1e-3, 5e-3),
         (Route::Bf16TensorCore, KvDtype::F32, 0.1, 0.02, 0.1),
-        (Route::Bf16TensorCore, KvDtype::Bf16, 0.2, 0.04, 0.1),
+        (Route::Bf16TensorCore, KvDtype::Bf16, 0.2, 0.06, 0.2),
     ];
     let archs = [Architecture::Llama, Architecture::Gemma3, Architecture::Qwen2, Architecture::Qwen3];
     let mut failures = Vec::new();

@@ -74,7 +74,9 @@ pub struct CpuKvCache {
 pub struct CpuBackend {
     /// Round both inputs of every matrix product (activations and dequantized
     /// weights, LM head included) to bf16 before the f32 product, as the CUDA
-    /// default route feeds its tensor cores (`--emulate-bf16-tc`).
+    /// default route feeds its tensor cores (`--emulate-bf16-tc`); with a
+    /// bf16 KV cache also the queries before attention, as the CUDA
+    /// tensor-core attention (kernel v2) rounds them.
     pub bf16_matmul_inputs: bool,
     /// Element type K and V are rounded to when stored in the cache.
     pub kv_dtype: KvDtype,
@@ -97,6 +99,16 @@ impl CpuBackend {
             Cow::Owned(round_bf16(v))
         } else {
             Cow::Borrowed(v)
+        }
+    }
+
+    /// The queries as attention reads them: rounded to bf16 where the CUDA
+    /// default route's tensor-core attention (kernel v2, bf16 KV) rounds them.
+    fn attention_query<'a>(&self, q: &'a [f32]) -> Cow<'a, [f32]> {
+        if self.bf16_matmul_inputs && self.kv_dtype == KvDtype::Bf16 {
+            Cow::Owned(round_bf16(q))
+        } else {
+            Cow::Borrowed(q)
         }
     }
 
@@ -279,8 +291,8 @@ impl Backend for CpuBackend {
             let vc = &mut cache.v[layer][s * g.max_pos * v_cols..(s + 1) * g.max_pos * v_cols];
             self.kv_store(&mut kc[pos0 * k_cols..(pos0 + n) * k_cols], &k.data[s * n * k_cols..(s + 1) * n * k_cols]);
             self.kv_store(&mut vc[pos0 * v_cols..(pos0 + n) * v_cols], &v.data[s * n * v_cols..(s + 1) * n * v_cols]);
-            let q_s = &q.data[s * n * q.n_cols..(s + 1) * n * q.n_cols];
-            out.extend(attention::attention(q_s, n, kc, vc, pos0, p)?);
+            let q_s = self.attention_query(&q.data[s * n * q.n_cols..(s + 1) * n * q.n_cols]);
+            out.extend(attention::attention(&q_s, n, kc, vc, pos0, p)?);
         }
         CpuTensor::new(rows.n_rows(), out_cols, out)
     }
@@ -336,7 +348,15 @@ impl Backend for CpuBackend {
             device: self.describe(),
             kv_dtype: self.kv_dtype.name().into(),
             route: route.into(),
-            details: serde_json::json!({ "matmul": matmul, "lm_head": matmul }),
+            details: serde_json::json!({
+                "matmul": matmul,
+                "lm_head": matmul,
+                "attention": if self.bf16_matmul_inputs && self.kv_dtype == KvDtype::Bf16 {
+                    "q rounded to bf16 (emulates the CUDA tensor-core attention, kernel v2); f64 softmax"
+                } else {
+                    "f32 q; f64 softmax"
+                },
+            }),
         }
     }
 }
@@ -403,6 +423,18 @@ mod tests {
     }
 
     const EMULATED: CpuBackend = CpuBackend { bf16_matmul_inputs: true, kv_dtype: KvDtype::Bf16 };
+
+    #[test]
+    fn emulated_default_route_rounds_queries_where_cuda_attention_v2_does() {
+        let q = vec![1.0f32 + 1.0 / 1024.0, 0.3, -7.77];
+        assert_ne!(round_bf16(&q), q, "the test values must not be bf16 already");
+        assert_eq!(&*EMULATED.attention_query(&q), &round_bf16(&q)[..]);
+        let f32_kv = CpuBackend { bf16_matmul_inputs: true, kv_dtype: KvDtype::F32 };
+        let fp32_route = CpuBackend { bf16_matmul_inputs: false, kv_dtype: KvDtype::Bf16 };
+        for b in [CpuBackend::default(), f32_kv, fp32_route] {
+            assert_eq!(&*b.attention_query(&q), &q[..], "{b:?} runs kernel v1 on CUDA: q stays f32");
+        }
+    }
 
     #[test]
     fn emulation_rounds_both_matmul_inputs_and_nothing_else() {

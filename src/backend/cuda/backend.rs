@@ -14,8 +14,13 @@
 //! `--kv-dtype` sets the KV cache type apart from the route (bf16 KV on the
 //! FP32 route, f32 KV on the default route), to measure what each costs.
 //!
+//! Attention ([`CudaBackend::attention_kernel`]): on the default route with a
+//! bf16 cache the tensor-core flash attention (kernel v2: q and P rounded to
+//! bf16, f32 accumulation and softmax); on the FP32 route and with an f32
+//! cache the f32 CUDA-core kernel (v1). The report names the one that ran.
+//!
 //! Common to both: activations and the residual stream are f32 device
-//! matrices; norms, RoPE, attention math and activations are f32. The LM head
+//! matrices; norms, RoPE and activations are f32. The LM head
 //! multiplies the final-normed rows with the head like any matmul of the
 //! route (bf16 on the tensor cores, or f32 FFMA) into f32 logits, reduced on
 //! the GPU with an f64 sum of exponentials. Weights stay in their stored block format
@@ -188,7 +193,17 @@ impl CudaBackend {
         let (n_seqs, n) = (p.n_seqs, p.n_tokens);
         ops::kv_store(&self.dev, k.buf.view(), n_seqs, n, k.n_cols, kc.view_mut(), shape, p.pos0)?;
         ops::kv_store(&self.dev, v.buf.view(), n_seqs, n, v.n_cols, vc.view_mut(), shape, p.pos0)?;
-        ops::attention::<KV, f32>(&self.dev, q.buf.view(), kc.view(), vc.view(), shape, out.buf.view_mut(), p)
+        ops::attention::<KV, f32>(&self.dev, self.attention_kernel(), q.buf.view(), kc.view(), vc.view(), shape, out.buf.view_mut(), p)
+    }
+
+    /// The prefill attention kernel of this backend's route and KV type: the
+    /// tensor-core kernel (v2) on the default route with a bf16 cache; the f32
+    /// CUDA-core kernel (v1) on the FP32 route (its exact path) and for an f32 cache.
+    pub fn attention_kernel(&self) -> ops::AttnKernel {
+        match (self.route, self.kv_dtype) {
+            (Route::Bf16TensorCore, KvDtype::Bf16) => ops::AttnKernel::V2,
+            _ => ops::AttnKernel::V1,
+        }
     }
 }
 
@@ -533,7 +548,8 @@ impl Backend for CudaBackend {
                     Route::Bf16TensorCore => "bf16 inputs (weights dequantized to bf16 in shared memory), mma.sync tensor cores, f32 accumulation",
                     Route::Fp32 => "f32 inputs, weights dequantized to f32 in shared memory, FFMA, f32 accumulation",
                 },
-                "attention": "f32 math on the CUDA cores (online softmax), cache read as stored",
+                "attention_kernel": self.attention_kernel().name(),
+                "attention": self.attention_kernel().describe(),
                 "lm_head": format!("{} in tiles of {LM_HEAD_TILE_ROWS} rows; max, f64 sum of exp, target, top-k on the GPU", match self.route {
                     Route::Bf16TensorCore => "bf16 rows x head on the tensor cores (f32 accumulation, f32 logits)",
                     Route::Fp32 => "f32 rows x head (FFMA, f32 logits)",
