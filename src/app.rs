@@ -14,7 +14,7 @@ use tracing::info;
 
 use crate::artifact::Artifact;
 use crate::backend::cpu::CpuBackend;
-use crate::backend::{BackendKind, KvDtype};
+use crate::backend::BackendKind;
 use crate::compare::floor::alternate_prefill_chunk;
 use crate::compare::stats::PairedWindow;
 use crate::compare::NoiseFloor;
@@ -140,7 +140,11 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         return Ok(Outcome::Success);
     }
 
-    let kind = choose_backend(cfg);
+    let kind = choose_backend(cfg)?;
+    let spec = match &kind {
+        BackendKind::Cpu(_) => cfg.execution.clone(),
+        BackendKind::Cuda { spec, .. } => spec.clone(),
+    };
     let t_load = Instant::now();
     let mut scorer = load_model(&artifact, kind)?;
     // Size memory from the model and the plan before the first window.
@@ -159,11 +163,7 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
     let exec = scorer.execution();
     let mut details = exec.details;
     if let serde_json::Value::Object(map) = &mut details {
-        map.insert("route".into(), exec.route.clone().into());
-        map.insert("lossless_flag".into(), cfg.lossless.into());
-        map.insert("emulate_bf16_tc_flag".into(), cfg.emulate_bf16_tc.into());
-        map.insert("kv_dtype_flag".into(), cfg.kv_dtype.map_or("auto", KvDtype::name).into());
-        map.insert("prefill_chunk_tokens".into(), cfg.prefill_chunk.min(n_max_window).into());
+        map.insert("pass_tokens".into(), cfg.prefill_chunk.min(n_max_window).into());
         map.insert("max_window_tokens".into(), n_max_window.into());
         map.insert("passes_per_max_window".into(), n_max_window.div_ceil(cfg.prefill_chunk).into());
         map.insert("batch_tokens".into(), cfg.batch_tokens.into());
@@ -173,7 +173,9 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         backend: exec.backend,
         device: exec.device,
         kv_dtype: exec.kv_dtype,
+        route: exec.route,
         threads: cfg.threads,
+        spec,
         details,
     });
     if let Some(t) = &mut top_tokens {
@@ -286,15 +288,19 @@ fn read_inputs(cfg: &RunConfig) -> Result<(Vec<InputStream>, Option<CorpusInfo>)
     })
 }
 
-fn choose_backend(cfg: &RunConfig) -> BackendKind {
-    let (lossless, kv_dtype) = (cfg.lossless, cfg.kv_dtype);
-    let cpu = BackendKind::Cpu(CpuBackend { bf16_matmul_inputs: cfg.emulate_bf16_tc, kv_dtype: kv_dtype.unwrap_or_default() });
-    match cfg.backend {
-        BackendChoice::Cpu => cpu,
-        BackendChoice::Cuda { device } => BackendKind::Cuda { device, lossless, kv_dtype },
-        BackendChoice::Auto if crate::backend::cuda_available() => BackendKind::Cuda { device: cfg.device, lossless, kv_dtype },
-        BackendChoice::Auto => cpu,
-    }
+/// The backend and the spec it runs under (`RunConfig::execution` on the
+/// CPU, `RunConfig::spec_for_cuda` on CUDA).
+fn choose_backend(cfg: &RunConfig) -> Result<BackendKind> {
+    let device = match cfg.backend {
+        BackendChoice::Cpu => None,
+        BackendChoice::Cuda { device } => Some(device),
+        BackendChoice::Auto if crate::backend::cuda_available() => Some(cfg.device),
+        BackendChoice::Auto => None,
+    };
+    Ok(match device {
+        Some(device) => BackendKind::Cuda { device, spec: cfg.spec_for_cuda() },
+        None => BackendKind::Cpu(CpuBackend::from_spec(&cfg.execution)?),
+    })
 }
 
 fn stream_result(s: &Stream, summary: Option<Summary>, windows: Vec<WindowResult>) -> StreamResult {

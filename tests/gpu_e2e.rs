@@ -33,7 +33,8 @@ use infernix_perplexity::artifact::names::{self, blk};
 use infernix_perplexity::artifact::TensorView;
 use infernix_perplexity::backend::cpu::CpuBackend;
 use infernix_perplexity::backend::cuda::{self as cuda, CudaBackend, Route};
-use infernix_perplexity::backend::{Backend, BackendKind, KvDtype};
+use infernix_perplexity::backend::{Backend, BackendKind, ExecutionSpec, Precision};
+use infernix_perplexity::kv::KvFormat as KvDtype;
 use infernix_perplexity::model::{load_model, ScoreOptions, TargetScore, Transformer, WindowInput, WindowScorer};
 
 /// Windows per batched pass in the whole-model GPU tests.
@@ -274,7 +275,7 @@ fn tiny_models_match_the_cpu_emulation_of_each_route() {
         let cpu_opts = ScoreOptions { top_k: 5, prefill_chunk: None };
         let reference = load_tiny(CpuBackend::default(), &t).score_window(&tokens, first, &cpu_opts, &extra).expect("cpu");
         for (route, kv, tol, tol_mean, tol_logit) in settings {
-            let emulation = CpuBackend { bf16_matmul_inputs: route == Route::Bf16TensorCore, kv_dtype: kv };
+            let emulation = CpuBackend { bf16_matmul_inputs: route == Route::Bf16TensorCore, ..CpuBackend::with_kv(kv) };
             let want = load_tiny(emulation, &t).score_window(&tokens, first, &cpu_opts, &extra).expect("cpu emulation");
             let mut gpu = load_tiny(CudaBackend::open(device_index(), route, kv).expect("open GPU"), &t);
             // Passes of 16 tokens: the KV cache carries over three passes.
@@ -381,7 +382,19 @@ fn real_model(m: &cases::Model) {
     let exact = cases::exact_f64(m);
     for lossless in [true, false] {
         let route = if lossless { "fp32" } else { "bf16-tc" };
-        let mut scorer = load_model(&art, BackendKind::Cuda { device: device_index(), lossless, kv_dtype: None }).expect("load on GPU");
+        // The two routes as they were before --kv-dtype fp8 became the default: f32 KV on FP32, bf16 KV on bf16-tc.
+        let spec = if lossless {
+            ExecutionSpec::lossless(1024)
+        } else {
+            ExecutionSpec {
+                matmul_inputs: Precision::Bf16,
+                lm_head_inputs: Precision::Bf16,
+                kv_format: KvDtype::Bf16,
+                lossless: false,
+                ..ExecutionSpec::lossless(1024)
+            }
+        };
+        let mut scorer = load_model(&art, BackendKind::Cuda { device: device_index(), spec }).expect("load on GPU");
         assert_eq!(scorer.prepare(4096, 1024, BATCH).expect("the plan fits"), BATCH, "batch of {BATCH} windows fits the GPU");
         for p in &cases::PROTOCOLS {
             let key = format!("{}/{}", m.key, p.key);

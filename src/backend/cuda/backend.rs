@@ -44,7 +44,8 @@ use super::ops::{self, LmHeadOut, Rows, LM_HEAD_TILE_ROWS};
 use crate::artifact::meta::{Activation, RopeStyle};
 use crate::artifact::TensorView;
 use crate::backend::cpu::{dequant, head::check_request};
-use crate::backend::{AttnParams, Backend, ExecutionInfo, HeadRequest, KvDtype, KvGeometry, PassRows, RopeParams, RowScore};
+use crate::backend::{AttnParams, Backend, ExecutionInfo, HeadRequest, KvGeometry, PassRows, RopeParams, RowScore};
+use crate::kv::KvFormat;
 
 /// The numeric route of the CUDA backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,11 +63,11 @@ impl Route {
             Self::Fp32 => "fp32",
         }
     }
-    /// The route's own KV cache type (`--kv-dtype auto`).
-    pub fn kv_dtype(self) -> KvDtype {
+    /// The KV format this route had before `--kv-dtype` existed (tests).
+    pub fn kv_dtype(self) -> KvFormat {
         match self {
-            Self::Bf16TensorCore => KvDtype::Bf16,
-            Self::Fp32 => KvDtype::F32,
+            Self::Bf16TensorCore => KvFormat::Bf16,
+            Self::Fp32 => KvFormat::F32,
         }
     }
 }
@@ -104,7 +105,7 @@ pub struct CudaKvCache {
 pub struct CudaBackend {
     dev: CudaDevice,
     route: Route,
-    kv_dtype: KvDtype,
+    kv_dtype: KvFormat,
     /// Positions 0..len as i32 (RoPE reads a sub-range), grown on demand.
     positions: RefCell<Option<DeviceBuffer<i32>>>,
     /// The LM head's logits tile `(LM_HEAD_TILE_ROWS, n_vocab)`, kept between calls.
@@ -144,7 +145,12 @@ fn gib(bytes: usize) -> f64 {
 impl CudaBackend {
     /// Opens GPU `index` (driver probe first: no driver is an error, not a
     /// panic) and loads every kernel.
-    pub fn open(index: usize, route: Route, kv_dtype: KvDtype) -> Result<Self> {
+    pub fn open(index: usize, route: Route, kv_dtype: KvFormat) -> Result<Self> {
+        ensure!(
+            matches!(kv_dtype, KvFormat::Bf16 | KvFormat::F32),
+            "--kv-dtype {kv_dtype}: this KV format is not implemented on the CUDA backend yet (there: bf16, f32; \
+             every format runs on --backend cpu)"
+        );
         let dev = CudaDevice::open(index)?;
         Ok(Self { dev, route, kv_dtype, positions: RefCell::new(None), head_scratch: RefCell::new(None) })
     }
@@ -201,7 +207,7 @@ impl CudaBackend {
     /// CUDA-core kernel (v1) on the FP32 route (its exact path) and for an f32 cache.
     pub fn attention_kernel(&self) -> ops::AttnKernel {
         match (self.route, self.kv_dtype) {
-            (Route::Bf16TensorCore, KvDtype::Bf16) => ops::AttnKernel::V2,
+            (Route::Bf16TensorCore, KvFormat::Bf16) => ops::AttnKernel::V2,
             _ => ops::AttnKernel::V1,
         }
     }
@@ -241,8 +247,9 @@ impl Backend for CudaBackend {
         );
         let len = g.n_seqs * g.n_kv_heads * g.max_pos * g.d_head;
         let layers = match self.kv_dtype {
-            KvDtype::Bf16 => KvLayers::Bf16(self.kv_buffers(g.n_layers, len)?),
-            KvDtype::F32 => KvLayers::F32(self.kv_buffers(g.n_layers, len)?),
+            KvFormat::Bf16 => KvLayers::Bf16(self.kv_buffers(g.n_layers, len)?),
+            KvFormat::F32 => KvLayers::F32(self.kv_buffers(g.n_layers, len)?),
+            other => bail!("kv cache on CUDA: format {other} is not implemented"),
         };
         Ok(CudaKvCache { geometry: g, layers })
     }
@@ -559,7 +566,10 @@ impl Backend for CudaBackend {
     }
 
     fn check_memory(&self, kv: KvGeometry, n_pass_tokens: usize, n_pass_cols: usize, n_vocab: usize) -> Result<()> {
-        let kv_bytes = 2 * kv.n_seqs * kv.n_layers * kv.n_kv_heads * kv.max_pos * kv.d_head * self.kv_dtype.elem_bytes();
+        let kv_bytes = kv.n_seqs
+            * kv.n_layers
+            * kv.max_pos
+            * self.kv_dtype.bytes_per_position_per_layer(kv.n_kv_heads, kv.d_head, kv.d_head_v);
         // Live activations of one pass: the residual stream, a normed copy, q/k/v,
         // attention out, gate/up/product (widest row), a bf16 copy of a matmul input.
         let act_bytes = 12 * n_pass_tokens * n_pass_cols * 4;
