@@ -1,5 +1,8 @@
 // attention.cu: KV-cache store and causal prefill attention (GQA, optional
-// sliding window), flash-attention style.
+// sliding window), flash-attention style, in two kernels kept side by side:
+// v1 (attn_prefill_*, f32 on the CUDA cores, bf16 or f32 cache: the FP32
+// route's exact path) and v2 (attn_flash_*, below: tensor cores, bf16 cache,
+// the default route). ops::AttnKernel selects one; the report names it.
 //
 // Cache layout, per layer: (n_seqs, n_kv_heads, n_ctx, d_head), BF16
 // (default route) or f32 (FP32 route); a head's keys are contiguous so a key
@@ -23,8 +26,7 @@
 // applies the optional tanh soft-cap (softcap > 0: s = softcap * tanh(s /
 // softcap) on the scaled logits, gemma2-style), masks, then (max, sum) are updated with warp shuffles; each lane owns
 // d_head/32 output dimensions and accumulates p_j * v_j[dim] in f32.
-// Output = acc / l. The math is f32 on the CUDA cores: exact enough for both
-// routes; moving QKᵀ and PV onto mma.sync (bf16) is the speed step after this.
+// Output = acc / l. The math is f32 on the CUDA cores (kernel v1).
 //
 // Windows of a batched pass are independent: blockIdx.z picks the window and
 // offsets q, out and the caches to it.
@@ -191,3 +193,305 @@ ATTN_D(64)
 ATTN_D(96)
 ATTN_D(128)
 ATTN_D(256)
+
+// ================================================================ v2: flash attention on the tensor cores
+//
+// attn_flash_d<D>_bf16_<out>(AttnArgs): the same contract as attn_prefill_*
+// (causal, optional sliding window, GQA, soft-cap, a cache filled by earlier
+// passes, blockIdx.z = window of a batched pass), bf16 cache only.
+// Algorithm (FlashAttention-2's forward): a block owns BQ = 64 * MT queries of
+// one head, 4 warps of 16 * MT query rows each (MT = m_tiles(D), 1 today, see
+// there), and walks the key tiles of BK = key_tile(D) keys that any of its
+// queries can see. Per tile:
+//   S = Q·Kᵀ      mma.sync m16n8k16 bf16 -> f32; Q is the f32 input rounded to
+//                 bf16 (round to nearest even) once, when the block stages it;
+//   x = S * scale, optional cap * tanh(x / cap), masked to -inf, times log2(e);
+//   online softmax in f32 (row max over the quad with shuffles, ex2.approx);
+//   O += P·V      P rounded to bf16 (the A operand), V from ldmatrix.trans,
+//                 f32 accumulation; l sums the unrounded f32 probabilities.
+// Output = O / l. Q and both K/V stages live in shared memory with rows padded
+// by 8 elements (16 B), which makes every ldmatrix phase conflict-free; K and V
+// tiles are fetched with cp.async (16 B, zero-filled past the cached
+// positions) one tile ahead of the math (two stages). Query tiles run in
+// reverse order (the longest causal rows start first).
+// Launch: grid (ceil(n_tokens/BQ), n_heads, n_seqs), block 128, dynamic shared
+// memory (BQ + 4*BK) * (D + 8) * 2 bytes (BQ = 64 * MT; 168960 for D = 256).
+// The launcher (ops::attention, ops::attn_flash_tiles) mirrors m_tiles and key_tile.
+// CPU twin: backend::cpu::attention::attention on the same bf16-rounded q, k, v.
+
+namespace flash {
+constexpr int THREADS = 128;
+// 16-row query tiles per warp (BQ = 64 * MT) and keys per tile. Measured on the
+// H200 (benches/attention.rs, causal, ctx 4096): MT = 2 (each K/V fragment feeding
+// two MMAs; BK = 32 at d_head 96/128 to stay within 255 registers) ran at 201.7
+// TFLOP/s for d 128 and 170.4 for d 64, against 205.6 and 181.1 with MT = 1,
+// BK = 64: shared-memory bandwidth is not what bounds this kernel, so MT = 1.
+__host__ __device__ constexpr int m_tiles(int) { return 1; }
+__host__ __device__ constexpr int key_tile(int) { return 64; }
+
+// 2^x (MUFU.EX2, flush-to-zero; 2^-inf = 0): the probabilities are rounded to
+// bf16 next, far coarser than its ~2 ulp error.
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+constexpr float LOG2E = 1.4426950408889634f;
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+// c += a · b, one m16n8k16 bf16 tile with f32 accumulation.
+__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// 16 bytes global -> shared; src_bytes = 0 writes zeros without reading.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+template <typename OUT>
+__device__ __forceinline__ void store2(OUT* p, float a, float b);
+template <>
+__device__ __forceinline__ void store2<float>(float* p, float a, float b) {
+    *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+template <>
+__device__ __forceinline__ void store2<bf16>(bf16* p, float a, float b) {
+    *reinterpret_cast<uint32_t*>(p) = pack_bf16x2(a, b);
+}
+}  // namespace flash
+
+template <int D, typename OUT>
+__device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
+    using namespace flash;
+    constexpr int MT = m_tiles(D);  // 16-row query tiles per warp
+    constexpr int BQ = 4 * 16 * MT; // queries per block
+    constexpr int BK = key_tile(D); // keys per tile
+    constexpr int LDS = D + 8;      // shared row stride (elements)
+    constexpr int CH = D / 8;       // 16-byte chunks per row
+    constexpr int NT = BK / 8;      // 8-key column tiles of S
+    constexpr int DT = D / 8;       // 8-dim column tiles of O
+    static_assert(D % 16 == 0 && DT % 2 == 0, "head dims are multiples of 16");
+    extern __shared__ __align__(16) unsigned char smem[];
+    bf16* sq = reinterpret_cast<bf16*>(smem);  // (BQ, LDS)
+    bf16* sk = sq + BQ * LDS;                  // 2 stages of (BK, LDS)
+    bf16* sv = sk + 2 * BK * LDS;              // 2 stages of (BK, LDS)
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int seq = blockIdx.z, h = blockIdx.y;
+    const int t0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+    const int n_tokens = a.n_tokens, pos0 = a.pos0, window = a.window;
+    const int kvh = h / (a.n_heads / a.n_kv_heads);
+    const int kv_len = pos0 + n_tokens;
+    const int t_last = min(t0 + BQ, n_tokens) - 1;
+    const int k_hi = pos0 + t_last;
+    const int k_lo = window > 0 ? max(pos0 + t0 - window + 1, 0) : 0;
+    const int tile_first = k_lo / BK, tile_last = k_hi / BK;
+
+    const long long slot = (long long)seq * a.n_kv_heads * a.n_ctx * D;
+    const bf16* kh = a.k + slot + (long long)kvh * a.n_ctx * D;
+    const bf16* vh = a.v + slot + (long long)kvh * a.n_ctx * D;
+    const float* qb = a.q + (long long)seq * n_tokens * a.q_stride + (long long)h * D;
+    OUT* ob = reinterpret_cast<OUT*>(a.out) + (long long)seq * n_tokens * a.out_stride + (long long)h * D;
+
+    auto load_kv = [&](int tile, int stage) {
+        const int kbase = tile * BK;
+        bf16* dk = sk + stage * BK * LDS;
+        bf16* dv = sv + stage * BK * LDS;
+        for (int i = tid; i < BK * CH; i += THREADS) {
+            const int r = i / CH, c = i % CH;
+            const int kp = kbase + r;
+            const bool ok = kp < kv_len;
+            const long long off = (long long)(ok ? kp : 0) * D + c * 8;
+            cp_async16(smem_addr(dk + r * LDS + c * 8), kh + off, ok ? 16 : 0);
+            cp_async16(smem_addr(dv + r * LDS + c * 8), vh + off, ok ? 16 : 0);
+        }
+    };
+
+    load_kv(tile_first, 0);
+    cp_async_commit();
+    // Q: f32 -> bf16 (nearest even) into shared memory; rows past n_tokens are zero.
+    for (int i = tid; i < BQ * (D / 4); i += THREADS) {
+        const int r = i / (D / 4), c = (i % (D / 4)) * 4;
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (t0 + r < n_tokens) x = *reinterpret_cast<const float4*>(qb + (long long)(t0 + r) * a.q_stride + c);
+        uint2 p = make_uint2(pack_bf16x2(x.x, x.y), pack_bf16x2(x.z, x.w));
+        *reinterpret_cast<uint2*>(sq + r * LDS + c) = p;
+    }
+
+    float o[MT][DT][4];
+    float m_run[MT][2], l_run[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int i = 0; i < DT; ++i) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.f;
+        m_run[mt][0] = m_run[mt][1] = -INFINITY;
+        l_run[mt][0] = l_run[mt][1] = 0.f;
+    }
+    const float scale = a.scale, cap = a.softcap;
+    const float scale_l2 = scale * LOG2E;
+    // The warp's rows (tokens) within the window; this thread holds rows g and g + 8 of each m-tile.
+    const int row_w = t0 + warp * 16 * MT;
+    const int qp0 = pos0 + row_w + (lane >> 2);
+    const int qp_min = pos0 + row_w, qp_max = pos0 + row_w + 16 * MT - 1;
+    const uint32_t q_addr = smem_addr(sq + (warp * 16 * MT + (lane & 15)) * LDS + (lane >> 4) * 8);
+
+    int stage = 0;
+    for (int tile = tile_first; tile <= tile_last; ++tile) {
+        if (tile < tile_last) load_kv(tile + 1, stage ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();  // tile `tile` (and Q, the first time) visible to every warp
+
+        const bf16* kb = sk + stage * BK * LDS;
+        const bf16* vb = sv + stage * BK * LDS;
+        float s[MT][NT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < NT; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
+        const uint32_t k_addr = smem_addr(kb + ((lane & 7) + (lane >> 4) * 8) * LDS + ((lane >> 3) & 1) * 8);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t qa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) ldsm_x4(qa[mt], q_addr + (mt * 16 * LDS + kk * 16) * 2);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt += 2) {
+                uint32_t b[4];
+                ldsm_x4(b, k_addr + (nt * 8 * LDS + kk * 16) * 2);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(s[mt][nt], qa[mt], b[0], b[1]);
+                    mma_bf16(s[mt][nt + 1], qa[mt], b[2], b[3]);
+                }
+            }
+        }
+
+        // Scale, soft-cap, mask; then the online softmax update, per m-tile.
+        const int kbase = tile * BK;
+        const bool full = kbase + BK - 1 <= qp_min && kbase + BK <= kv_len && (window <= 0 || qp_max - kbase < window);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            float mx[2] = {m_run[mt][0], m_run[mt][1]};
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float x;
+                    if (cap > 0.f) x = cap * tanhf(s[mt][nt][e] * scale / cap) * LOG2E;
+                    else x = s[mt][nt][e] * scale_l2;
+                    if (!full) {
+                        const int kp = kbase + nt * 8 + 2 * (lane & 3) + (e & 1);
+                        const int qp = qp0 + mt * 16 + 8 * (e >> 1);
+                        const bool vis = kp <= qp && kp < kv_len && (window <= 0 || qp - kp < window);
+                        x = vis ? x : -INFINITY;
+                    }
+                    s[mt][nt][e] = x;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], x);
+                }
+            }
+            float base[2], corr[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                base[r] = mx[r] == -INFINITY ? 0.f : mx[r];  // a row with nothing visible yet
+                corr[r] = exp2_approx(m_run[mt][r] - base[r]);  // 0 while m_run is -inf
+                m_run[mt][r] = mx[r];
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float p = exp2_approx(s[mt][nt][e] - base[e >> 1]);
+                    s[mt][nt][e] = p;
+                    rs[e >> 1] += p;
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) l_run[mt][r] = l_run[mt][r] * corr[r] + rs[r];
+#pragma unroll
+            for (int i = 0; i < DT; ++i) {
+                o[mt][i][0] *= corr[0];
+                o[mt][i][1] *= corr[0];
+                o[mt][i][2] *= corr[1];
+                o[mt][i][3] *= corr[1];
+            }
+        }
+
+        // O += P · V: the S accumulators of key tiles 2kk, 2kk+1 are the A fragment.
+        const uint32_t v_addr = smem_addr(vb + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8);
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            uint32_t pa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                pa[mt][0] = pack_bf16x2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = pack_bf16x2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = pack_bf16x2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = pack_bf16x2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int dt = 0; dt < DT; dt += 2) {
+                uint32_t b[4];
+                ldsm_x4_trans(b, v_addr + (kk * 16 * LDS + dt * 8) * 2);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(o[mt][dt], pa[mt], b[0], b[1]);
+                    mma_bf16(o[mt][dt + 1], pa[mt], b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();  // both stages' readers done before the next load overwrites one
+        stage ^= 1;
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float l = l_run[mt][r];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv = 1.0f / l;
+            const int t = row_w + mt * 16 + (lane >> 2) + 8 * r;
+            if (t >= n_tokens) continue;
+            OUT* orow = ob + (long long)t * a.out_stride + 2 * (lane & 3);
+#pragma unroll
+            for (int i = 0; i < DT; ++i) store2<OUT>(orow + i * 8, o[mt][i][2 * r] * inv, o[mt][i][2 * r + 1] * inv);
+        }
+    }
+}
+
+#define ATTN_FLASH(D, outn, OUT)                                                                   \
+    extern "C" __global__ void __launch_bounds__(flash::THREADS) attn_flash_d##D##_bf16_##outn( \
+        const AttnArgs a) {                                                                        \
+        attn_flash_impl<D, OUT>(a);                                                                \
+    }
+#define ATTN_FLASH_D(D)       \
+    ATTN_FLASH(D, f32, float) \
+    ATTN_FLASH(D, bf16, bf16)
+ATTN_FLASH_D(64)
+ATTN_FLASH_D(96)
+ATTN_FLASH_D(128)
+ATTN_FLASH_D(256)

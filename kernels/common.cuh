@@ -304,3 +304,27 @@ __device__ __forceinline__ bf16 from_f32<bf16>(float v) { return __float2bfloat1
 
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(bf16 v) { return __bfloat162float(v); }
+
+// ---------------------------------------------------------------- kernel parameter structs
+// Each mirrors a #[repr(C)] struct of src/backend/cuda/ops.rs; both sides assert its size.
+
+// Parameters of attn_flash_* (kernels/attention.cu), mirrored by `ops::AttnArgs`.
+// q: (n_seqs * n_tokens, q_stride) f32; k, v: (n_seqs, n_kv_heads, n_ctx, d_head)
+// bf16; out: (n_seqs * n_tokens, out_stride) f32 or bf16.
+struct AttnArgs {
+    const float* q;
+    const bf16* k;
+    const bf16* v;
+    void* out;
+    int n_tokens;
+    int n_heads;
+    int n_kv_heads;
+    int n_ctx;
+    int pos0;
+    int window;  // 0 = full causal
+    float scale;
+    float softcap;  // 0 = none
+    long long q_stride;
+    long long out_stride;
+};
+static_assert(sizeof(AttnArgs) == 80, "AttnArgs layout differs from ops::AttnArgs");

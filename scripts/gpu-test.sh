@@ -56,7 +56,7 @@ run)
     status=${PIPESTATUS[0]}
     set -e
     echo "===== summary (exit ${status}) ====="
-    grep -E '^(DEVICE|KERNELS|PARITY|TIMING|test result|test .* FAILED|failures:)' "$log" || true
+    grep -E '^(DEVICE|KERNELS|KERNEL_FILE|PARITY|TIMING|BENCH|test result|test .* FAILED|failures:)' "$log" || true
     exit "$status"
     ;;
 *)

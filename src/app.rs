@@ -6,7 +6,7 @@
 //! inputs, checksums, tokenization, plans, the output folder.
 
 use std::io::IsTerminal;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -14,7 +14,7 @@ use tracing::info;
 
 use crate::artifact::Artifact;
 use crate::backend::cpu::CpuBackend;
-use crate::backend::{BackendKind, KvDtype};
+use crate::backend::BackendKind;
 use crate::compare::floor::alternate_prefill_chunk;
 use crate::compare::stats::PairedWindow;
 use crate::compare::NoiseFloor;
@@ -68,10 +68,12 @@ fn check_run_outputs(cfg: &RunConfig) -> Result<()> {
         Input::Text(p) => inputs.push(("--text".into(), p.clone())),
         Input::Tokens(p) => inputs.push(("--tokens".into(), p.clone())),
         Input::Corpus { manifest, quick, data_root } => {
-            inputs.push(("--corpus".into(), manifest.clone()));
-            // A manifest that does not load is reported by read_inputs, with its field.
-            if let Ok(m) = corpus::load_manifest(manifest) {
-                let root = corpus::resolve_data_root(data_root.as_deref(), manifest);
+            if let Some(m) = manifest {
+                inputs.push(("--corpus".into(), m.clone()));
+            }
+            // A manifest that does not load is reported by read_inputs, with its
+            // field; the bundled corpus has no files to protect.
+            if let Ok((m, corpus::CorpusFiles::Dir(root))) = corpus::open_corpus(manifest.as_deref(), data_root.as_deref()) {
                 for spec in corpus::select(&m, *quick) {
                     inputs.push((format!("corpus stream {}", spec.id), root.join(&spec.path)));
                 }
@@ -179,7 +181,11 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         return Ok(Outcome::Success);
     }
 
-    let kind = choose_backend(cfg);
+    let kind = choose_backend(cfg)?;
+    let spec = match &kind {
+        BackendKind::Cpu(_) => cfg.execution.clone(),
+        BackendKind::Cuda { spec, .. } => spec.clone(),
+    };
     info!("{}", plan_statement(cfg, &artifact, &streams, &kind, top_tokens.as_ref().map(TopTokensRun::top_k)));
     let t_load = Instant::now();
     let mut scorer = load_model(&artifact, kind)?;
@@ -199,11 +205,7 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
     let exec = scorer.execution();
     let mut details = exec.details;
     if let serde_json::Value::Object(map) = &mut details {
-        map.insert("route".into(), exec.route.clone().into());
-        map.insert("lossless_flag".into(), cfg.lossless.into());
-        map.insert("emulate_bf16_tc_flag".into(), cfg.emulate_bf16_tc.into());
-        map.insert("kv_dtype_flag".into(), cfg.kv_dtype.map_or("auto", KvDtype::name).into());
-        map.insert("prefill_chunk_tokens".into(), cfg.prefill_chunk.min(n_max_window).into());
+        map.insert("pass_tokens".into(), cfg.prefill_chunk.min(n_max_window).into());
         map.insert("max_window_tokens".into(), n_max_window.into());
         map.insert("passes_per_max_window".into(), n_max_window.div_ceil(cfg.prefill_chunk).into());
         map.insert("batch_tokens".into(), cfg.batch_tokens.into());
@@ -213,7 +215,9 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         backend: exec.backend,
         device: exec.device,
         kv_dtype: exec.kv_dtype,
+        route: exec.route,
         threads: cfg.threads,
+        spec,
         details,
     });
     if let Some(t) = &mut top_tokens {
@@ -327,15 +331,19 @@ fn read_inputs(cfg: &RunConfig) -> Result<(Vec<InputStream>, Option<CorpusInfo>)
     })
 }
 
-fn choose_backend(cfg: &RunConfig) -> BackendKind {
-    let (lossless, kv_dtype) = (cfg.lossless, cfg.kv_dtype);
-    let cpu = BackendKind::Cpu(CpuBackend { bf16_matmul_inputs: cfg.emulate_bf16_tc, kv_dtype: kv_dtype.unwrap_or_default() });
-    match cfg.backend {
-        BackendChoice::Cpu => cpu,
-        BackendChoice::Cuda { device } => BackendKind::Cuda { device, lossless, kv_dtype },
-        BackendChoice::Auto if crate::backend::cuda_available() => BackendKind::Cuda { device: cfg.device, lossless, kv_dtype },
-        BackendChoice::Auto => cpu,
-    }
+/// The backend and the spec it runs under (`RunConfig::execution` on the
+/// CPU, `RunConfig::spec_for_cuda` on CUDA).
+fn choose_backend(cfg: &RunConfig) -> Result<BackendKind> {
+    let device = match cfg.backend {
+        BackendChoice::Cpu => None,
+        BackendChoice::Cuda { device } => Some(device),
+        BackendChoice::Auto if crate::backend::cuda_available() => Some(cfg.device),
+        BackendChoice::Auto => None,
+    };
+    Ok(match device {
+        Some(device) => BackendKind::Cuda { device, spec: cfg.spec_for_cuda() },
+        None => BackendKind::Cpu(CpuBackend::from_spec(&cfg.execution)?),
+    })
 }
 
 fn stream_result(s: &Stream, summary: Option<Summary>, windows: Vec<WindowResult>) -> StreamResult {

@@ -24,15 +24,6 @@ pub enum BackendArg {
     Cpu,
 }
 
-/// `--kv-dtype`: the element type of the KV cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum KvDtypeArg {
-    /// The route's own: bf16 on the default CUDA route, f32 with --lossless and on the CPU.
-    Auto,
-    Bf16,
-    F32,
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LogLevel {
     Error,
@@ -110,22 +101,43 @@ pub struct Args {
     /// CUDA device index.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
-    /// FP32 route on CUDA: f32 activations, matmuls and KV cache (the default
-    /// route feeds bf16 into tensor cores and keeps a bf16 KV cache). The CPU
-    /// backend is f32 unless told to emulate: there the flag changes nothing
-    /// and is recorded.
+    // ---- Numeric route and KV format (issue 11); config.rs validates them into an ExecutionSpec ----
+    /// The lossless route (the oracle): every operation correctly rounded in
+    /// f32, one pass per window on the CPU, f32 KV (or --kv-dtype bf16), no
+    /// fast path, f32 logits.
     #[arg(long)]
     pub lossless: bool,
-    /// Element type of the KV cache (auto: bf16 on the default CUDA route, f32
-    /// with --lossless and on the CPU). On the CPU, bf16 rounds K and V as they
-    /// are stored, as the CUDA cache does.
-    #[arg(long, value_enum, default_value_t = KvDtypeArg::Auto, value_name = "DTYPE")]
-    pub kv_dtype: KvDtypeArg,
+    /// KV-cache format: f32, bf16, int8, fp8, k8v4, nvfp4, k4v2, vq2
+    /// (docs/kv-formats.md). Default fp8 on every backend, f32 under --lossless.
+    /// (Parsed by config, so a bad name is a one-line error.)
+    #[arg(long, value_name = "FORMAT")]
+    pub kv_dtype: Option<String>,
+    /// The lossless route with the --kv-dtype codec applied exactly as the CPU
+    /// reference defines it (under bf16, V stored as fp16). Implies --lossless.
+    #[arg(long)]
+    pub reference: bool,
+    /// Deterministic kernels only: results independent of batch composition and prefill chunk; no fast path.
+    #[arg(long)]
+    pub reproducible: bool,
+    /// Force the named fast path (repeatable). Unknown names are an error that lists the valid ones.
+    #[arg(long = "fast-path", value_name = "NAME")]
+    pub fast_paths: Vec<String>,
+    /// Use the original int8 prefill attention kernel (needs --kv-dtype int8).
+    #[arg(long)]
+    pub use_original_int8_prefill_kernel: bool,
+    /// Use the original nvfp4 prefill attention kernel (needs --kv-dtype nvfp4).
+    #[arg(long)]
+    pub use_original_nvfp4_prefill_kernel: bool,
+    /// YaRN scaling of the rotary embedding, finite in [1, 4] (1: native RoPE).
+    /// Raises the longest allowed context to the trained context times F.
+    #[arg(long, value_name = "F", default_value_t = 1.0)]
+    pub rope_yarn_factor: f64,
     /// With --backend cpu: round both inputs of every matrix product (LM head
     /// included) to bf16, as the CUDA default route feeds its tensor cores,
     /// and nothing else. Measures that rounding apart from any kernel.
     #[arg(long)]
     pub emulate_bf16_tc: bool,
+    // ---- end of the numeric-route block ----
     /// CPU threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,

@@ -5,8 +5,9 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 
-use crate::backend::KvDtype;
-use crate::cli::{Args, BackendArg, KvDtypeArg, MethodArg};
+use crate::backend::{effective_prefill_chunk, ExecutionSpec, Precision, PrefillChunk, FAST_PATHS};
+use crate::cli::{Args, BackendArg, MethodArg};
+use crate::kv::KvFormat;
 use crate::plan::{validate_prefill_chunk, Method};
 
 /// Where the streams come from.
@@ -31,17 +32,16 @@ pub struct RunConfig {
     pub input: Input,
     pub method: Method,
     pub chunks_limit: Option<usize>,
+    /// The prefill chunk every pass uses: `execution.prefill_chunk_tokens.effective`.
     pub prefill_chunk: usize,
     /// `--batch-tokens`: the most rows of one batched prefill pass.
     pub batch_tokens: usize,
     pub backend: BackendChoice,
     pub device: usize,
-    /// The FP32 route on CUDA (`--lossless`); recorded, and a no-op, on the CPU.
-    pub lossless: bool,
-    /// `--kv-dtype`; `None` keeps the route's own.
-    pub kv_dtype: Option<KvDtype>,
-    /// `--emulate-bf16-tc` (CPU only): bf16 matrix-product inputs.
-    pub emulate_bf16_tc: bool,
+    /// Every numeric setting (route, KV format, fast paths, ...). Its
+    /// `matmul_inputs` are the CPU's (f32, bf16 under `--emulate-bf16-tc`);
+    /// [`RunConfig::spec_for_cuda`] gives CUDA's (bf16 unless `--lossless`).
+    pub execution: ExecutionSpec,
     pub threads: usize,
     /// The output folder; created (or checked empty) before any work.
     pub output: PathBuf,
@@ -117,10 +117,12 @@ impl RunConfig {
         if args.emulate_bf16_tc && backend != BackendChoice::Cpu {
             bail!("--emulate-bf16-tc emulates the CUDA default route on the CPU backend: add --backend cpu");
         }
-        if args.emulate_bf16_tc && args.lossless {
-            bail!("--emulate-bf16-tc with --lossless: the lossless route rounds nothing; pick one");
+        if args.emulate_bf16_tc && (args.lossless || args.reference) {
+            let flag = if args.reference { "--reference" } else { "--lossless" };
+            bail!("--emulate-bf16-tc with {flag}: the lossless route rounds no matmul input; pick one");
         }
         let n_cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let execution = execution_spec(args)?;
         let threads = match args.threads {
             Some(0) => bail!("--threads 0: at least one thread"),
             Some(n) if n > n_cpus => bail!("--threads {n}: this machine runs {n_cpus} threads at once (at most --threads {n_cpus})"),
@@ -140,17 +142,11 @@ impl RunConfig {
             input,
             method,
             chunks_limit: args.chunks,
-            prefill_chunk: args.prefill_chunk,
+            prefill_chunk: execution.prefill_chunk_tokens.effective,
             batch_tokens: args.batch_tokens,
             backend,
             device: args.device,
-            lossless: args.lossless,
-            kv_dtype: match args.kv_dtype {
-                KvDtypeArg::Auto => None,
-                KvDtypeArg::Bf16 => Some(KvDtype::Bf16),
-                KvDtypeArg::F32 => Some(KvDtype::F32),
-            },
-            emulate_bf16_tc: args.emulate_bf16_tc,
+            execution,
             threads,
             output,
             dry_run: args.dry_run,
@@ -162,6 +158,77 @@ impl RunConfig {
             save_tokens: args.save_tokens.clone(),
         })
     }
+}
+
+impl RunConfig {
+    /// The spec as the CUDA backend runs it: its default route feeds bf16 to
+    /// the tensor cores (matmuls and LM head); `--lossless` keeps f32.
+    pub fn spec_for_cuda(&self) -> ExecutionSpec {
+        let p = if self.execution.lossless { Precision::F32 } else { Precision::Bf16 };
+        ExecutionSpec { matmul_inputs: p, lm_head_inputs: p, ..self.execution.clone() }
+    }
+}
+
+/// The numeric flags checked together and turned into the run's [`ExecutionSpec`].
+fn execution_spec(args: &Args) -> Result<ExecutionSpec> {
+    let reference = args.reference;
+    let lossless = args.lossless || reference;
+    let kv_arg = match &args.kv_dtype {
+        Some(name) => Some(name.parse::<KvFormat>().with_context(|| format!("--kv-dtype {name}"))?),
+        None => None,
+    };
+    let kv_format = match (kv_arg, lossless && !reference) {
+        (None, true) => KvFormat::F32,
+        (None, false) => KvFormat::Fp8,
+        (Some(f @ (KvFormat::F32 | KvFormat::Bf16)), true) => f,
+        (Some(f), true) => bail!(
+            "--kv-dtype {f} with --lossless: the lossless route keeps K and V exact (f32 or bf16); \
+             --reference applies the {f} codec exactly"
+        ),
+        (Some(f), false) => f,
+    };
+    for name in &args.fast_paths {
+        if !FAST_PATHS.contains(&name.as_str()) {
+            let valid = if FAST_PATHS.is_empty() { "none exist yet".to_string() } else { format!("valid: {}", FAST_PATHS.join(", ")) };
+            bail!("--fast-path {name}: no such fast path ({valid})");
+        }
+        if lossless || args.reproducible {
+            let flag = if reference { "--reference" } else if lossless { "--lossless" } else { "--reproducible" };
+            bail!("--fast-path {name} with {flag}: fast paths change rounding and are off on that route");
+        }
+    }
+    let originals = [
+        ("--use-original-int8-prefill-kernel", args.use_original_int8_prefill_kernel, KvFormat::Int8),
+        ("--use-original-nvfp4-prefill-kernel", args.use_original_nvfp4_prefill_kernel, KvFormat::Nvfp4),
+    ];
+    for (flag, on, needs) in originals {
+        if !on {
+            continue;
+        }
+        if kv_format != needs {
+            bail!("{flag} needs --kv-dtype {needs} (the run's KV format is {kv_format})");
+        }
+        // No original prefill kernel exists in this tree: say so rather than run another one.
+        bail!("{flag}: no original {needs} prefill kernel exists in this build yet");
+    }
+    let f = args.rope_yarn_factor;
+    if !(f.is_finite() && (1.0..=4.0).contains(&f)) {
+        bail!("--rope-yarn-factor {f}: must be a finite number in [1, 4] (1 is native RoPE)");
+    }
+    let requested = args.prefill_chunk;
+    Ok(ExecutionSpec {
+        matmul_inputs: if args.emulate_bf16_tc { Precision::Bf16 } else { Precision::F32 },
+        lm_head_inputs: if args.emulate_bf16_tc { Precision::Bf16 } else { Precision::F32 },
+        kv_format,
+        fast_paths: args.fast_paths.clone(),
+        original_int8_prefill_kernel: args.use_original_int8_prefill_kernel,
+        original_nvfp4_prefill_kernel: args.use_original_nvfp4_prefill_kernel,
+        lossless,
+        reference,
+        reproducible: args.reproducible,
+        rope_yarn_factor: f,
+        prefill_chunk_tokens: PrefillChunk { requested, effective: effective_prefill_chunk(requested, kv_format) },
+    })
 }
 
 /// The ppl-stride method for llama.cpp's `-c context --ppl-stride stride`.
@@ -198,6 +265,7 @@ pub fn timestamp_utc() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
     use clap::Parser;
 
     fn cfg(extra: &[&str]) -> Result<RunConfig> {
@@ -263,6 +331,49 @@ mod tests {
         let e = cfg(&["--threads", &(n + 1).to_string()]).unwrap_err().to_string();
         assert!(e.contains("--threads") && e.contains(&format!("at most --threads {n}")), "{e}");
         assert!(cfg(&["--threads", "100000"]).is_err());
+    }
+
+    #[test]
+    fn kv_format_defaults_and_lossless_rules() {
+        let spec = |extra: &[&str]| cfg(extra).map(|c| c.execution);
+        assert_eq!(spec(&[]).unwrap().kv_format, KvFormat::Fp8);
+        let e = format!("{:#}", spec(&["--kv-dtype", "fp4"]).unwrap_err());
+        assert!(e.starts_with("--kv-dtype fp4: unknown KV format") && e.contains("nvfp4"), "{e}");
+        assert_eq!(spec(&["--kv-dtype", "vq2"]).unwrap().kv_format, KvFormat::Vq2);
+        let l = spec(&["--lossless"]).unwrap();
+        assert_eq!((l.kv_format, l.lossless, l.reference), (KvFormat::F32, true, false));
+        assert_eq!(spec(&["--lossless", "--kv-dtype", "bf16"]).unwrap().kv_format, KvFormat::Bf16);
+        let e = spec(&["--lossless", "--kv-dtype", "int8"]).unwrap_err().to_string();
+        assert!(e.contains("--kv-dtype int8") && e.contains("--reference"), "{e}");
+        let r = spec(&["--reference"]).unwrap();
+        assert_eq!((r.kv_format, r.lossless, r.reference), (KvFormat::Fp8, true, true));
+        let rb = spec(&["--reference", "--kv-dtype", "bf16"]).unwrap();
+        assert_eq!((rb.kv_v().name(), rb.kv_k().name()), ("fp16".to_string(), "bf16".to_string()));
+        assert_eq!(spec(&["--kv-dtype", "bf16"]).unwrap().kv_v().name(), "bf16");
+        assert!(spec(&["--reference", "--reproducible"]).unwrap().reproducible);
+        let c = cfg(&["--emulate-bf16-tc", "--backend", "cpu"]).unwrap();
+        assert_eq!(c.execution.matmul_inputs, Precision::Bf16);
+        assert_eq!(cfg(&[]).unwrap().spec_for_cuda().matmul_inputs, Precision::Bf16);
+        assert_eq!(cfg(&["--lossless"]).unwrap().spec_for_cuda().lm_head_inputs, Precision::F32);
+        assert!(cfg(&["--reference", "--emulate-bf16-tc", "--backend", "cpu"]).unwrap_err().to_string().contains("--reference"));
+    }
+
+    #[test]
+    fn route_flags_are_checked() {
+        let err = |extra: &[&str]| cfg(extra).unwrap_err().to_string();
+        assert!(err(&["--fast-path", "int8-attn"]).contains("--fast-path int8-attn: no such fast path (none exist yet)"));
+        let e = err(&["--use-original-int8-prefill-kernel"]);
+        assert!(e.contains("needs --kv-dtype int8") && e.contains("fp8"), "{e}");
+        let e = err(&["--use-original-int8-prefill-kernel", "--kv-dtype", "int8"]);
+        assert!(e.contains("no original int8 prefill kernel exists"), "{e}");
+        assert!(err(&["--use-original-nvfp4-prefill-kernel", "--kv-dtype", "int8"]).contains("needs --kv-dtype nvfp4"));
+        for bad in ["0.5", "4.5", "NaN", "inf"] {
+            assert!(err(&["--rope-yarn-factor", bad]).contains("--rope-yarn-factor"), "{bad}");
+        }
+        assert_eq!(cfg(&["--rope-yarn-factor", "4"]).unwrap().execution.rope_yarn_factor, 4.0);
+        let c = cfg(&["--prefill-chunk", "384"]).unwrap();
+        assert_eq!(c.execution.prefill_chunk_tokens, PrefillChunk { requested: 384, effective: 384 });
+        assert_eq!(c.prefill_chunk, 384);
     }
 
     #[test]

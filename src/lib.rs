@@ -13,6 +13,7 @@ pub mod artifact;
 pub mod backend;
 pub mod cli;
 pub mod compare;
+pub mod kv;
 pub mod top_tokens;
 pub mod config;
 pub mod convert;

@@ -139,6 +139,22 @@ fn bad_input_is_one_line_exit_2_and_no_report() {
     assert_rejected(&with(&["--prefill-chunk", "100"]), &fresh("c"), &["--prefill-chunk", "100"]);
     assert_rejected(&with(&["--emulate-bf16-tc"]), &fresh("i"), &["--emulate-bf16-tc", "--backend cpu"]);
     assert_rejected(&with(&["--backend", "cpu", "--emulate-bf16-tc", "--lossless"]), &fresh("j"), &["--emulate-bf16-tc", "--lossless"]);
+    // The numeric-route flags (issue 11).
+    let route_cases: [(&str, &[&str], &[&str]); 9] = [
+        ("k1", &["--kv-dtype", "fp4"], &["--kv-dtype fp4", "unknown KV format", "nvfp4"]),
+        ("k2", &["--lossless", "--kv-dtype", "int8"], &["--kv-dtype int8 with --lossless", "--reference"]),
+        ("k3", &["--fast-path", "int8-attn"], &["--fast-path int8-attn", "none exist yet"]),
+        ("k4", &["--use-original-int8-prefill-kernel"], &["--use-original-int8-prefill-kernel", "needs --kv-dtype int8"]),
+        ("k5", &["--use-original-nvfp4-prefill-kernel", "--kv-dtype", "nvfp4"], &["--use-original-nvfp4-prefill-kernel", "no original nvfp4"]),
+        ("k6", &["--rope-yarn-factor", "4.5"], &["--rope-yarn-factor 4.5", "[1, 4]"]),
+        ("k7", &["--rope-yarn-factor", "NaN"], &["--rope-yarn-factor NaN"]),
+        ("k8", &["--backend", "cpu", "--reference", "--emulate-bf16-tc"], &["--emulate-bf16-tc with --reference"]),
+        ("k9", &["--rope-yarn-factor", "0.9"], &["--rope-yarn-factor 0.9"]),
+    ];
+    for (dir, extra, expect) in route_cases {
+        assert_rejected(&with(extra), &fresh(dir), expect);
+        assert!(!fresh(dir).exists(), "no folder left behind for {extra:?}");
+    }
     for d in ["a", "b", "c", "i", "j"] {
         assert!(!fresh(d).exists(), "no folder left behind for a rejected run");
     }
@@ -180,12 +196,14 @@ fn two_identical_cpu_runs_give_bit_identical_results() {
     let model = artifact(SMOLLM2);
     let text = data_root().join("wikitext-2-raw/wiki.test.raw");
     let mut results = Vec::new();
-    // The second run names the CPU's own KV type: recorded, and nothing
-    // changes. The third emulates the CUDA default route's roundings.
-    let runs: [(&str, &[&str], &str, &str); 3] = [
-        ("one", &["--kv-dtype", "auto"], "f32", "fp32"),
-        ("two", &["--kv-dtype", "f32"], "f32", "fp32"),
+    // The second run names the lossless route's own KV format: recorded, and
+    // nothing changes. The third emulates the CUDA bf16 route's roundings;
+    // the fourth is the default (fp8 KV, f32 matmuls on the CPU).
+    let runs: [(&str, &[&str], &str, &str); 4] = [
+        ("one", &["--lossless"], "f32", "fp32"),
+        ("two", &["--lossless", "--kv-dtype", "f32"], "f32", "fp32"),
         ("emulated", &["--kv-dtype", "bf16", "--emulate-bf16-tc"], "bf16", "bf16-tc-emulated"),
+        ("default", &[], "fp8", "fp32"),
     ];
     for (name, extra, kv_dtype, route) in runs {
         let dir = tmp.path().join(name);
@@ -206,10 +224,16 @@ fn two_identical_cpu_runs_give_bit_identical_results() {
         assert!(stderr.contains("progress: 189/189 targets"), "{stderr}");
         assert!(!stderr.contains("sha256"), "hashes stay at debug level: {stderr}");
         let mut r = read_report(&dir);
-        assert_eq!(r["execution"]["kv_dtype"], kv_dtype);
-        assert_eq!(r["execution"]["details"]["kv_dtype_flag"], extra[1]);
-        assert_eq!(r["execution"]["details"]["route"], route);
-        assert_eq!(r["execution"]["details"]["emulate_bf16_tc_flag"], extra.len() == 3);
+        let e = &r["execution"];
+        assert_eq!((&e["kv_dtype"], &e["kv_format"]), (&serde_json::json!(kv_dtype), &serde_json::json!(kv_dtype)));
+        assert_eq!(e["route"], route);
+        assert_eq!(e["lossless"], extra.first() == Some(&"--lossless"));
+        assert_eq!(e["matmul_inputs"], if name == "emulated" { "bf16" } else { "f32" });
+        assert_eq!((e["reference"].as_bool(), e["reproducible"].as_bool()), (Some(false), Some(false)));
+        assert_eq!(e["rope_yarn_factor"], 1.0);
+        assert_eq!(e["fast_paths"], serde_json::json!([]));
+        assert_eq!(e["prefill_chunk_tokens"], serde_json::json!({"requested": 1024, "effective": 1024}));
+        assert_eq!(e["original_int8_prefill_kernel"], false);
         let windows = r["results"]["streams"][0]["windows"].as_array_mut().unwrap();
         assert_eq!(windows.len(), 3);
         for w in windows.iter_mut() {
@@ -224,6 +248,10 @@ fn two_identical_cpu_runs_give_bit_identical_results() {
     let ppl_emulated = results[2]["overall"]["perplexity"].as_f64().unwrap();
     let ppl = results[0]["overall"]["perplexity"].as_f64().unwrap();
     assert!((ppl_emulated / ppl - 1.0).abs() < 0.01, "ppl {ppl} emulated {ppl_emulated}");
+    // fp8 KV changes the scores, by little.
+    assert_ne!(results[0], results[3]);
+    let ppl_fp8 = results[3]["overall"]["perplexity"].as_f64().unwrap();
+    assert!((ppl_fp8 / ppl - 1.0).abs() < 0.05, "ppl {ppl} fp8 KV {ppl_fp8}");
     assert!(ppl.is_finite() && ppl > 1.0 && ppl < 1000.0, "ppl {ppl}");
 }
 

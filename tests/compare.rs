@@ -415,7 +415,7 @@ fn real_noise_floor_and_self_compare() {
     let out = t.path().join("r");
     let o = Command::new(env!("CARGO_BIN_EXE_infernix-perplexity"))
         .args([os(&model), os("--text"), os(&text), os("--method"), os("chunks"), os("--context"), os("512")])
-        .args([os("--chunks"), os("2"), os("--backend"), os("cpu"), os("--noise-floor"), os("--output"), os(&out)])
+        .args([os("--chunks"), os("2"), os("--backend"), os("cpu"), os("--lossless"), os("--noise-floor"), os("--output"), os(&out)])
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));

@@ -33,7 +33,8 @@ use infernix_perplexity::artifact::names::{self, blk};
 use infernix_perplexity::artifact::TensorView;
 use infernix_perplexity::backend::cpu::CpuBackend;
 use infernix_perplexity::backend::cuda::{self as cuda, CudaBackend, Route};
-use infernix_perplexity::backend::{Backend, BackendKind, KvDtype};
+use infernix_perplexity::backend::{Backend, BackendKind, ExecutionSpec, Precision};
+use infernix_perplexity::kv::KvFormat as KvDtype;
 use infernix_perplexity::model::{load_model, ScoreOptions, TargetScore, Transformer, WindowInput, WindowScorer};
 
 /// Windows per batched pass in the whole-model GPU tests.
@@ -252,12 +253,15 @@ fn tiny_models_match_the_cpu_emulation_of_each_route() {
     // (measured worst: 2.1e-3 for the bf16 KV cache alone, 4.4e-2 for the
     // default route's matmul inputs alone, 0.10 for both; against the
     // unrounded CPU 6.9e-2, 0.17 and 0.21, where the real models move by
-    // 3e-3); a wiring mistake moves NLLs by whole nats.
+    // 3e-3); a wiring mistake moves NLLs by whole nats. The default route with
+    // a bf16 cache runs the tensor-core attention (kernel v2), which also
+    // rounds the probabilities to bf16 before P·V (not emulated; q's rounding
+    // is): measured worst 0.114 / mean 0.030 / listed logits 0.104 (Llama).
     let settings = [
         (Route::Fp32, KvDtype::F32, 1e-4, 1e-4, 1e-3),
         (Route::Fp32, KvDtype::Bf16, 5e-3, 1e-3, 5e-3),
         (Route::Bf16TensorCore, KvDtype::F32, 0.1, 0.02, 0.1),
-        (Route::Bf16TensorCore, KvDtype::Bf16, 0.2, 0.04, 0.1),
+        (Route::Bf16TensorCore, KvDtype::Bf16, 0.2, 0.06, 0.2),
     ];
     let archs = [Architecture::Llama, Architecture::Gemma3, Architecture::Qwen2, Architecture::Qwen3];
     let mut failures = Vec::new();
@@ -271,7 +275,7 @@ fn tiny_models_match_the_cpu_emulation_of_each_route() {
         let cpu_opts = ScoreOptions { top_k: 5, prefill_chunk: None };
         let reference = load_tiny(CpuBackend::default(), &t).score_window(&tokens, first, &cpu_opts, &extra).expect("cpu");
         for (route, kv, tol, tol_mean, tol_logit) in settings {
-            let emulation = CpuBackend { bf16_matmul_inputs: route == Route::Bf16TensorCore, kv_dtype: kv };
+            let emulation = CpuBackend { bf16_matmul_inputs: route == Route::Bf16TensorCore, ..CpuBackend::with_kv(kv) };
             let want = load_tiny(emulation, &t).score_window(&tokens, first, &cpu_opts, &extra).expect("cpu emulation");
             let mut gpu = load_tiny(CudaBackend::open(device_index(), route, kv).expect("open GPU"), &t);
             // Passes of 16 tokens: the KV cache carries over three passes.
@@ -378,7 +382,19 @@ fn real_model(m: &cases::Model) {
     let exact = cases::exact_f64(m);
     for lossless in [true, false] {
         let route = if lossless { "fp32" } else { "bf16-tc" };
-        let mut scorer = load_model(&art, BackendKind::Cuda { device: device_index(), lossless, kv_dtype: None }).expect("load on GPU");
+        // The two routes as they were before --kv-dtype fp8 became the default: f32 KV on FP32, bf16 KV on bf16-tc.
+        let spec = if lossless {
+            ExecutionSpec::lossless(1024)
+        } else {
+            ExecutionSpec {
+                matmul_inputs: Precision::Bf16,
+                lm_head_inputs: Precision::Bf16,
+                kv_format: KvDtype::Bf16,
+                lossless: false,
+                ..ExecutionSpec::lossless(1024)
+            }
+        };
+        let mut scorer = load_model(&art, BackendKind::Cuda { device: device_index(), spec }).expect("load on GPU");
         assert_eq!(scorer.prepare(4096, 1024, BATCH).expect("the plan fits"), BATCH, "batch of {BATCH} windows fits the GPU");
         for p in &cases::PROTOCOLS {
             let key = format!("{}/{}", m.key, p.key);

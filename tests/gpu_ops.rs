@@ -21,7 +21,7 @@ use std::sync::OnceLock;
 use half::bf16;
 use infernix_perplexity::artifact::format::{TensorFormat, ALL_FORMATS};
 use infernix_perplexity::backend::cuda::ops::{
-    self, Activation, AttnParams, KvShape, LmHeadOut, RopeMode, RopeParams, Rows,
+    self, Activation, AttnKernel, AttnParams, KvShape, LmHeadOut, RopeMode, RopeParams, Rows,
 };
 use infernix_perplexity::backend::cuda::{self as cuda, CudaDevice, DeviceBuffer, Elem, QuantMatrix};
 use rand::{Rng, SeedableRng};
@@ -208,13 +208,17 @@ fn device_opens_and_every_kernel_is_loaded() {
     let Some(dev) = device() else { return };
     let names = dev.kernel_names();
     println!("KERNELS {} loaded: {}", names.len(), dev.info());
+    // What tests/data/gpu_parity.json records per file after a passing run.
+    for (path, sha) in cuda::source_file_hashes() {
+        println!("KERNEL_FILE {path} {sha}");
+    }
     for f in ALL_FORMATS {
         let s = f.name().to_ascii_lowercase();
         for k in [format!("embed_{s}"), format!("matmul_bf16_{s}"), format!("matmul_f32_{s}")] {
             assert!(dev.function(&k).is_ok(), "kernel {k} missing");
         }
     }
-    for k in ["rmsnorm_f32", "rmsnorm_bf16", "rope_f32", "gated_silu_bf16", "gated_gelu_f32", "add_f32", "cast_bf16", "kv_store_bf16", "kv_store_f32", "lmhead_reduce", "attn_prefill_d64_bf16_f32", "attn_prefill_d256_f32_bf16"] {
+    for k in ["rmsnorm_f32", "rmsnorm_bf16", "rope_f32", "gated_silu_bf16", "gated_gelu_f32", "add_f32", "cast_bf16", "kv_store_bf16", "kv_store_f32", "lmhead_reduce", "attn_prefill_d64_bf16_f32", "attn_prefill_d256_f32_bf16", "attn_flash_d64_bf16_f32", "attn_flash_d96_bf16_bf16", "attn_flash_d128_bf16_f32", "attn_flash_d256_bf16_bf16"] {
         assert!(dev.function(k).is_ok(), "kernel {k} missing");
     }
     assert!(dev.function("no_such_kernel").is_err());
@@ -557,10 +561,44 @@ struct AttnCase {
     softcap: f32,
 }
 
+/// Kernel v1 (f32 math) against the CPU backend's attention: f32 accumulation on both sides.
+const TOL_ATTN_F32: Tol = Tol { atol_rel: 2e-5, rtol: 1e-4, nmse: 1e-9 };
+/// Kernel v2 (tensor cores) against the CPU backend on the same bf16-rounded q, k, v:
+/// what is left is P rounded to bf16 before P·V (relative 2^-9 per probability,
+/// random in sign: an output error of about 1.1e-3 * rms, nmse about 1.3e-6) plus,
+/// for a bf16 output, its own rounding (2^-9 relative). atol 2e-2 * rms is about
+/// 18 standard deviations of the P rounding, rtol 1e-2 covers the output rounding
+/// twice, nmse 1e-5 is 8x the expected value.
+const TOL_ATTN_BF16_TC: Tol = Tol { atol_rel: 2e-2, rtol: 1e-2, nmse: 1e-5 };
+
+/// The CPU backend's attention op (`backend::cpu::attention::attention`) for window s:
+/// q (n_tokens, n_heads * d) and the slot's cache rows 0..pos0 + n_tokens, re-laid
+/// from (n_kv_heads, n_ctx, d) to the CPU's (position, n_kv_heads * d).
+fn cpu_attention(c: &AttnCase, q: &[f32], k_slot: &[f32], v_slot: &[f32], n_tokens: usize, pos0: usize, scale: f32) -> Vec<f64> {
+    let (d, n_kv) = (c.d_head, c.n_kv_heads);
+    let n_pos = pos0 + n_tokens;
+    let relay = |slot: &[f32]| -> Vec<f32> {
+        (0..n_pos).flat_map(|p| (0..n_kv).flat_map(move |h| (0..d).map(move |i| slot[(h * c.n_ctx + p) * d + i]))).collect()
+    };
+    let p = infernix_perplexity::backend::AttnParams {
+        n_heads: c.n_heads,
+        n_kv_heads: n_kv,
+        d_head: d,
+        d_head_v: d,
+        scale: scale as f64,
+        window: (c.window > 0).then_some(c.window),
+        softcap: (c.softcap > 0.0).then_some(c.softcap as f64),
+    };
+    let out = infernix_perplexity::backend::cpu::attention::attention(q, n_tokens, &relay(k_slot), &relay(v_slot), pos0, &p)
+        .expect("CPU attention");
+    to_f64(&out)
+}
+
 fn attention_case<KV: Elem + Poison + ops::KvElem, O: Elem + Poison + ops::OutElem>(
     dev: &CudaDevice,
     rng: &mut ChaCha8Rng,
     c: &AttnCase,
+    kernel: AttnKernel,
 ) -> Stats {
     let kv_bf16 = KV::NAME == "bf16";
     let d = c.d_head;
@@ -612,31 +650,48 @@ fn attention_case<KV: Elem + Poison + ops::KvElem, O: Elem + Poison + ops::OutEl
             q_stride: width,
             out_stride: width,
         };
-        ops::attention::<KV, O>(dev, qd.view(), kc.view(), vc.view(), shape, out.view_mut(), &p).unwrap();
+        ops::attention::<KV, O>(dev, kernel, qd.view(), kc.view(), vc.view(), shape, out.view_mut(), &p).unwrap();
         let gpu: Vec<f32> = dev.download(&out).unwrap().into_iter().map(Poison::as_f32).collect();
-        // Each window against its own slot, alone.
-        let cpu: Vec<f64> = (0..c.n_seqs)
-            .flat_map(|s| {
-                let q_s = &q[s * n_tokens * width..(s + 1) * n_tokens * width];
-                let slot = s * slot_len..(s + 1) * slot_len;
-                twin::attention_f64(q_s, &k_ref[slot.clone()], &v_ref[slot], n_tokens, c.n_heads, c.n_kv_heads, d, c.n_ctx, pos0, c.window, scale, c.softcap)
-            })
-            .collect();
-        let tol = if O::NAME == "bf16" { TOL_BF16_OUT } else { Tol { atol_rel: 2e-5, rtol: 1e-4, nmse: 1e-9 } };
-        last = check(
-            &format!(
-                "attention d{d} {}->{} {} windows h{}/{} pos0={pos0} n={n_tokens} win={}",
-                KV::NAME,
-                O::NAME,
-                c.n_seqs,
-                c.n_heads,
-                c.n_kv_heads,
-                c.window
-            ),
-            &gpu,
-            &cpu,
-            tol,
+        // v2 rounds q to bf16 in the kernel: the reference gets the same rounded q.
+        let q_in: Vec<f32> = match kernel {
+            AttnKernel::V1 => q.clone(),
+            AttnKernel::V2 => q.iter().map(|&x| twin::round_bf16(x)).collect(),
+        };
+        // Each window against its own slot, alone, through the CPU backend's op.
+        let reference = |qs: &[f32]| -> Vec<f64> {
+            (0..c.n_seqs)
+                .flat_map(|s| {
+                    let slot = s * slot_len..(s + 1) * slot_len;
+                    let q_s = &qs[s * n_tokens * width..(s + 1) * n_tokens * width];
+                    cpu_attention(c, q_s, &k_ref[slot.clone()], &v_ref[slot], n_tokens, pos0, scale)
+                })
+                .collect()
+        };
+        let cpu = reference(&q_in);
+        let tol = match (kernel, O::NAME) {
+            (AttnKernel::V2, _) => TOL_ATTN_BF16_TC,
+            (AttnKernel::V1, "bf16") => TOL_BF16_OUT,
+            (AttnKernel::V1, _) => TOL_ATTN_F32,
+        };
+        let what = format!(
+            "attention {} d{d} {}->{} {} windows h{}/{} pos0={pos0} n={n_tokens} win={} cap={}",
+            kernel.name(),
+            KV::NAME,
+            O::NAME,
+            c.n_seqs,
+            c.n_heads,
+            c.n_kv_heads,
+            c.window,
+            c.softcap
         );
+        last = check(&what, &gpu, &cpu, tol);
+        if kernel == AttnKernel::V2 {
+            // For the record: against the unrounded q; the q rounding must show.
+            let exact = reference(&q);
+            let info = check(&format!("  {} vs f32 q", kernel.name()), &gpu, &exact, Tol { atol_rel: 1e-1, rtol: 5e-2, nmse: 1e-3 });
+            // (Not with a window of 1: a softmax over one key does not depend on q.)
+            assert!(c.window == 1 || info.nmse > 0.0, "rounding q to bf16 must show against the f32 q");
+        }
         pos0 += n_tokens;
     }
     // The cache itself: kv_store wrote exactly the rounded values in the filled slots.
@@ -656,28 +711,53 @@ fn attention_case<KV: Elem + Poison + ops::KvElem, O: Elem + Poison + ops::OutEl
 fn attention_prefill_gqa_window_multi_pass() {
     let Some(dev) = device() else { return };
     let mut rng = rng_for("attention");
+    use AttnKernel::{V1, V2};
     // SmolLM2-like: 9 heads over 3 KV heads of 64, one pass, full causal.
     let c = AttnCase { n_seqs: 1, n_heads: 9, n_kv_heads: 3, d_head: 64, n_ctx: 160, passes: vec![150], window: 0, softcap: 0.0 };
-    attention_case::<bf16, f32>(dev, &mut rng, &c);
-    attention_case::<f32, f32>(dev, &mut rng, &c);
+    attention_case::<bf16, f32>(dev, &mut rng, &c, V1);
+    attention_case::<f32, f32>(dev, &mut rng, &c, V1);
+    attention_case::<bf16, f32>(dev, &mut rng, &c, V2);
     // gemma3-like: 4 heads over 1 KV head of 256, sliding window 50, three passes.
     let c = AttnCase { n_seqs: 3, n_heads: 4, n_kv_heads: 1, d_head: 256, n_ctx: 200, passes: vec![64, 37, 80], window: 50, softcap: 0.0 };
-    attention_case::<bf16, f32>(dev, &mut rng, &c);
-    attention_case::<f32, bf16>(dev, &mut rng, &c);
-    // 128-d heads, 8 over 2, window larger than the context, two passes, bf16 out.
+    attention_case::<bf16, f32>(dev, &mut rng, &c, V1);
+    attention_case::<f32, bf16>(dev, &mut rng, &c, V1);
+    attention_case::<bf16, f32>(dev, &mut rng, &c, V2);
+    attention_case::<bf16, bf16>(dev, &mut rng, &c, V2);
+    // 128-d heads, 8 over 2, window larger than the context, two passes, soft-cap, bf16 out.
     let c = AttnCase { n_seqs: 2, n_heads: 8, n_kv_heads: 2, d_head: 128, n_ctx: 300, passes: vec![128, 100], window: 1000, softcap: 0.5 };
-    attention_case::<bf16, bf16>(dev, &mut rng, &c);
+    attention_case::<bf16, bf16>(dev, &mut rng, &c, V1);
+    attention_case::<bf16, bf16>(dev, &mut rng, &c, V2);
+    attention_case::<bf16, f32>(dev, &mut rng, &c, V2);
     // 96-d heads, MHA, window 1 (each query sees only itself).
     let c = AttnCase { n_seqs: 1, n_heads: 2, n_kv_heads: 2, d_head: 96, n_ctx: 40, passes: vec![33], window: 1, softcap: 0.0 };
-    attention_case::<f32, f32>(dev, &mut rng, &c);
-    // Unsupported head size is an error naming it.
+    attention_case::<f32, f32>(dev, &mut rng, &c, V1);
+    attention_case::<bf16, f32>(dev, &mut rng, &c, V2);
+    // Several 64-key tiles per pass: a window of 100 that starts and ends inside
+    // tiles, passes that start mid-tile (pos0 = 200, 370), 2 windows; then the same
+    // causal with a soft-cap of 1.5 (the scaled logits have an RMS near 1, so it bites).
+    let c = AttnCase { n_seqs: 2, n_heads: 4, n_kv_heads: 2, d_head: 128, n_ctx: 520, passes: vec![200, 170, 150], window: 100, softcap: 0.0 };
+    attention_case::<bf16, f32>(dev, &mut rng, &c, V2);
+    let c = AttnCase { window: 0, softcap: 1.5, ..c };
+    attention_case::<bf16, f32>(dev, &mut rng, &c, V2);
+    let c = AttnCase { n_seqs: 1, n_heads: 8, n_kv_heads: 1, d_head: 256, n_ctx: 700, passes: vec![333, 300], window: 512, softcap: 0.0 };
+    attention_case::<bf16, f32>(dev, &mut rng, &c, V2);
+    let c = AttnCase { n_seqs: 2, n_heads: 9, n_kv_heads: 3, d_head: 64, n_ctx: 1100, passes: vec![1024, 70], window: 0, softcap: 0.0 };
+    attention_case::<bf16, bf16>(dev, &mut rng, &c, V2);
+    // Unsupported head size is an error naming it; v2 on an f32 cache is an error naming both.
     let shape = KvShape { n_seqs: 1, n_kv_heads: 1, n_ctx: 8, d_head: 80 };
     let kc = dev.alloc_zeros::<f32>(shape.len()).unwrap();
     let q = dev.alloc_zeros::<f32>(80).unwrap();
     let mut o = dev.alloc_zeros::<f32>(80).unwrap();
     let p = AttnParams { n_seqs: 1, n_tokens: 1, n_heads: 1, pos0: 0, window: 0, scale: 1.0, softcap: 0.0, q_stride: 80, out_stride: 80 };
-    let err = ops::attention::<f32, f32>(dev, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p).unwrap_err();
-    assert!(format!("{err:#}").contains("d_head 80"), "{err:#}");
+    for kernel in [V1, V2] {
+        let err = ops::attention::<f32, f32>(dev, kernel, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p).unwrap_err();
+        assert!(format!("{err:#}").contains("d_head 80"), "{err:#}");
+    }
+    let shape = KvShape { d_head: 64, ..shape };
+    let kc = dev.alloc_zeros::<f32>(shape.len()).unwrap();
+    let p = AttnParams { q_stride: 64, out_stride: 64, ..p };
+    let err = ops::attention::<f32, f32>(dev, V2, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p).unwrap_err();
+    assert!(format!("{err:#}").contains("v2") && format!("{err:#}").contains("f32 cache"), "{err:#}");
 }
 
 // ---------------------------------------------------------------- LM head

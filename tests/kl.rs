@@ -56,6 +56,8 @@ fn chunks_args<'a>(model: &'a Path, text: &'a Path, context: &'a str, chunks: &'
         os(chunks),
         os("--backend"),
         os("cpu"),
+        // The exact route: the reference these tests compare with is f32 everywhere.
+        os("--lossless"),
     ]
 }
 
@@ -160,6 +162,7 @@ fn self_comparison_is_exactly_zero_and_mismatches_are_refused() {
     // the ten that moved most.
     let emu_dir = tmp.path().join("emulated");
     let mut args = chunks_args(&model, &text, "128", "2");
+    args.retain(|a| *a != os("--lossless"));
     args.extend([os("--emulate-bf16-tc"), os("--kv-dtype"), os("bf16"), os("--kl-reference"), os(&reference), os("--output"), os(&emu_dir)]);
     let o = run(&args);
     let stderr = String::from_utf8_lossy(&o.stderr);

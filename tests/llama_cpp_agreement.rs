@@ -44,7 +44,7 @@ fn ours(artifact: &str) -> Vec<f64> {
         .arg(models_dir().join(artifact))
         .arg("--text")
         .arg(data_root().join("wikitext-2-raw/wiki.test.raw"))
-        .args(["--method", "chunks", "--context", "512", "--chunks", &N_CHUNKS.to_string(), "--backend", "cpu", "--output"])
+        .args(["--method", "chunks", "--context", "512", "--chunks", &N_CHUNKS.to_string(), "--backend", "cpu", "--lossless", "--output"])
         .arg(&out)
         .output()
         .unwrap();

@@ -74,7 +74,7 @@ fn nonfinite_scores_are_counted_and_fail_the_run() {
     for (allow, code) in [(false, 1), (true, 0)] {
         let out = tmp.path().join(format!("out-{allow}"));
         let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_infernix-perplexity"));
-        cmd.arg(&path).arg("--text").arg(&text).args(["--method", "chunks", "--context", "128", "--chunks", "2", "--backend", "cpu", "--output"]).arg(&out);
+        cmd.arg(&path).arg("--text").arg(&text).args(["--method", "chunks", "--context", "128", "--chunks", "2", "--backend", "cpu", "--lossless", "--output"]).arg(&out);
         if allow {
             cmd.arg("--allow-nonfinite");
         }

@@ -26,9 +26,11 @@ pub mod cpu;
 pub mod cuda;
 
 use anyhow::Result;
+use serde::Serialize;
 
 use crate::artifact::meta::{Activation, RopeStyle};
 use crate::artifact::TensorView;
+use crate::kv::{ElemCodec, KvFormat, RowCodec};
 
 /// Rotary embedding of one layer.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -242,51 +244,147 @@ pub struct ExecutionInfo {
     pub backend: String,
     /// The device in words (`cpu (2 threads)`, `NVIDIA H200 ...`).
     pub device: String,
-    /// Element type of the KV cache (`f32`, `bf16`).
+    /// The KV format (`--kv-dtype` name).
     pub kv_dtype: String,
     /// Numeric route: `fp32` (f32 everywhere) or `bf16-tc` (bf16 activations
-    /// into tensor-core matmuls, f32 accumulation).
+    /// into tensor-core matmuls, f32 accumulation); `bf16-tc-emulated` on the CPU.
     pub route: String,
     /// Everything else that can change a number (kernels, PTX arch, nvcc, driver).
     pub details: serde_json::Value,
 }
 
-/// Element type of the KV cache.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum KvDtype {
+/// Element precision of a matrix product's inputs (accumulation is f32 on every route).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
     #[default]
     F32,
+    /// Inputs rounded to bf16 (round to nearest even), as tensor cores take them.
     Bf16,
 }
 
-impl KvDtype {
+impl Precision {
     pub fn name(self) -> &'static str {
         match self {
             Self::F32 => "f32",
             Self::Bf16 => "bf16",
         }
     }
-    pub fn elem_bytes(self) -> usize {
-        match self {
-            Self::F32 => 4,
-            Self::Bf16 => 2,
+}
+
+/// Named fast paths: kernels that change rounding for speed, each qualified
+/// per configuration. None exists yet; `--fast-path NAME` rejects every name
+/// and lists this table.
+pub const FAST_PATHS: &[&str] = &[];
+
+/// Tokens of one prompt-attention wave of the kernel that stores the
+/// quantized KV formats: the query rows one launch of the CUDA prefill
+/// attention covers per (head, window) before the next wave starts. The CUDA
+/// kernel owns the value (its launch geometry: query-tile rows times tiles
+/// per wave); 128 until it says otherwise.
+pub const PROMPT_ATTENTION_WAVE_TOKENS: usize = 128;
+
+/// The prefill chunk a run uses for `requested` tokens under `kv`: for the
+/// quantized formats rounded down to whole prompt-attention waves (at least
+/// one wave), so every pass stores whole waves; otherwise as requested.
+pub fn effective_prefill_chunk(requested: usize, kv: KvFormat) -> usize {
+    if kv.is_quantized() {
+        let w = PROMPT_ATTENTION_WAVE_TOKENS;
+        (requested / w * w).max(w)
+    } else {
+        requested
+    }
+}
+
+/// Every numeric setting of a run, independent of the backend: built once
+/// from the flags (`config`), consumed by both backends, recorded typed in
+/// report.json `execution`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ExecutionSpec {
+    /// Inputs of every matrix product but the LM head.
+    pub matmul_inputs: Precision,
+    /// Inputs of the LM-head product.
+    pub lm_head_inputs: Precision,
+    /// `--kv-dtype` (resolved: fp8 by default, f32 under `--lossless`).
+    #[serde(serialize_with = "serialize_name")]
+    pub kv_format: KvFormat,
+    /// Forced fast paths (`--fast-path`), by name.
+    pub fast_paths: Vec<String>,
+    pub original_int8_prefill_kernel: bool,
+    pub original_nvfp4_prefill_kernel: bool,
+    /// Every operation correctly rounded in f32, exact KV (f32 or bf16), no fast path.
+    pub lossless: bool,
+    /// The lossless route with the KV codec applied exactly (CPU definition); V as fp16 under bf16.
+    pub reference: bool,
+    /// Deterministic kernels only: results independent of batching and chunking.
+    pub reproducible: bool,
+    /// YaRN factor of the rotary embedding (1: native).
+    pub rope_yarn_factor: f64,
+    pub prefill_chunk_tokens: PrefillChunk,
+}
+
+/// `--prefill-chunk` as asked and as used ([`effective_prefill_chunk`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct PrefillChunk {
+    pub requested: usize,
+    pub effective: usize,
+}
+
+fn serialize_name<S: serde::Serializer>(f: &KvFormat, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_str(f.name())
+}
+
+impl ExecutionSpec {
+    /// The exact reference: f32 everywhere, f32 KV, one chunk size as given.
+    pub fn lossless(prefill_chunk: usize) -> Self {
+        Self {
+            matmul_inputs: Precision::F32,
+            lm_head_inputs: Precision::F32,
+            kv_format: KvFormat::F32,
+            fast_paths: Vec::new(),
+            original_int8_prefill_kernel: false,
+            original_nvfp4_prefill_kernel: false,
+            lossless: true,
+            reference: false,
+            reproducible: false,
+            rope_yarn_factor: 1.0,
+            prefill_chunk_tokens: PrefillChunk { requested: prefill_chunk, effective: prefill_chunk },
+        }
+    }
+
+    /// The codec of stored K rows.
+    pub fn kv_k(&self) -> RowCodec {
+        self.kv_format.k()
+    }
+
+    /// The codec of stored V rows: the format's, but fp16 under `--reference --kv-dtype bf16`.
+    pub fn kv_v(&self) -> RowCodec {
+        if self.reference && self.kv_format == KvFormat::Bf16 {
+            RowCodec::new(ElemCodec::Fp16, false)
+        } else {
+            self.kv_format.v()
+        }
+    }
+
+    /// The route's name: `fp32` (f32 matmul inputs) or `bf16-tc`.
+    pub fn route(&self) -> &'static str {
+        match self.matmul_inputs {
+            Precision::F32 => "fp32",
+            Precision::Bf16 => "bf16-tc",
         }
     }
 }
 
-/// Which backend runs the forward pass.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Which backend runs the forward pass, under which spec.
+#[derive(Debug, Clone, PartialEq)]
 pub enum BackendKind {
-    /// The CPU backend with its emulation settings (default: the reference).
     Cpu(cpu::CpuBackend),
-    /// GPU `device`; `lossless` selects the FP32 route (f32 activations,
-    /// matmuls and KV cache) instead of the default bf16 tensor-core route;
-    /// `kv_dtype` overrides the route's KV cache type.
-    Cuda { device: usize, lossless: bool, kv_dtype: Option<KvDtype> },
+    /// GPU `device`.
+    Cuda { device: usize, spec: ExecutionSpec },
 }
 
 impl BackendKind {
-    pub fn name(self) -> &'static str {
+    pub fn name(&self) -> &'static str {
         match self {
             Self::Cpu(_) => "cpu",
             Self::Cuda { .. } => "cuda",

@@ -33,7 +33,9 @@ use crate::artifact::meta::{Architecture, HParams};
 use crate::artifact::names::{self, blk};
 use crate::artifact::{Artifact, TensorView};
 use crate::backend::cuda::{CudaBackend, Route};
-use crate::backend::{AttnParams, Backend, BackendKind, ExecutionInfo, HeadRequest, KvGeometry, PassRows, RopeParams, MAX_TOP_K};
+use crate::backend::{
+    AttnParams, Backend, BackendKind, ExecutionInfo, HeadRequest, KvGeometry, PassRows, Precision, RopeParams, MAX_TOP_K,
+};
 
 /// The score of one target position `j` of a window: `-log p(tokens[j] |
 /// tokens[..j])` and the numbers it came from.
@@ -455,9 +457,19 @@ where
 pub fn load_model(artifact: &Artifact, kind: BackendKind) -> Result<Box<dyn WindowScorer>> {
     match kind {
         BackendKind::Cpu(cpu) => Ok(Box::new(Transformer::load(cpu, artifact)?)),
-        BackendKind::Cuda { device, lossless, kv_dtype } => {
-            let route = if lossless { Route::Fp32 } else { Route::Bf16TensorCore };
-            let backend = CudaBackend::open(device, route, kv_dtype.unwrap_or(route.kv_dtype())).context("backend cuda")?;
+        BackendKind::Cuda { device, spec } => {
+            let route = match spec.matmul_inputs {
+                Precision::F32 => Route::Fp32,
+                Precision::Bf16 => Route::Bf16TensorCore,
+            };
+            ensure!(
+                spec.lm_head_inputs == spec.matmul_inputs,
+                "backend cuda: LM-head inputs {} differ from matmul inputs {} (one route sets both)",
+                spec.lm_head_inputs.name(),
+                spec.matmul_inputs.name()
+            );
+            ensure!(!spec.reference, "--reference is not implemented on the CUDA backend yet: add --backend cpu");
+            let backend = CudaBackend::open(device, route, spec.kv_format).context("backend cuda")?;
             Ok(Box::new(Transformer::load(backend, artifact)?))
         }
     }

@@ -117,8 +117,14 @@ pub struct BosPolicy {
 pub struct Execution {
     pub backend: String,
     pub device: String,
+    /// The KV format's name (also `kv_format` in the spec; kept for `compare`).
     pub kv_dtype: String,
+    /// `fp32`, `bf16-tc`, or `bf16-tc-emulated` on the CPU.
+    pub route: String,
     pub threads: usize,
+    /// Every numeric setting, typed (`backend::ExecutionSpec`).
+    #[serde(flatten)]
+    pub spec: crate::backend::ExecutionSpec,
     /// Everything else that can change a number (kernels, fast paths, PTX arch, nvcc).
     pub details: serde_json::Value,
 }

@@ -299,57 +299,6 @@ pub fn gelu_tanh_f64(x: f64) -> f64 {
     0.5 * x * (1.0 + (k * (x + 0.044715 * x * x * x)).tanh())
 }
 
-/// Causal (optionally windowed) GQA attention in f64. q: (n_tokens, n_heads*d);
-/// k, v: (n_kv_heads, n_ctx, d) as f32 values; returns (n_tokens, n_heads*d).
-#[allow(clippy::too_many_arguments)]
-pub fn attention_f64(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    n_tokens: usize,
-    n_heads: usize,
-    n_kv_heads: usize,
-    d: usize,
-    n_ctx: usize,
-    pos0: usize,
-    window: usize,
-    scale: f32,
-    softcap: f32,
-) -> Vec<f64> {
-    let mut out = vec![0f64; n_tokens * n_heads * d];
-    for t in 0..n_tokens {
-        let qp = pos0 + t;
-        for h in 0..n_heads {
-            let kvh = h / (n_heads / n_kv_heads);
-            let qv = &q[t * n_heads * d + h * d..][..d];
-            let keys: Vec<usize> = (0..=qp).filter(|&kp| window == 0 || qp - kp < window).collect();
-            let s: Vec<f64> = keys
-                .iter()
-                .map(|&kp| {
-                    let kr = &k[(kvh * n_ctx + kp) * d..][..d];
-                    let x = scale as f64 * qv.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>();
-                    if softcap > 0.0 {
-                        softcap as f64 * (x / softcap as f64).tanh()
-                    } else {
-                        x
-                    }
-                })
-                .collect();
-            let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let p: Vec<f64> = s.iter().map(|&x| (x - mx).exp()).collect();
-            let l: f64 = p.iter().sum();
-            let o = &mut out[t * n_heads * d + h * d..][..d];
-            for (pi, &kp) in p.iter().zip(&keys) {
-                let vr = &v[(kvh * n_ctx + kp) * d..][..d];
-                for (oi, &vv) in o.iter_mut().zip(vr) {
-                    *oi += pi / l * vv as f64;
-                }
-            }
-        }
-    }
-    out
-}
-
 /// Order-preserving key of an f32 (the kernel's `order_key`).
 pub fn order_key(f: f32) -> u32 {
     let u = f.to_bits();

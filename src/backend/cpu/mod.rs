@@ -32,7 +32,10 @@ use rayon::prelude::*;
 
 use crate::artifact::meta::Activation;
 use crate::artifact::TensorView;
-use crate::backend::{AttnParams, Backend, ExecutionInfo, HeadRequest, KvDtype, KvGeometry, PassRows, RopeParams, RowScore};
+use crate::backend::{
+    AttnParams, Backend, ExecutionInfo, ExecutionSpec, HeadRequest, KvGeometry, PassRows, Precision, RopeParams, RowScore,
+};
+use crate::kv::{ElemCodec, KvFormat, RowCodec};
 
 /// Row-major `(n_rows, n_cols)` f32 activations.
 #[derive(Debug, Clone, PartialEq)]
@@ -59,25 +62,48 @@ pub struct CpuMatrix {
 }
 
 /// K `(n_seqs, max_pos, n_kv_heads * d_head)` and V `(n_seqs, max_pos,
-/// n_kv_heads * d_head_v)` per layer.
+/// n_kv_heads * d_head_v)` per layer, holding what the KV codec's decode
+/// gives back for each stored row: `decode(encode(row))` is computed once as
+/// the row is stored, which is what every later read of the encoded bytes
+/// would return (decode is a pure function of the bytes).
 #[derive(Debug, Clone)]
 pub struct CpuKvCache {
     pub geometry: KvGeometry,
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
+    /// Elements the codecs counted as non-finite as they were stored.
+    n_nonfinite: usize,
+}
+
+impl CpuKvCache {
+    /// Elements counted non-finite by the KV codecs so far (`kv::RowCodec::encode_row`).
+    pub fn n_nonfinite(&self) -> usize {
+        self.n_nonfinite
+    }
 }
 
 /// The CPU backend. Threads come from rayon's global pool
 /// (`RAYON_NUM_THREADS`). `CpuBackend::default()` is the reference: f32
 /// everywhere, nothing rounded on purpose.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CpuBackend {
     /// Round both inputs of every matrix product (activations and dequantized
     /// weights, LM head included) to bf16 before the f32 product, as the CUDA
-    /// default route feeds its tensor cores (`--emulate-bf16-tc`).
+    /// default route feeds its tensor cores (`--emulate-bf16-tc`); with a
+    /// bf16 KV cache also the queries before attention, as the CUDA
+    /// tensor-core attention (kernel v2) rounds them.
     pub bf16_matmul_inputs: bool,
-    /// Element type K and V are rounded to when stored in the cache.
-    pub kv_dtype: KvDtype,
+    /// The KV format (for the report).
+    pub kv_format: KvFormat,
+    /// Codecs K and V rows go through as they are stored (`crate::kv`).
+    pub kv_k: RowCodec,
+    pub kv_v: RowCodec,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self::with_kv(KvFormat::F32)
+    }
 }
 
 /// `x` rounded to the nearest bf16 (ties to even), back in f32.
@@ -91,6 +117,28 @@ fn round_bf16(v: &[f32]) -> Vec<f32> {
 }
 
 impl CpuBackend {
+    /// f32 matrix products, K and V stored in `kv`.
+    pub fn with_kv(kv: KvFormat) -> Self {
+        Self { bf16_matmul_inputs: false, kv_format: kv, kv_k: kv.k(), kv_v: kv.v() }
+    }
+
+    /// The backend a spec asks for: its matmul precision and KV codecs. The
+    /// LM head is rounded with the other products (one flag, as on CUDA).
+    pub fn from_spec(spec: &ExecutionSpec) -> Result<Self> {
+        ensure!(
+            spec.matmul_inputs == spec.lm_head_inputs,
+            "cpu backend: matmul inputs {} but LM-head inputs {}: one precision for both",
+            spec.matmul_inputs.name(),
+            spec.lm_head_inputs.name()
+        );
+        Ok(Self {
+            bf16_matmul_inputs: spec.matmul_inputs == Precision::Bf16,
+            kv_format: spec.kv_format,
+            kv_k: spec.kv_k(),
+            kv_v: spec.kv_v(),
+        })
+    }
+
     /// A matrix-product input as this backend feeds it: as is, or rounded to bf16.
     fn matmul_input<'a>(&self, v: &'a [f32]) -> Cow<'a, [f32]> {
         if self.bf16_matmul_inputs {
@@ -100,16 +148,40 @@ impl CpuBackend {
         }
     }
 
-    /// Copies `src` into a KV cache slice, rounded to the cache's element type.
-    fn kv_store(&self, dst: &mut [f32], src: &[f32]) {
-        match self.kv_dtype {
-            KvDtype::F32 => dst.copy_from_slice(src),
-            KvDtype::Bf16 => {
-                for (d, &s) in dst.iter_mut().zip(src) {
-                    *d = to_bf16(s);
-                }
-            }
+    /// The queries as attention reads them: rounded to bf16 where the CUDA
+    /// default route's tensor-core attention (kernel v2, bf16 KV) rounds them.
+    fn attention_query<'a>(&self, q: &'a [f32]) -> Cow<'a, [f32]> {
+        if self.bf16_matmul_inputs && self.kv_format == KvFormat::Bf16 {
+            Cow::Owned(round_bf16(q))
+        } else {
+            Cow::Borrowed(q)
         }
+    }
+
+    /// Stores `src` `(n_pos, n_kv_heads * d)` into a KV cache slice of the
+    /// same shape through `codec`, row by row (one row per position and KV
+    /// head): `dst = decode(encode(src))`. Returns the elements the codec
+    /// counted non-finite.
+    fn kv_store(codec: RowCodec, d: usize, dst: &mut [f32], src: &[f32]) -> Result<usize> {
+        if codec.elem == ElemCodec::F32 {
+            dst.copy_from_slice(src);
+            return Ok(src.iter().filter(|v| !v.is_finite()).count());
+        }
+        codec.check_len(d)?;
+        let n_bytes = codec.row_bytes(d);
+        let counts = dst
+            .par_chunks_mut(d)
+            .zip(src.par_chunks(d))
+            .map_init(
+                || vec![0u8; n_bytes],
+                |bytes, (o, x)| -> Result<usize> {
+                    let n_bad = codec.encode_row(x, bytes)?;
+                    codec.decode_row(bytes, o)?;
+                    Ok(n_bad)
+                },
+            )
+            .collect::<Result<Vec<usize>>>()?;
+        Ok(counts.iter().sum())
     }
 }
 
@@ -153,7 +225,9 @@ impl Backend for CpuBackend {
         let slots = g.n_seqs * g.max_pos;
         let k = (0..g.n_layers).map(|_| vec![0f32; slots * g.n_kv_heads * g.d_head]).collect();
         let v = (0..g.n_layers).map(|_| vec![0f32; slots * g.n_kv_heads * g.d_head_v]).collect();
-        Ok(CpuKvCache { geometry: g, k, v })
+        self.kv_k.check_len(g.d_head).context("kv cache: K rows")?;
+        self.kv_v.check_len(g.d_head_v).context("kv cache: V rows")?;
+        Ok(CpuKvCache { geometry: g, k, v, n_nonfinite: 0 })
     }
 
     fn embed(&self, table: &CpuMatrix, tokens: &[u32], scale: f64) -> Result<CpuTensor> {
@@ -277,10 +351,14 @@ impl Backend for CpuBackend {
             // Slot s of this layer's cache: (max_pos, cols).
             let kc = &mut cache.k[layer][s * g.max_pos * k_cols..(s + 1) * g.max_pos * k_cols];
             let vc = &mut cache.v[layer][s * g.max_pos * v_cols..(s + 1) * g.max_pos * v_cols];
-            self.kv_store(&mut kc[pos0 * k_cols..(pos0 + n) * k_cols], &k.data[s * n * k_cols..(s + 1) * n * k_cols]);
-            self.kv_store(&mut vc[pos0 * v_cols..(pos0 + n) * v_cols], &v.data[s * n * v_cols..(s + 1) * n * v_cols]);
-            let q_s = &q.data[s * n * q.n_cols..(s + 1) * n * q.n_cols];
-            out.extend(attention::attention(q_s, n, kc, vc, pos0, p)?);
+            let k_src = &k.data[s * n * k_cols..(s + 1) * n * k_cols];
+            let v_src = &v.data[s * n * v_cols..(s + 1) * n * v_cols];
+            cache.n_nonfinite += Self::kv_store(self.kv_k, g.d_head, &mut kc[pos0 * k_cols..(pos0 + n) * k_cols], k_src)
+                .context("attention: store K")?;
+            cache.n_nonfinite += Self::kv_store(self.kv_v, g.d_head_v, &mut vc[pos0 * v_cols..(pos0 + n) * v_cols], v_src)
+                .context("attention: store V")?;
+            let q_s = self.attention_query(&q.data[s * n * q.n_cols..(s + 1) * n * q.n_cols]);
+            out.extend(attention::attention(&q_s, n, kc, vc, pos0, p)?);
         }
         CpuTensor::new(rows.n_rows(), out_cols, out)
     }
@@ -334,9 +412,20 @@ impl Backend for CpuBackend {
         ExecutionInfo {
             backend: "cpu".into(),
             device: self.describe(),
-            kv_dtype: self.kv_dtype.name().into(),
+            kv_dtype: self.kv_format.name().into(),
             route: route.into(),
-            details: serde_json::json!({ "matmul": matmul, "lm_head": matmul }),
+            details: serde_json::json!({
+                "matmul": matmul,
+                "lm_head": matmul,
+                "attention": if self.bf16_matmul_inputs && self.kv_format == KvFormat::Bf16 {
+                    "q rounded to bf16 (emulates the CUDA tensor-core attention, kernel v2); f64 softmax"
+                } else {
+                    "f32 q; f64 softmax"
+                },
+                "kv_k_codec": self.kv_k.name(),
+                "kv_v_codec": self.kv_v.name(),
+                "kv_storage": "decode(encode(row)) through crate::kv, stored as f32",
+            }),
         }
     }
 }
@@ -402,7 +491,24 @@ mod tests {
             .collect()
     }
 
-    const EMULATED: CpuBackend = CpuBackend { bf16_matmul_inputs: true, kv_dtype: KvDtype::Bf16 };
+    const EMULATED: CpuBackend = CpuBackend {
+        bf16_matmul_inputs: true,
+        kv_format: KvFormat::Bf16,
+        kv_k: RowCodec::new(ElemCodec::Bf16, false),
+        kv_v: RowCodec::new(ElemCodec::Bf16, false),
+    };
+
+    #[test]
+    fn emulated_default_route_rounds_queries_where_cuda_attention_v2_does() {
+        let q = vec![1.0f32 + 1.0 / 1024.0, 0.3, -7.77];
+        assert_ne!(round_bf16(&q), q, "the test values must not be bf16 already");
+        assert_eq!(&*EMULATED.attention_query(&q), &round_bf16(&q)[..]);
+        let f32_kv = CpuBackend { bf16_matmul_inputs: true, ..CpuBackend::with_kv(KvFormat::F32) };
+        let fp32_route = CpuBackend::with_kv(KvFormat::Bf16);
+        for b in [CpuBackend::default(), f32_kv, fp32_route] {
+            assert_eq!(&*b.attention_query(&q), &q[..], "{b:?} runs kernel v1 on CUDA: q stays f32");
+        }
+    }
 
     #[test]
     fn emulation_rounds_both_matmul_inputs_and_nothing_else() {
@@ -435,7 +541,7 @@ mod tests {
         let p = AttnParams { n_heads: 2, n_kv_heads: 1, d_head: d, d_head_v: d, scale: 0.3, window: None, softcap: None };
         let g = KvGeometry { n_layers: 1, n_kv_heads: 1, d_head: d, d_head_v: d, max_pos: n, n_seqs: 1 };
         let (q, k, v) = (t(n, 2 * d, &ragged(n * 2 * d, 3)), t(n, d, &ragged(n * d, 4)), t(n, d, &ragged(n * d, 5)));
-        let bf16_kv = CpuBackend { kv_dtype: KvDtype::Bf16, ..Default::default() };
+        let bf16_kv = CpuBackend::with_kv(KvFormat::Bf16);
         let mut cache = bf16_kv.new_kv_cache(g).unwrap();
         let got = bf16_kv.attention(&mut cache, 0, &q, &k, &v, PassRows::single(n, 0), &p).unwrap();
         assert_eq!(cache.k[0], round_bf16(&k.data));
@@ -447,6 +553,41 @@ mod tests {
         assert_eq!(got, reference.attention(&mut ref_cache, 0, &q, &kr, &vr, PassRows::single(n, 0), &p).unwrap());
         let mut f32_cache = reference.new_kv_cache(g).unwrap();
         assert_ne!(got, reference.attention(&mut f32_cache, 0, &q, &k, &v, PassRows::single(n, 0), &p).unwrap());
+    }
+
+    #[test]
+    fn quantized_kv_stores_each_row_through_its_codec_and_counts_non_finite() {
+        let (n, d) = (5, 32);
+        let p = AttnParams { n_heads: 2, n_kv_heads: 2, d_head: d, d_head_v: d, scale: 0.2, window: None, softcap: None };
+        let g = KvGeometry { n_layers: 1, n_kv_heads: 2, d_head: d, d_head_v: d, max_pos: n, n_seqs: 1 };
+        let (q, k, mut v) = (t(n, 2 * d, &ragged(n * 2 * d, 6)), t(n, 2 * d, &ragged(n * 2 * d, 7)), t(n, 2 * d, &ragged(n * 2 * d, 8)));
+        for f in [KvFormat::Fp8, KvFormat::K4v2, KvFormat::Vq2] {
+            let b = CpuBackend::with_kv(f);
+            let mut cache = b.new_kv_cache(g).unwrap();
+            b.attention(&mut cache, 0, &q, &k, &v, PassRows::single(n, 0), &p).unwrap();
+            // Row r (position r / 2, KV head r % 2) is decode(encode(row)).
+            for (r, (stored, x)) in cache.k[0].chunks(d).zip(k.data.chunks(d)).enumerate() {
+                let mut bytes = vec![0u8; f.k().row_bytes(d)];
+                f.k().encode_row(x, &mut bytes).unwrap();
+                let mut want = vec![0f32; d];
+                f.k().decode_row(&bytes, &mut want).unwrap();
+                assert_eq!(stored, &want[..], "{f}: K row {r}");
+                assert_ne!(stored, x, "{f}: K row {r} must be quantized");
+            }
+            assert_eq!(cache.n_nonfinite(), 0);
+        }
+        // One NaN in V: its row (position 1, head 1) decodes to NaN and is counted.
+        v.data[3 * d + 3] = f32::NAN;
+        let b = CpuBackend::with_kv(KvFormat::Int8);
+        let mut cache = b.new_kv_cache(g).unwrap();
+        b.attention(&mut cache, 0, &q, &k, &v, PassRows::single(n, 0), &p).unwrap();
+        assert_eq!(cache.n_nonfinite(), 1);
+        let row = &cache.v[0][3 * d..4 * d];
+        assert!(row.iter().all(|x| x.is_nan()));
+        assert!(cache.v[0][..3 * d].iter().chain(&cache.v[0][4 * d..]).all(|x| x.is_finite()));
+        // A head the codec cannot code is refused when the cache is made.
+        let g40 = KvGeometry { d_head: 40, d_head_v: 40, ..g };
+        assert!(b.new_kv_cache(g40).unwrap_err().to_string().contains("K rows"));
     }
 
     #[test]

@@ -16,8 +16,13 @@
 //! `--kv-dtype` sets the KV cache type apart from the route (bf16 KV on the
 //! FP32 route, f32 KV on the default route), to measure what each costs.
 //!
+//! Attention ([`CudaBackend::attention_kernel`]): on the default route with a
+//! bf16 cache the tensor-core flash attention (kernel v2: q and P rounded to
+//! bf16, f32 accumulation and softmax); on the FP32 route and with an f32
+//! cache the f32 CUDA-core kernel (v1). The report names the one that ran.
+//!
 //! Common to both: activations and the residual stream are f32 device
-//! matrices; norms, RoPE, attention math and activations are f32. The LM head
+//! matrices; norms, RoPE and activations are f32. The LM head
 //! multiplies the final-normed rows with the head like any matmul of the
 //! route (bf16 on the tensor cores, or f32 FFMA) into f32 logits, reduced on
 //! the GPU with an f64 sum of exponentials. Weights stay in their stored block format
@@ -41,7 +46,8 @@ use super::ops::{self, LmHeadOut, Rows, LM_HEAD_TILE_ROWS};
 use crate::artifact::meta::{Activation, RopeStyle};
 use crate::artifact::TensorView;
 use crate::backend::cpu::{dequant, head::check_request};
-use crate::backend::{AttnParams, Backend, ExecutionInfo, HeadRequest, KvDtype, KvGeometry, PassRows, RopeParams, RowScore};
+use crate::backend::{AttnParams, Backend, ExecutionInfo, HeadRequest, KvGeometry, PassRows, RopeParams, RowScore};
+use crate::kv::KvFormat;
 
 /// The numeric route of the CUDA backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,11 +65,11 @@ impl Route {
             Self::Fp32 => "fp32",
         }
     }
-    /// The route's own KV cache type (`--kv-dtype auto`).
-    pub fn kv_dtype(self) -> KvDtype {
+    /// The KV format this route had before `--kv-dtype` existed (tests).
+    pub fn kv_dtype(self) -> KvFormat {
         match self {
-            Self::Bf16TensorCore => KvDtype::Bf16,
-            Self::Fp32 => KvDtype::F32,
+            Self::Bf16TensorCore => KvFormat::Bf16,
+            Self::Fp32 => KvFormat::F32,
         }
     }
 }
@@ -101,7 +107,7 @@ pub struct CudaKvCache {
 pub struct CudaBackend {
     dev: CudaDevice,
     route: Route,
-    kv_dtype: KvDtype,
+    kv_dtype: KvFormat,
     /// Positions 0..len as i32 (RoPE reads a sub-range), grown on demand.
     positions: RefCell<Option<DeviceBuffer<i32>>>,
     /// The LM head's logits tile `(LM_HEAD_TILE_ROWS, n_vocab)`, kept between calls.
@@ -141,7 +147,12 @@ fn gib(bytes: usize) -> f64 {
 impl CudaBackend {
     /// Opens GPU `index` (driver probe first: no driver is an error, not a
     /// panic) and loads every kernel.
-    pub fn open(index: usize, route: Route, kv_dtype: KvDtype) -> Result<Self> {
+    pub fn open(index: usize, route: Route, kv_dtype: KvFormat) -> Result<Self> {
+        ensure!(
+            matches!(kv_dtype, KvFormat::Bf16 | KvFormat::F32),
+            "--kv-dtype {kv_dtype}: this KV format is not implemented on the CUDA backend yet (there: bf16, f32; \
+             every format runs on --backend cpu)"
+        );
         let dev = CudaDevice::open(index)?;
         Ok(Self { dev, route, kv_dtype, positions: RefCell::new(None), head_scratch: RefCell::new(None) })
     }
@@ -190,7 +201,17 @@ impl CudaBackend {
         let (n_seqs, n) = (p.n_seqs, p.n_tokens);
         ops::kv_store(&self.dev, k.buf.view(), n_seqs, n, k.n_cols, kc.view_mut(), shape, p.pos0)?;
         ops::kv_store(&self.dev, v.buf.view(), n_seqs, n, v.n_cols, vc.view_mut(), shape, p.pos0)?;
-        ops::attention::<KV, f32>(&self.dev, q.buf.view(), kc.view(), vc.view(), shape, out.buf.view_mut(), p)
+        ops::attention::<KV, f32>(&self.dev, self.attention_kernel(), q.buf.view(), kc.view(), vc.view(), shape, out.buf.view_mut(), p)
+    }
+
+    /// The prefill attention kernel of this backend's route and KV type: the
+    /// tensor-core kernel (v2) on the default route with a bf16 cache; the f32
+    /// CUDA-core kernel (v1) on the FP32 route (its exact path) and for an f32 cache.
+    pub fn attention_kernel(&self) -> ops::AttnKernel {
+        match (self.route, self.kv_dtype) {
+            (Route::Bf16TensorCore, KvFormat::Bf16) => ops::AttnKernel::V2,
+            _ => ops::AttnKernel::V1,
+        }
     }
 }
 
@@ -228,8 +249,9 @@ impl Backend for CudaBackend {
         );
         let len = g.n_seqs * g.n_kv_heads * g.max_pos * g.d_head;
         let layers = match self.kv_dtype {
-            KvDtype::Bf16 => KvLayers::Bf16(self.kv_buffers(g.n_layers, len)?),
-            KvDtype::F32 => KvLayers::F32(self.kv_buffers(g.n_layers, len)?),
+            KvFormat::Bf16 => KvLayers::Bf16(self.kv_buffers(g.n_layers, len)?),
+            KvFormat::F32 => KvLayers::F32(self.kv_buffers(g.n_layers, len)?),
+            other => bail!("kv cache on CUDA: format {other} is not implemented"),
         };
         Ok(CudaKvCache { geometry: g, layers })
     }
@@ -543,7 +565,8 @@ impl Backend for CudaBackend {
                          f32 accumulation (no sm_90a wgmma kernel on this GPU)".to_string(),
                     Route::Fp32 => "f32 inputs, weights dequantized to f32 in shared memory, FFMA, f32 accumulation".to_string(),
                 },
-                "attention": "f32 math on the CUDA cores (online softmax), cache read as stored",
+                "attention_kernel": self.attention_kernel().name(),
+                "attention": self.attention_kernel().describe(),
                 "lm_head": format!("{} in tiles of {LM_HEAD_TILE_ROWS} rows; max, f64 sum of exp, target, top-k on the GPU", match self.route {
                     Route::Bf16TensorCore => "bf16 rows x head on the tensor cores (f32 accumulation, f32 logits)",
                     Route::Fp32 => "f32 rows x head (FFMA, f32 logits)",
@@ -553,7 +576,10 @@ impl Backend for CudaBackend {
     }
 
     fn check_memory(&self, kv: KvGeometry, n_pass_tokens: usize, n_pass_cols: usize, n_vocab: usize) -> Result<()> {
-        let kv_bytes = 2 * kv.n_seqs * kv.n_layers * kv.n_kv_heads * kv.max_pos * kv.d_head * self.kv_dtype.elem_bytes();
+        let kv_bytes = kv.n_seqs
+            * kv.n_layers
+            * kv.max_pos
+            * self.kv_dtype.bytes_per_position_per_layer(kv.n_kv_heads, kv.d_head, kv.d_head_v);
         // Live activations of one pass: the residual stream, a normed copy, q/k/v,
         // attention out, gate/up/product (widest row), a bf16 copy of a matmul input.
         let act_bytes = 12 * n_pass_tokens * n_pass_cols * 4;

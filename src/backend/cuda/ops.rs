@@ -683,16 +683,88 @@ pub struct AttnParams {
 
 const ATTN_HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
 
-/// Dynamic shared memory of attn_prefill for d_head and cache element size.
+/// The prefill attention kernels, kept side by side for comparison
+/// (kernels/attention.cu); execution info names the one that ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnKernel {
+    /// `attn_prefill_*`: f32 FMA on the CUDA cores, q in f32, cache read as
+    /// stored (bf16 or f32). The FP32 route's exact path.
+    V1,
+    /// `attn_flash_*`: FlashAttention-2 style, QKᵀ and PV with mma.sync
+    /// m16n8k16 bf16 (q rounded to bf16 in the kernel, P rounded to bf16, f32
+    /// accumulation and f32 online softmax); bf16 cache only.
+    V2,
+}
+
+impl AttnKernel {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::V1 => "v1",
+            Self::V2 => "v2",
+        }
+    }
+    /// One line for the report's execution info.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::V1 => "v1: f32 FMA on the CUDA cores (online softmax), f32 q, cache read as stored",
+            Self::V2 => {
+                "v2: flash attention on the tensor cores (mma.sync m16n8k16 bf16, ldmatrix, cp.async K/V \
+                 double buffer); q rounded to bf16 (nearest even) in the kernel, P rounded to bf16, f32 \
+                 accumulation and f32 online softmax; bf16 cache"
+            }
+        }
+    }
+}
+
+/// Parameters of `attn_flash_*`, mirrored by `struct AttnArgs` in kernels/common.cuh.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct AttnArgs {
+    q: u64,
+    k: u64,
+    v: u64,
+    out: u64,
+    n_tokens: i32,
+    n_heads: i32,
+    n_kv_heads: i32,
+    n_ctx: i32,
+    pos0: i32,
+    window: i32,
+    scale: f32,
+    softcap: f32,
+    q_stride: i64,
+    out_stride: i64,
+}
+const _: () = assert!(size_of::<AttnArgs>() == 80, "AttnArgs must match kernels/common.cuh");
+// SAFETY: plain data of fixed C layout (asserted above), passed by value as the kernel's parameter.
+unsafe impl cudarc::driver::DeviceRepr for AttnArgs {}
+
+/// (queries per block, keys per tile) of `attn_flash_d<d_head>_*`: the kernel's
+/// `4 * 16 * m_tiles(D)` and `key_tile(D)` (kernels/attention.cu).
+pub fn attn_flash_tiles(_d_head: usize) -> (usize, usize) {
+    let (m_tiles, key_tile) = (1, 64);
+    (4 * 16 * m_tiles, key_tile)
+}
+
+/// Dynamic shared memory of attn_prefill (v1) for d_head and cache element size.
 fn attn_smem_bytes(d_head: usize, kv_bytes: usize) -> usize {
     let kpad = if kv_bytes == 2 { 2 } else { 1 };
     16 * d_head * 4 + 32 * (d_head + kpad) * kv_bytes + 32 * d_head * kv_bytes
 }
 
-/// out[t, h*d_head ..] = softmax(q·Kᵀ * scale, causal/window mask) · V, per head with GQA.
-/// q: (n_tokens, q_stride) f32; caches: `shape`; out: (n_tokens, out_stride).
+/// Dynamic shared memory of attn_flash (v2): Q and two stages of K and V, bf16 rows padded by 8.
+fn attn_flash_smem_bytes(d_head: usize) -> usize {
+    let (bq, bk) = attn_flash_tiles(d_head);
+    (bq + 4 * bk) * (d_head + 8) * 2
+}
+
+/// out[t, h*d_head ..] = softmax(q·Kᵀ * scale, causal/window mask) · V, per head with GQA,
+/// with the chosen kernel (`AttnKernel::V2` needs a bf16 cache).
+/// q: (n_seqs * n_tokens, q_stride) f32; caches: `shape`; out: (n_seqs * n_tokens, out_stride).
+#[allow(clippy::too_many_arguments)]
 pub fn attention<KV: KvElem, O: OutElem>(
     dev: &CudaDevice,
+    kernel: AttnKernel,
     q: DevView<f32>,
     k_cache: DevView<KV>,
     v_cache: DevView<KV>,
@@ -711,18 +783,32 @@ pub fn attention<KV: KvElem, O: OutElem>(
     ensure!(k_cache.len() == shape.len() && v_cache.len() == shape.len(), "attention: caches ({}, {}) vs shape {shape:?}", k_cache.len(), v_cache.len());
     ensure!(p.pos0 + p.n_tokens <= shape.n_ctx, "attention: positions up to {} past the cache's {} slots", p.pos0 + p.n_tokens, shape.n_ctx);
     ensure!(p.n_seqs <= shape.n_seqs, "attention: {} windows, the cache has {} slots", p.n_seqs, shape.n_seqs);
+    ensure!(p.softcap >= 0.0 && p.softcap.is_finite(), "attention: soft-cap {}", p.softcap);
     let n_rows = p.n_seqs * p.n_tokens;
     Rows { n_rows, n_cols: p.n_heads * d, stride: p.q_stride }.check(q.len(), "attention", "q")?;
     Rows { n_rows, n_cols: p.n_heads * d, stride: p.out_stride }.check(out.len(), "attention", "out")?;
     if n_rows == 0 {
         return Ok(());
     }
-    let name = format!("attn_prefill_d{d}_{}_{}", KV::NAME, O::NAME);
+    let (name, smem, block_q) = match kernel {
+        AttnKernel::V1 => (format!("attn_prefill_d{d}_{}_{}", KV::NAME, O::NAME), attn_smem_bytes(d, size_of::<KV>()), 16u32),
+        AttnKernel::V2 => {
+            ensure!(
+                KV::NAME == "bf16",
+                "attention kernel v2 (tensor cores) reads a bf16 cache; a {} cache runs kernel v1",
+                KV::NAME
+            );
+            // float4 loads of q, 16-byte cp.async of cache rows, paired stores of out.
+            ensure!(q.ptr() % 16 == 0 && p.q_stride % 4 == 0, "attention v2: q must be 16-byte aligned with a stride that is a multiple of 4");
+            ensure!(k_cache.ptr() % 16 == 0 && v_cache.ptr() % 16 == 0, "attention v2: the caches must be 16-byte aligned");
+            ensure!(out.ptr() % 8 == 0 && p.out_stride % 2 == 0, "attention v2: out must be 8-byte aligned with an even stride");
+            (format!("attn_flash_d{d}_bf16_{}", O::NAME), attn_flash_smem_bytes(d), attn_flash_tiles(d).0 as u32)
+        }
+    };
     let f = func(dev, &name)?;
-    let smem = attn_smem_bytes(d, size_of::<KV>());
     ensure!(
         smem <= dev.info().max_smem_per_block_bytes as usize,
-        "attention: d_head {d} needs {smem} bytes of shared memory, the device allows {}",
+        "attention: {name} needs {smem} bytes of shared memory, the device allows {}",
         dev.info().max_smem_per_block_bytes
     );
     f.set_attribute(
@@ -730,17 +816,41 @@ pub fn attention<KV: KvElem, O: OutElem>(
         smem as i32,
     )
     .map_err(|e| anyhow!("{name}: raising dynamic shared memory to {smem} bytes: {e}"))?;
-    let (qp, kp, vp, op) = (q.ptr(), k_cache.ptr(), v_cache.ptr(), out.ptr());
     let nt = i32_of(p.n_tokens, "n_tokens")?;
     let (nh, nkv, nc) = (i32_of(p.n_heads, "n_heads")?, i32_of(shape.n_kv_heads, "n_kv_heads")?, i32_of(shape.n_ctx, "n_ctx")?);
     let (p0, win) = (i32_of(p.pos0, "pos0")?, i32_of(p.window, "window")?);
-    ensure!(p.softcap >= 0.0 && p.softcap.is_finite(), "attention: soft-cap {}", p.softcap);
     let (qs, os) = (p.q_stride as i64, p.out_stride as i64);
+    let grid = (grid_1d(p.n_tokens, block_q)?, u32::try_from(p.n_heads)?, u32::try_from(p.n_seqs)?);
+    ensure!(grid.1 <= 65535 && grid.2 <= 65535, "attention: {} heads x {} windows exceed the grid", p.n_heads, p.n_seqs);
+    let (qp, kp, vp, op) = (q.ptr(), k_cache.ptr(), v_cache.ptr(), out.ptr());
     let mut b = dev.stream().launch_builder(f);
-    b.arg(&qp).arg(&kp).arg(&vp).arg(&op).arg(&nt).arg(&nh).arg(&nkv).arg(&nc).arg(&p0).arg(&win).arg(&p.scale).arg(&p.softcap).arg(&qs).arg(&os);
-    let grid = (grid_1d(p.n_tokens, 16)?, p.n_heads as u32, p.n_seqs as u32);
-    // SAFETY: arguments match `attn_prefill_d<D>_<kv>_<out>` in kernels/attention.cu; q, out
-    // and both caches checked above; dynamic shared memory set to the kernel's need.
+    let args = AttnArgs {
+        q: qp,
+        k: kp,
+        v: vp,
+        out: op,
+        n_tokens: nt,
+        n_heads: nh,
+        n_kv_heads: nkv,
+        n_ctx: nc,
+        pos0: p0,
+        window: win,
+        scale: p.scale,
+        softcap: p.softcap,
+        q_stride: qs,
+        out_stride: os,
+    };
+    match kernel {
+        AttnKernel::V1 => {
+            b.arg(&qp).arg(&kp).arg(&vp).arg(&op).arg(&nt).arg(&nh).arg(&nkv).arg(&nc).arg(&p0).arg(&win).arg(&p.scale).arg(&p.softcap).arg(&qs).arg(&os);
+        }
+        AttnKernel::V2 => {
+            b.arg(&args);
+        }
+    }
+    // SAFETY: arguments match `attn_prefill_d<D>_<kv>_<out>` (v1, positional) or
+    // `attn_flash_d<D>_bf16_<out>` (v2, one AttnArgs) in kernels/attention.cu; q, out and
+    // both caches checked above (v2: alignment too); dynamic shared memory set to the kernel's need.
     unsafe { b.launch(cfg(grid, 128, smem as u32)) }.map_err(|e| launch_err(&name, e))?;
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! The PTX modules compiled by `build.rs` from `kernels/*.cu`, and the
 //! toolchain record that came with them (nvcc version, target arch, SHA-256 of
-//! the kernel sources). This module only exposes the generated constants.
+//! the kernel sources, together and per file). This module only exposes the
+//! generated constants.
 
 include!(concat!(env!("OUT_DIR"), "/cuda_kernels.rs"));
 
@@ -17,6 +18,13 @@ pub struct KernelBuildInfo {
     pub sources_sha256: &'static str,
     /// Number of PTX modules embedded.
     pub n_modules: usize,
+}
+
+/// (path such as `kernels/attention.cu`, SHA-256 hex) of each kernel source
+/// this binary was built from, in path order: what `tests/data/gpu_parity.json`
+/// records per file after a device parity run.
+pub fn source_file_hashes() -> &'static [(&'static str, &'static str)] {
+    SOURCE_FILES_SHA256
 }
 
 pub fn build_info() -> KernelBuildInfo {
