@@ -290,6 +290,17 @@ fn rope_normal_and_neox_with_base_and_scale() {
     let (n_tokens, n_seqs, n_heads, d_head) = (50, 2, 3, 64);
     let n_rows = n_seqs * n_tokens;
     let stride = n_heads * d_head + 32; // padded rows: the gap must stay untouched
+    // The f64 reference of every (token, head) of x, rotated by `rotate(head, position)`.
+    let reference = |x: &[f32], pos: &[i32], rotate: &dyn Fn(&[f32], i32) -> Vec<f64>| {
+        let mut cpu = to_f64(x);
+        for t in 0..n_rows {
+            for h in 0..n_heads {
+                let o = t * stride + h * d_head;
+                cpu[o..o + d_head].copy_from_slice(&rotate(&x[o..o + d_head], pos[t % n_tokens]));
+            }
+        }
+        cpu
+    };
     let cases = [
         (RopeMode::Normal, 64, 10_000.0, 1.0, 0),
         (RopeMode::Neox, 64, 1_000_000.0, 0.125, 3000),
@@ -304,14 +315,7 @@ fn rope_normal_and_neox_with_base_and_scale() {
         let p = RopeParams { n_heads, d_head, n_rot, mode, freq_base: base, freq_scale: scale, yarn: None };
         ops::rope(dev, xd.view_mut(), stride, n_rows, posd.view(), &p).unwrap();
         let gpu = dev.download(&xd).unwrap();
-        let mut cpu = to_f64(&x);
-        for t in 0..n_rows {
-            for h in 0..n_heads {
-                let o = t * stride + h * d_head;
-                let r = twin::rope_f64(&x[o..o + d_head], pos[t % n_tokens], n_rot, mode == RopeMode::Neox, base, scale);
-                cpu[o..o + d_head].copy_from_slice(&r);
-            }
-        }
+        let cpu = reference(&x, &pos, &|h, p| twin::rope_f64(h, p, n_rot, mode == RopeMode::Neox, base, scale));
         check(&format!("rope {mode:?} n_rot={n_rot} base={base} scale={scale} pos0={pos0} 2 windows"), &gpu, &cpu, TOL_F32);
     }
     // YaRN (factor 2 over 4096 trained positions, and 4 over 32768): the
@@ -336,14 +340,7 @@ fn rope_normal_and_neox_with_base_and_scale() {
         let p = RopeParams { n_heads, d_head, n_rot, mode, freq_base: base, freq_scale: 1.0, yarn: Some(yarn) };
         ops::rope(dev, xd.view_mut(), stride, n_rows, posd.view(), &p).unwrap();
         let gpu = dev.download(&xd).unwrap();
-        let mut cpu = to_f64(&x);
-        for t in 0..n_rows {
-            for h in 0..n_heads {
-                let o = t * stride + h * d_head;
-                let r = twin::rope_inv_freq_f64(&x[o..o + d_head], pos[t % n_tokens], mode == RopeMode::Neox, &inv, yarn.attn_factor);
-                cpu[o..o + d_head].copy_from_slice(&r);
-            }
-        }
+        let cpu = reference(&x, &pos, &|h, p| twin::rope_inv_freq_f64(h, p, mode == RopeMode::Neox, &inv, yarn.attn_factor));
         check(&format!("rope yarn {mode:?} factor={factor} trained={trained} pos0={pos0}"), &gpu, &cpu, TOL_F32);
     }
     // Rows that are not whole windows are refused.

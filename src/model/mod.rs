@@ -493,6 +493,11 @@ pub fn load_model(artifact: &Artifact, kind: BackendKind, rope_yarn_factor: f64)
                 spec.matmul_inputs.name()
             );
             ensure!(!spec.reference, "--reference is not implemented on the CUDA backend yet: add --backend cpu");
+            ensure!(
+                !spec.reproducible,
+                "--reproducible is not qualified on the CUDA backend yet (no test shows its scores independent of \
+                 batching and prefill chunk): add --backend cpu"
+            );
             let backend = CudaBackend::open(device, route, spec.kv_format).context("backend cuda")?;
             Ok(Box::new(Transformer::load(backend, artifact)?.with_rope_yarn(rope_yarn_factor)?))
         }

@@ -81,7 +81,10 @@ fn hparams(arch: Architecture) -> HParams {
 }
 
 fn tiny(arch: Architecture, seed: u64) -> Tiny {
-    let hp = hparams(arch);
+    tiny_from(hparams(arch), seed)
+}
+
+fn tiny_from(hp: HParams, seed: u64) -> Tiny {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut next = move || {
         s ^= s << 13;
@@ -143,11 +146,15 @@ fn tiny(arch: Architecture, seed: u64) -> Tiny {
 }
 
 fn load(arch: Architecture, t: &Tiny) -> Transformer<CpuBackend> {
+    load_on(CpuBackend::default(), arch, t)
+}
+
+fn load_on(b: CpuBackend, arch: Architecture, t: &Tiny) -> Transformer<CpuBackend> {
     let get = |name: &str| -> Result<TensorView<'_>> {
         let entry = t.entries.get(name).with_context(|| format!("tensor {name} not found"))?;
         Ok(TensorView { entry, bytes: &t.bytes[name] })
     };
-    Transformer::load_with(CpuBackend::default(), arch, t.hp.clone(), &get).expect("load tiny model")
+    Transformer::load_with(b, arch, t.hp.clone(), &get).expect("load tiny model")
 }
 
 // ---------------------------------------------------------------------------
@@ -424,4 +431,25 @@ fn yarn_goes_to_full_attention_layers_only_and_changes_scores() {
     t0.hp.context_length = 0;
     let err = load(Architecture::Gemma3, &t0).with_rope_yarn(2.0).err().expect("must fail");
     assert!(err.to_string().contains("context_length 0"), "{err}");
+}
+
+#[test]
+fn quantized_kv_scores_do_not_depend_on_chunking_or_batching() {
+    // Heads of 32 so every codec applies; per-row codecs make the CPU's
+    // results independent of how positions are split into passes (--reproducible).
+    let mut hp = hparams(Architecture::Llama);
+    (hp.d_head, hp.d_head_v, hp.rope_dim, hp.attn_scale) = (32, 32, 32, 1.0 / 32f64.sqrt());
+    let t = tiny_from(hp, 13);
+    let toks = tokens(21, t.hp.n_vocab);
+    let whole = ScoreOptions { top_k: 3, prefill_chunk: None };
+    let exact = load(Architecture::Llama, &t).score_window(&toks, 2, &whole, &[]).unwrap();
+    for f in [crate::kv::KvFormat::Fp8, crate::kv::KvFormat::K4v2, crate::kv::KvFormat::Vq2] {
+        let mut m = load_on(CpuBackend::with_kv(f), Architecture::Llama, &t);
+        let one = m.score_window(&toks, 2, &whole, &[]).unwrap();
+        assert_ne!(one, exact, "{f} changes the scores");
+        for chunk in [4, 7] {
+            let opts = ScoreOptions { top_k: 3, prefill_chunk: Some(chunk) };
+            assert_eq!(m.score_window(&toks, 2, &opts, &[]).unwrap(), one, "{f}: passes of {chunk}");
+        }
+    }
 }

@@ -12,10 +12,15 @@
 //! partial results are always combined in a fixed order, so two runs give
 //! bit-identical numbers.
 //!
+//! KV formats: K and V rows enter the cache through the codec of the run's
+//! KV format (`crate::kv`, the reference definition of every format):
+//! `decode(encode(row))` is what attention reads. `CpuBackend::default()`
+//! stores f32 (nothing lost); the CLI's default is fp8 (`--lossless`: f32).
+//!
 //! Emulation: on request the backend rounds where a faster route rounds --
 //! both inputs of every matrix product to bf16 (the CUDA default route's
-//! tensor-core inputs), and K and V to bf16 as they enter the cache -- and
-//! nowhere else. Its distance from the exact reference then measures that
+//! tensor-core inputs; `ExecutionSpec::matmul_inputs`) -- and nowhere else
+//! but the KV codec. Its distance from the exact reference then measures that
 //! rounding alone, with no kernel in the way (docs/numerical-quality.md).
 
 pub mod attention;
