@@ -249,30 +249,18 @@ impl RowCodec {
         let (data, scales) = out.split_at_mut(e.data_bytes(d));
         match e {
             ElemCodec::Int8 => {
-                let scale = amax(&y) / 127.0;
-                if overflows(scale, 127.0) {
+                // One group of d: q = clamp(rint(y / s), -127, 127); s = 0 -> q = 0.
+                if !encode_groups(&y, d, data, scales, 127.0, 0, |t| round_clamp(t, -127, 127) as i8 as u8, put_byte) {
                     self.poison(d, out);
                     return Ok(d);
                 }
-                if scale != 0.0 {
-                    for (o, &v) in data.iter_mut().zip(&y) {
-                        *o = round_clamp(v / scale, -127, 127) as i8 as u8;
-                    }
-                }
-                put_f32(scales, 0, scale);
             }
             ElemCodec::Fp8 => {
-                let scale = amax(&y) / E4M3_MAX;
-                if overflows(scale, E4M3_MAX) {
+                // One group of d: c = e4m3(y / s); s = 0 -> c = 0.
+                if !encode_groups(&y, d, data, scales, E4M3_MAX, 0, e4m3_from_f32, put_byte) {
                     self.poison(d, out);
                     return Ok(d);
                 }
-                if scale != 0.0 {
-                    for (o, &v) in data.iter_mut().zip(&y) {
-                        *o = e4m3_from_f32(v / scale);
-                    }
-                }
-                put_f32(scales, 0, scale);
             }
             ElemCodec::Nvfp4 => {
                 let row_scale = amax(&y) / (E4M3_MAX * E2M1_MAX); // / 2688
@@ -293,31 +281,17 @@ impl RowCodec {
                 }
             }
             ElemCodec::Int4G32 => {
-                for (g, grp) in y.chunks_exact(32).enumerate() {
-                    let s = amax(grp) / 7.0;
-                    if overflows(s, 7.0) {
-                        self.poison(d, out);
-                        return Ok(d);
-                    }
-                    put_f32(scales, g, s);
-                    for (i, &v) in grp.iter().enumerate() {
-                        let q = if s != 0.0 { round_clamp(v / s, -7, 7) } else { 0 };
-                        put_nibble(data, g * 32 + i, (q + 8) as u8);
-                    }
+                // q = clamp(rint(y / s), -7, 7), stored q + 8; s = 0 -> q = 0.
+                if !encode_groups(&y, 32, data, scales, 7.0, 8, |t| (round_clamp(t, -7, 7) + 8) as u8, put_nibble) {
+                    self.poison(d, out);
+                    return Ok(d);
                 }
             }
             ElemCodec::Int2G32 => {
-                for (g, grp) in y.chunks_exact(32).enumerate() {
-                    let s = amax(grp) / 1.5;
-                    if overflows(s, 1.5) {
-                        self.poison(d, out);
-                        return Ok(d);
-                    }
-                    put_f32(scales, g, s);
-                    for (i, &v) in grp.iter().enumerate() {
-                        let q = if s != 0.0 { round_clamp(v / s + 1.5, 0, 3) } else { 2 };
-                        put_crumb(data, g * 32 + i, q as u8);
-                    }
+                // q = clamp(rint(y / s + 1.5), 0, 3); s = 0 -> q = 2.
+                if !encode_groups(&y, 32, data, scales, 1.5, 2, |t| round_clamp(t + 1.5, 0, 3) as u8, put_crumb) {
+                    self.poison(d, out);
+                    return Ok(d);
                 }
             }
             ElemCodec::Vq2 => {
@@ -447,6 +421,35 @@ pub fn fp16_bits(v: f32) -> u16 {
     }
 }
 
+/// The amax-scaled codecs' encode: per group `g` of `group` elements (`d`
+/// for the per-row codecs, 32 for the group codecs), `s = amax_g / qmax`
+/// stored as f32 scale `g`, then element `i`'s code `code(y_i / s)` (`zero`
+/// when `s == 0`) written by `put`. False when `qmax * s` overflows (the
+/// caller poisons the row).
+#[allow(clippy::too_many_arguments)]
+fn encode_groups(
+    y: &[f32],
+    group: usize,
+    data: &mut [u8],
+    scales: &mut [u8],
+    qmax: f32,
+    zero: u8,
+    code: impl Fn(f32) -> u8,
+    put: fn(&mut [u8], usize, u8),
+) -> bool {
+    for (g, grp) in y.chunks_exact(group).enumerate() {
+        let s = amax(grp) / qmax;
+        if overflows(s, qmax) {
+            return false;
+        }
+        put_f32(scales, g, s);
+        for (i, &v) in grp.iter().enumerate() {
+            put(data, g * group + i, if s != 0.0 { code(v / s) } else { zero });
+        }
+    }
+    true
+}
+
 /// Whether the largest decoded value `qmax * s` is beyond f32 (amax within
 /// a rounding of `f32::MAX`): such a row is poisoned and counted.
 fn overflows(s: f32, qmax: f32) -> bool {
@@ -486,6 +489,10 @@ fn put_f32(b: &mut [u8], i: usize, v: f32) {
 
 fn get_f32(b: &[u8], i: usize) -> f32 {
     f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])
+}
+
+fn put_byte(b: &mut [u8], i: usize, c: u8) {
+    b[i] = c;
 }
 
 /// Element `i`'s 4 bits: low nibble of byte `i / 2` for even `i`, high for odd.

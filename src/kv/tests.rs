@@ -201,10 +201,10 @@ fn all_equal_rows() {
             assert_within_bound(&c, &x, 1.0);
         }
         // int8 and fp8 without rotation hit their top code exactly.
-        for f in [KvFormat::Int8, KvFormat::Fp8] {
-            let (b, y, _) = round_trip(&f.k(), &x);
+        for e in [ElemCodec::Int8, ElemCodec::Fp8] {
+            let (b, y, _) = round_trip(&RowCodec::new(e, false), &x);
             assert!(y.iter().all(|&t| t == y[0]));
-            assert_eq!(b[0], if f == KvFormat::Int8 { (127i8 * v.signum() as i8) as u8 } else { 0x7E | (b[0] & 0x80) });
+            assert_eq!(b[0], if e == ElemCodec::Int8 { (127i8 * v.signum() as i8) as u8 } else { 0x7E | (b[0] & 0x80) });
         }
     }
 }
@@ -232,7 +232,7 @@ fn maxima_are_coded_or_counted() {
             }
             // The rotation, the RMS or QMAX * scale overflow: the row is poisoned and counted.
             _ => {
-                assert_ne!(c, KvFormat::Fp8.k());
+                assert_ne!(c, RowCodec::new(ElemCodec::Fp8, false));
                 assert_eq!(n_bad, 64, "{}", c.name());
                 assert!(y.iter().all(|v| v.is_nan()), "{}", c.name());
             }

@@ -81,7 +81,10 @@ fn hparams(arch: Architecture) -> HParams {
 }
 
 fn tiny(arch: Architecture, seed: u64) -> Tiny {
-    let hp = hparams(arch);
+    tiny_from(hparams(arch), seed)
+}
+
+fn tiny_from(hp: HParams, seed: u64) -> Tiny {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut next = move || {
         s ^= s << 13;
@@ -143,11 +146,15 @@ fn tiny(arch: Architecture, seed: u64) -> Tiny {
 }
 
 fn load(arch: Architecture, t: &Tiny) -> Transformer<CpuBackend> {
+    load_on(CpuBackend::default(), arch, t)
+}
+
+fn load_on(b: CpuBackend, arch: Architecture, t: &Tiny) -> Transformer<CpuBackend> {
     let get = |name: &str| -> Result<TensorView<'_>> {
         let entry = t.entries.get(name).with_context(|| format!("tensor {name} not found"))?;
         Ok(TensorView { entry, bytes: &t.bytes[name] })
     };
-    Transformer::load_with(CpuBackend::default(), arch, t.hp.clone(), &get).expect("load tiny model")
+    Transformer::load_with(b, arch, t.hp.clone(), &get).expect("load tiny model")
 }
 
 // ---------------------------------------------------------------------------
@@ -401,4 +408,48 @@ fn missing_or_misshapen_tensors_are_named() {
     let get = |name: &str| -> Result<TensorView<'_>> { Ok(TensorView { entry: &t.entries[name], bytes: &t.bytes[name] }) };
     let err = Transformer::load_with(CpuBackend::default(), arch, t.hp.clone(), &get).err().expect("must fail");
     assert!(format!("{err:#}").contains("ffn_gate.weight: shape [48, 32], expected [40, 32]"), "{err:#}");
+}
+
+#[test]
+fn yarn_goes_to_full_attention_layers_only_and_changes_scores() {
+    let t = tiny(Architecture::Gemma3, 5);
+    assert_eq!(t.hp.sliding_window, vec![Some(5), None, Some(5)]);
+    let toks = tokens(20, t.hp.n_vocab);
+    let opts = ScoreOptions { top_k: 0, prefill_chunk: None };
+    let native = load(Architecture::Gemma3, &t).score_window(&toks, 1, &opts, &[]).unwrap();
+    let m = load(Architecture::Gemma3, &t).with_rope_yarn(2.0).unwrap();
+    let yarns: Vec<bool> = m.layers.iter().map(|l| l.rope.yarn.is_some()).collect();
+    assert_eq!(yarns, vec![false, true, false]);
+    let mut m = m;
+    let scaled = m.score_window(&toks, 1, &opts, &[]).unwrap();
+    assert_ne!(native, scaled);
+    // Factor 1 is native RoPE exactly; factors outside [1, 4] and an unknown trained context are refused.
+    let mut same = load(Architecture::Gemma3, &t).with_rope_yarn(1.0).unwrap();
+    assert_eq!(same.score_window(&toks, 1, &opts, &[]).unwrap(), native);
+    assert!(load(Architecture::Gemma3, &t).with_rope_yarn(4.5).is_err());
+    let mut t0 = tiny(Architecture::Gemma3, 5);
+    t0.hp.context_length = 0;
+    let err = load(Architecture::Gemma3, &t0).with_rope_yarn(2.0).err().expect("must fail");
+    assert!(err.to_string().contains("context_length 0"), "{err}");
+}
+
+#[test]
+fn quantized_kv_scores_do_not_depend_on_chunking_or_batching() {
+    // Heads of 32 so every codec applies; per-row codecs make the CPU's
+    // results independent of how positions are split into passes (--reproducible).
+    let mut hp = hparams(Architecture::Llama);
+    (hp.d_head, hp.d_head_v, hp.rope_dim, hp.attn_scale) = (32, 32, 32, 1.0 / 32f64.sqrt());
+    let t = tiny_from(hp, 13);
+    let toks = tokens(21, t.hp.n_vocab);
+    let whole = ScoreOptions { top_k: 3, prefill_chunk: None };
+    let exact = load(Architecture::Llama, &t).score_window(&toks, 2, &whole, &[]).unwrap();
+    for f in [crate::kv::KvFormat::Fp8, crate::kv::KvFormat::K4v2, crate::kv::KvFormat::Vq2] {
+        let mut m = load_on(CpuBackend::with_kv(f), Architecture::Llama, &t);
+        let one = m.score_window(&toks, 2, &whole, &[]).unwrap();
+        assert_ne!(one, exact, "{f} changes the scores");
+        for chunk in [4, 7] {
+            let opts = ScoreOptions { top_k: 3, prefill_chunk: Some(chunk) };
+            assert_eq!(m.score_window(&toks, 2, &opts, &[]).unwrap(), one, "{f}: passes of {chunk}");
+        }
+    }
 }

@@ -12,10 +12,15 @@
 //! partial results are always combined in a fixed order, so two runs give
 //! bit-identical numbers.
 //!
+//! KV formats: K and V rows enter the cache through the codec of the run's
+//! KV format (`crate::kv`, the reference definition of every format):
+//! `decode(encode(row))` is what attention reads. `CpuBackend::default()`
+//! stores f32 (nothing lost); the CLI's default is fp8 (`--lossless`: f32).
+//!
 //! Emulation: on request the backend rounds where a faster route rounds --
 //! both inputs of every matrix product to bf16 (the CUDA default route's
-//! tensor-core inputs), and K and V to bf16 as they enter the cache -- and
-//! nowhere else. Its distance from the exact reference then measures that
+//! tensor-core inputs; `ExecutionSpec::matmul_inputs`) -- and nowhere else
+//! but the KV codec. Its distance from the exact reference then measures that
 //! rounding alone, with no kernel in the way (docs/numerical-quality.md).
 
 pub mod attention;
@@ -467,7 +472,7 @@ mod tests {
     #[test]
     fn rope_uses_row_positions() {
         // Row i is at position pos0 + i: with pos0 = 1, row 0 turns by 1 rad (inv_freq 1).
-        let p = RopeParams { style: RopeStyle::Neox, base: 10000.0, scale: 1.0, rope_dim: 2 };
+        let p = RopeParams { style: RopeStyle::Neox, base: 10000.0, scale: 1.0, rope_dim: 2, yarn: None };
         let mut x = t(2, 2, &[1.0, 0.0, 1.0, 0.0]);
         CpuBackend::default().rope(&mut x, 1, 2, PassRows::single(2, 1), &p).unwrap();
         assert!((x.data[0] as f64 - 1f64.cos()).abs() < 1e-6 && (x.data[1] as f64 - 1f64.sin()).abs() < 1e-6);
