@@ -128,13 +128,17 @@ impl TensorFormat {
     }
 
     /// Bytes of a tensor of this format with `n_elems` elements; an error when
-    /// the count is not a whole number of blocks.
+    /// the count is not a whole number of blocks or the size overflows u64
+    /// (a corrupted shape: found by fuzzing the GGUF reader).
     pub fn bytes_for(self, n_elems: u64) -> Result<u64> {
         let per = self.block_elems() as u64;
         if n_elems % per != 0 {
             bail!("{} elements is not a multiple of the {} block size {per}", n_elems, self.name());
         }
-        Ok(n_elems / per * self.block_bytes() as u64)
+        match (n_elems / per).checked_mul(self.block_bytes() as u64) {
+            Some(n) => Ok(n),
+            None => bail!("{n_elems} elements of {} do not fit in 2^64 bytes", self.name()),
+        }
     }
 
     /// Bytes of one row of `n_cols` elements (rows must hold whole blocks).
@@ -173,5 +177,7 @@ mod tests {
         assert_eq!(TensorFormat::Q5K.block_bytes(), 2 * 2 + 12 + 32 + 128);
         assert_eq!(TensorFormat::Q8_0.bytes_for(64).unwrap(), 68);
         assert!(TensorFormat::Q4_0.bytes_for(33).is_err());
+        // Issue 16 (fuzzing): a shape whose byte size overflows is an error, not a wrap.
+        assert!(TensorFormat::F32.bytes_for(u64::MAX / 2).is_err());
     }
 }
