@@ -233,13 +233,7 @@ fn execution_spec(args: &Args) -> Result<ExecutionSpec> {
 
 /// The ppl-stride method for llama.cpp's `-c context --ppl-stride stride`.
 fn ppl_stride_method(context: usize, stride: usize) -> Result<Method> {
-    if stride == 0 || context == 0 {
-        bail!("ppl-stride method: -c {context} and --ppl-stride {stride} must both be at least 1");
-    }
-    let window = crate::plan::ppl_stride_window(context, stride);
-    if stride >= window {
-        bail!("--ppl-stride {stride} must be smaller than the window of {window} tokens (-c {context} + stride/2, padded to 256)");
-    }
+    crate::plan::validate_ppl_stride(context, stride)?;
     Ok(Method::PplStride { context, stride })
 }
 

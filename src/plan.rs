@@ -191,14 +191,21 @@ pub fn plan_windows(
     }
 }
 
-fn plan_ppl_stride(n_tokens: usize, context: usize, stride: usize, limit: usize) -> Result<Vec<Window>> {
-    if stride == 0 {
-        bail!("--ppl-stride is 0: it must be at least 1");
+/// Validates llama.cpp's `-c context --ppl-stride stride` and returns the
+/// window length ([`ppl_stride_window`]).
+pub fn validate_ppl_stride(context: usize, stride: usize) -> Result<usize> {
+    if stride == 0 || context == 0 {
+        bail!("ppl-stride method: -c {context} and --ppl-stride {stride} must both be at least 1");
     }
     let window = ppl_stride_window(context, stride);
     if stride >= window {
         bail!("--ppl-stride {stride} must be smaller than the window of {window} tokens (-c {context} + stride/2, padded to 256)");
     }
+    Ok(window)
+}
+
+fn plan_ppl_stride(n_tokens: usize, context: usize, stride: usize, limit: usize) -> Result<Vec<Window>> {
+    let window = validate_ppl_stride(context, stride)?;
     let n_min = window.saturating_mul(2);
     if n_tokens < n_min {
         bail!(
