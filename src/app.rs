@@ -76,6 +76,8 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         meta.hparams.d_model,
         meta.hparams.n_vocab
     );
+    check_trained_context(cfg.method.context(), meta.hparams.context_length, cfg.execution.rope_yarn_factor)
+        .with_context(|| format!("{}", artifact.path.display()))?;
     let tokenizer = TextTokenizer::from_json(artifact.tokenizer_json(), &meta.tokenizer)
         .with_context(|| format!("{}: tokenizer", artifact.path.display()))?;
     let load_seconds = started.elapsed().as_secs_f64();
@@ -146,7 +148,7 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         BackendKind::Cuda { spec, .. } => spec.clone(),
     };
     let t_load = Instant::now();
-    let mut scorer = load_model(&artifact, kind)?;
+    let mut scorer = load_model(&artifact, kind, cfg.execution.rope_yarn_factor)?;
     // Size memory from the model and the plan before the first window.
     let n_max_window = streams.iter().flat_map(|s| &s.windows).map(|w| w.end - w.begin).max().unwrap_or(1);
     let pass_tokens = cfg.prefill_chunk.min(n_max_window);
@@ -286,6 +288,22 @@ fn read_inputs(cfg: &RunConfig) -> Result<(Vec<InputStream>, Option<CorpusInfo>)
             (out, Some(info))
         }
     })
+}
+
+/// Refuses a window longer than the model was trained for, times the YaRN
+/// factor (issue 16, item 7), and an artifact that records no trained context.
+fn check_trained_context(context: usize, trained: usize, yarn_factor: f64) -> Result<()> {
+    if trained == 0 {
+        bail!("the artifact records a trained context (context_length) of 0: cannot check --context {context}; re-convert it with the model's context length");
+    }
+    let ceiling = (trained as f64 * yarn_factor).floor() as usize;
+    if context > ceiling {
+        bail!(
+            "--context {context} exceeds the model's trained context {trained} x --rope-yarn-factor {yarn_factor} = {ceiling}; \
+             lower --context or raise --rope-yarn-factor (at most 4)"
+        );
+    }
+    Ok(())
 }
 
 /// The backend and the spec it runs under (`RunConfig::execution` on the
@@ -512,6 +530,17 @@ mod tests {
 
     fn w(index: usize, begin: usize, end: usize) -> Window {
         Window { index, begin, end, first_target: begin + 1, replace_first_with_bos: false }
+    }
+
+    #[test]
+    fn trained_context_is_checked() {
+        assert!(check_trained_context(8192, 8192, 1.0).is_ok());
+        let e = check_trained_context(8193, 8192, 1.0).unwrap_err().to_string();
+        assert!(e.contains("8193") && e.contains("8192") && e.contains("--rope-yarn-factor"), "{e}");
+        assert!(check_trained_context(65536, 32768, 2.0).is_ok());
+        assert!(check_trained_context(65537, 32768, 2.0).is_err());
+        let e = check_trained_context(512, 0, 1.0).unwrap_err().to_string();
+        assert!(e.contains("context_length") && e.contains("0"), "{e}");
     }
 
     #[test]

@@ -92,9 +92,8 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     pub device: usize,
     // ---- Numeric route and KV format (issue 11); config.rs validates them into an ExecutionSpec ----
-    /// The lossless route (the oracle): every operation correctly rounded in
-    /// f32, one pass per window on the CPU, f32 KV (or --kv-dtype bf16), no
-    /// fast path, f32 logits.
+    /// The lossless route (the oracle): f32 matmul inputs and logits, f32 KV
+    /// (or --kv-dtype bf16), no fast path.
     #[arg(long)]
     pub lossless: bool,
     /// KV-cache format: f32, bf16, int8, fp8, k8v4, nvfp4, k4v2, vq2

@@ -149,6 +149,12 @@ fn bad_input_is_one_line_exit_2_and_no_report() {
         ("k8", &["--backend", "cpu", "--reference", "--emulate-bf16-tc"], &["--emulate-bf16-tc with --reference"]),
         ("k9", &["--rope-yarn-factor", "0.9"], &["--rope-yarn-factor 0.9"]),
     ];
+    // The trained context (SmolLM2: 8192), raised only by --rope-yarn-factor.
+    assert_rejected(&with(&["--context", "9000", "--stride", "1000"]), &fresh("t1"), &["--context 9000", "8192", "--rope-yarn-factor"]);
+    let yarn_ok = fresh("t2");
+    let o = run(&[&with(&["--context", "9000", "--stride", "1000", "--rope-yarn-factor", "1.5", "--dry-run"])[..], &[os("--output"), os(&yarn_ok)]].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(read_report(&yarn_ok)["workload"]["context"], 9000);
     for (dir, extra, expect) in route_cases {
         assert_rejected(&with(extra), &fresh(dir), expect);
         assert!(!fresh(dir).exists(), "no folder left behind for {extra:?}");

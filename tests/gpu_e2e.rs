@@ -394,7 +394,7 @@ fn real_model(m: &cases::Model) {
                 ..ExecutionSpec::lossless(1024)
             }
         };
-        let mut scorer = load_model(&art, BackendKind::Cuda { device: device_index(), spec }).expect("load on GPU");
+        let mut scorer = load_model(&art, BackendKind::Cuda { device: device_index(), spec }, 1.0).expect("load on GPU");
         assert_eq!(scorer.prepare(4096, 1024, BATCH).expect("the plan fits"), BATCH, "batch of {BATCH} windows fits the GPU");
         for p in &cases::PROTOCOLS {
             let key = format!("{}/{}", m.key, p.key);

@@ -305,7 +305,7 @@ fn rope_normal_and_neox_with_base_and_scale() {
         let pos: Vec<i32> = (0..n_tokens as i32).map(|t| pos0 + 2 * t).collect();
         let mut xd = dev.upload(&x).unwrap();
         let posd = dev.upload(&pos).unwrap();
-        let p = RopeParams { n_heads, d_head, n_rot, mode, freq_base: base, freq_scale: scale };
+        let p = RopeParams { n_heads, d_head, n_rot, mode, freq_base: base, freq_scale: scale, yarn: None };
         ops::rope(dev, xd.view_mut(), stride, n_rows, posd.view(), &p).unwrap();
         let gpu = dev.download(&xd).unwrap();
         let mut cpu = to_f64(&x);
@@ -318,10 +318,42 @@ fn rope_normal_and_neox_with_base_and_scale() {
         }
         check(&format!("rope {mode:?} n_rot={n_rot} base={base} scale={scale} pos0={pos0} 2 windows"), &gpu, &cpu, TOL_F32);
     }
+    // YaRN (factor 2 over 4096 trained positions, and 4 over 32768): the
+    // frequencies and the attention factor of the CPU's one definition
+    // (backend::RopeParams::inv_freq), rotated in f64.
+    for (mode, n_rot, base, factor, trained, pos0) in
+        [(RopeMode::Neox, 64, 10_000.0, 2.0, 4096, 5000), (RopeMode::Normal, 64, 1_000_000.0, 4.0, 32768, 60_000)]
+    {
+        let yarn = infernix_perplexity::backend::Yarn::new(factor, trained, base, n_rot);
+        let seam = infernix_perplexity::backend::RopeParams {
+            style: if mode == RopeMode::Neox { infernix_perplexity::artifact::meta::RopeStyle::Neox } else { infernix_perplexity::artifact::meta::RopeStyle::Normal },
+            base,
+            scale: 1.0,
+            rope_dim: n_rot,
+            yarn: Some(yarn),
+        };
+        let inv: Vec<f64> = (0..n_rot / 2).map(|i| seam.inv_freq(i)).collect();
+        let x = randn(&mut rng, n_rows * stride, 1.0);
+        let pos: Vec<i32> = (0..n_tokens as i32).map(|t| pos0 + 3 * t).collect();
+        let mut xd = dev.upload(&x).unwrap();
+        let posd = dev.upload(&pos).unwrap();
+        let p = RopeParams { n_heads, d_head, n_rot, mode, freq_base: base, freq_scale: 1.0, yarn: Some(yarn) };
+        ops::rope(dev, xd.view_mut(), stride, n_rows, posd.view(), &p).unwrap();
+        let gpu = dev.download(&xd).unwrap();
+        let mut cpu = to_f64(&x);
+        for t in 0..n_rows {
+            for h in 0..n_heads {
+                let o = t * stride + h * d_head;
+                let r = twin::rope_inv_freq_f64(&x[o..o + d_head], pos[t % n_tokens], mode == RopeMode::Neox, &inv, yarn.attn_factor);
+                cpu[o..o + d_head].copy_from_slice(&r);
+            }
+        }
+        check(&format!("rope yarn {mode:?} factor={factor} trained={trained} pos0={pos0}"), &gpu, &cpu, TOL_F32);
+    }
     // Rows that are not whole windows are refused.
     let mut xd = dev.upload(&vec![0f32; 3 * stride]).unwrap();
     let posd = dev.upload(&[0i32, 1]).unwrap();
-    let p = RopeParams { n_heads, d_head, n_rot: 64, mode: RopeMode::Normal, freq_base: 1e4, freq_scale: 1.0 };
+    let p = RopeParams { n_heads, d_head, n_rot: 64, mode: RopeMode::Normal, freq_base: 1e4, freq_scale: 1.0, yarn: None };
     assert!(ops::rope(dev, xd.view_mut(), stride, 3, posd.view(), &p).is_err());
 }
 

@@ -135,7 +135,7 @@ fn score_against_golden(model_type: &str, edit: &Edit) -> (ArtifactMeta, Vec<(&'
     let artifact = Artifact::open(&out).unwrap();
     artifact.verify().unwrap();
 
-    let mut m = load_model(&artifact, BackendKind::Cpu(Default::default())).unwrap();
+    let mut m = load_model(&artifact, BackendKind::Cpu(Default::default()), 1.0).unwrap();
     let scores = m.score_window(&tokens, 1, &ScoreOptions::default(), &[]).unwrap();
     assert_eq!(scores.len(), tokens.len() - 1);
     let fields = [

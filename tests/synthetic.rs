@@ -45,7 +45,7 @@ fn synthetic_smollm2_shape_with_gguf_twin() {
     assert_ne!(o.tensor("blk.0.attn_q.weight").unwrap().entry.sha256, a.tensor("blk.0.attn_q.weight").unwrap().entry.sha256);
 
     // It runs: random weights give finite scores near ln(n_vocab).
-    let mut m = load_model(&a, BackendKind::Cpu(Default::default())).unwrap();
+    let mut m = load_model(&a, BackendKind::Cpu(Default::default()), 1.0).unwrap();
     let tokens: Vec<u32> = (0..64u32).map(|i| i * 701 % 49152).collect();
     let s = m.score_window(&tokens, 1, &ScoreOptions::default(), &[]).unwrap();
     assert_eq!(s.len(), 63);

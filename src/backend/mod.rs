@@ -42,6 +42,63 @@ pub struct RopeParams {
     pub scale: f64,
     /// Dimensions rotated per head (the first `rope_dim` of `d_head`), even.
     pub rope_dim: usize,
+    /// YaRN scaling (`--rope-yarn-factor`), `None` for native RoPE.
+    pub yarn: Option<Yarn>,
+}
+
+/// YaRN ("YaRN: Efficient Context Window Extension", Peng et al. 2023), as
+/// transformers' `_compute_yarn_parameters` defines it with its defaults
+/// (beta_fast 32, beta_slow 1, truncated correction range, attention
+/// factor `0.1 ln(factor) + 1` on cos and sin). Pair `i`'s inverse frequency
+/// `f_i` becomes `f_i / factor * r + f_i * (1 - r)` with the ramp `r =
+/// clamp((i - low) / (high - low), 0, 1)`: high-frequency pairs (below
+/// `low`) keep their frequency, low-frequency pairs (above `high`) are
+/// interpolated by `factor`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Yarn {
+    pub factor: f64,
+    pub ramp_low: f64,
+    pub ramp_high: f64,
+    /// Multiplier on cos and sin (so on q·k twice).
+    pub attn_factor: f64,
+}
+
+impl Yarn {
+    pub const BETA_FAST: f64 = 32.0;
+    pub const BETA_SLOW: f64 = 1.0;
+
+    /// YaRN for `factor` (> 1) over a model trained on `original_context`
+    /// positions with frequency base `base` and `rope_dim` rotated dimensions.
+    pub fn new(factor: f64, original_context: usize, base: f64, rope_dim: usize) -> Self {
+        let dim = rope_dim as f64;
+        let correction_dim =
+            |n_rot: f64| dim * (original_context as f64 / (n_rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln());
+        let low = correction_dim(Self::BETA_FAST).floor().max(0.0);
+        let mut high = correction_dim(Self::BETA_SLOW).ceil().min(dim - 1.0);
+        if low == high {
+            high += 0.001;
+        }
+        Self { factor, ramp_low: low, ramp_high: high, attn_factor: 0.1 * factor.ln() + 1.0 }
+    }
+}
+
+impl RopeParams {
+    /// The inverse frequency of rotated pair `i` (f64): `base^(-2i/rope_dim) / scale`, then YaRN's blend.
+    pub fn inv_freq(&self, i: usize) -> f64 {
+        let f = 1.0 / self.base.powf(2.0 * i as f64 / self.rope_dim as f64) / self.scale;
+        match self.yarn {
+            None => f,
+            Some(y) => {
+                let r = ((i as f64 - y.ramp_low) / (y.ramp_high - y.ramp_low)).clamp(0.0, 1.0);
+                f / y.factor * r + f * (1.0 - r)
+            }
+        }
+    }
+
+    /// The multiplier on cos and sin: YaRN's attention factor, else 1.
+    pub fn attn_factor(&self) -> f64 {
+        self.yarn.map_or(1.0, |y| y.attn_factor)
+    }
 }
 
 /// Causal grouped-query attention of one layer.

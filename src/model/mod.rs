@@ -34,7 +34,8 @@ use crate::artifact::names::{self, blk};
 use crate::artifact::{Artifact, TensorView};
 use crate::backend::cuda::{CudaBackend, Route};
 use crate::backend::{
-    AttnParams, Backend, BackendKind, ExecutionInfo, HeadRequest, KvGeometry, PassRows, Precision, RopeParams, MAX_TOP_K,
+    AttnParams, Backend, BackendKind, ExecutionInfo, HeadRequest, KvGeometry, PassRows, Precision, RopeParams, Yarn,
+    MAX_TOP_K,
 };
 
 /// The score of one target position `j` of a window: `-log p(tokens[j] |
@@ -212,10 +213,32 @@ impl<B: Backend> Transformer<B> {
                     base: if window.is_some() { hp.rope_base_local } else { hp.rope_base },
                     scale: if window.is_some() { 1.0 } else { hp.rope_scale },
                     rope_dim: hp.rope_dim,
+                    yarn: None,
                 },
             });
         }
         Ok(Self { backend, arch, hp, embd, head, output_norm, layers, cache: None, cache_geometry: None })
+    }
+
+    /// YaRN of `factor` on every full-attention layer (sliding-window layers
+    /// keep native RoPE, as transformers applies `rope_scaling` to gemma3's
+    /// global layers only); `factor == 1` changes nothing.
+    pub fn with_rope_yarn(mut self, factor: f64) -> Result<Self> {
+        ensure!(factor.is_finite() && (1.0..=4.0).contains(&factor), "--rope-yarn-factor {factor}: not in [1, 4]");
+        if factor == 1.0 {
+            return Ok(self);
+        }
+        ensure!(
+            self.hp.context_length > 0,
+            "--rope-yarn-factor {factor}: the artifact records no trained context (context_length 0)"
+        );
+        for layer in &mut self.layers {
+            if layer.attn.window.is_none() {
+                let r = &mut layer.rope;
+                r.yarn = Some(Yarn::new(factor, self.hp.context_length, r.base, r.rope_dim));
+            }
+        }
+        Ok(self)
     }
 
     pub fn hparams(&self) -> &HParams {
@@ -453,10 +476,11 @@ where
     }
 }
 
-/// Loads `artifact` on the chosen backend.
-pub fn load_model(artifact: &Artifact, kind: BackendKind) -> Result<Box<dyn WindowScorer>> {
+/// Loads `artifact` on the chosen backend, with YaRN of `rope_yarn_factor`
+/// (1: native RoPE) on its full-attention layers.
+pub fn load_model(artifact: &Artifact, kind: BackendKind, rope_yarn_factor: f64) -> Result<Box<dyn WindowScorer>> {
     match kind {
-        BackendKind::Cpu(cpu) => Ok(Box::new(Transformer::load(cpu, artifact)?)),
+        BackendKind::Cpu(cpu) => Ok(Box::new(Transformer::load(cpu, artifact)?.with_rope_yarn(rope_yarn_factor)?)),
         BackendKind::Cuda { device, spec } => {
             let route = match spec.matmul_inputs {
                 Precision::F32 => Route::Fp32,
@@ -470,7 +494,7 @@ pub fn load_model(artifact: &Artifact, kind: BackendKind) -> Result<Box<dyn Wind
             );
             ensure!(!spec.reference, "--reference is not implemented on the CUDA backend yet: add --backend cpu");
             let backend = CudaBackend::open(device, route, spec.kv_format).context("backend cuda")?;
-            Ok(Box::new(Transformer::load(backend, artifact)?))
+            Ok(Box::new(Transformer::load(backend, artifact)?.with_rope_yarn(rope_yarn_factor)?))
         }
     }
 }

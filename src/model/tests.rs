@@ -402,3 +402,26 @@ fn missing_or_misshapen_tensors_are_named() {
     let err = Transformer::load_with(CpuBackend::default(), arch, t.hp.clone(), &get).err().expect("must fail");
     assert!(format!("{err:#}").contains("ffn_gate.weight: shape [48, 32], expected [40, 32]"), "{err:#}");
 }
+
+#[test]
+fn yarn_goes_to_full_attention_layers_only_and_changes_scores() {
+    let t = tiny(Architecture::Gemma3, 5);
+    assert_eq!(t.hp.sliding_window, vec![Some(5), None, Some(5)]);
+    let toks = tokens(20, t.hp.n_vocab);
+    let opts = ScoreOptions { top_k: 0, prefill_chunk: None };
+    let native = load(Architecture::Gemma3, &t).score_window(&toks, 1, &opts, &[]).unwrap();
+    let m = load(Architecture::Gemma3, &t).with_rope_yarn(2.0).unwrap();
+    let yarns: Vec<bool> = m.layers.iter().map(|l| l.rope.yarn.is_some()).collect();
+    assert_eq!(yarns, vec![false, true, false]);
+    let mut m = m;
+    let scaled = m.score_window(&toks, 1, &opts, &[]).unwrap();
+    assert_ne!(native, scaled);
+    // Factor 1 is native RoPE exactly; factors outside [1, 4] and an unknown trained context are refused.
+    let mut same = load(Architecture::Gemma3, &t).with_rope_yarn(1.0).unwrap();
+    assert_eq!(same.score_window(&toks, 1, &opts, &[]).unwrap(), native);
+    assert!(load(Architecture::Gemma3, &t).with_rope_yarn(4.5).is_err());
+    let mut t0 = tiny(Architecture::Gemma3, 5);
+    t0.hp.context_length = 0;
+    let err = load(Architecture::Gemma3, &t0).with_rope_yarn(2.0).err().expect("must fail");
+    assert!(err.to_string().contains("context_length 0"), "{err}");
+}

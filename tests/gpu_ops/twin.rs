@@ -290,6 +290,22 @@ pub fn rope_f64(x: &[f32], pos: i32, n_rot: usize, neox: bool, base: f64, scale:
     y
 }
 
+/// RoPE in f64 with given per-pair inverse frequencies (`inv.len()` pairs)
+/// and a multiplier on cos and sin (YaRN's attention factor).
+pub fn rope_inv_freq_f64(x: &[f32], pos: i32, neox: bool, inv: &[f64], attn: f64) -> Vec<f64> {
+    let mut y: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+    let half = inv.len();
+    for (i, &f) in inv.iter().enumerate() {
+        let (s, c) = (pos as f64 * f).sin_cos();
+        let (c, s) = (c * attn, s * attn);
+        let (i0, i1) = if neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
+        let (a, b) = (x[i0] as f64, x[i1] as f64);
+        y[i0] = a * c - b * s;
+        y[i1] = a * s + b * c;
+    }
+    y
+}
+
 pub fn silu_f64(x: f64) -> f64 {
     x / (1.0 + (-x).exp())
 }

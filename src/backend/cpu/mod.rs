@@ -467,7 +467,7 @@ mod tests {
     #[test]
     fn rope_uses_row_positions() {
         // Row i is at position pos0 + i: with pos0 = 1, row 0 turns by 1 rad (inv_freq 1).
-        let p = RopeParams { style: RopeStyle::Neox, base: 10000.0, scale: 1.0, rope_dim: 2 };
+        let p = RopeParams { style: RopeStyle::Neox, base: 10000.0, scale: 1.0, rope_dim: 2, yarn: None };
         let mut x = t(2, 2, &[1.0, 0.0, 1.0, 0.0]);
         CpuBackend::default().rope(&mut x, 1, 2, PassRows::single(2, 1), &p).unwrap();
         assert!((x.data[0] as f64 - 1f64.cos()).abs() < 1e-6 && (x.data[1] as f64 - 1f64.sin()).abs() < 1e-6);

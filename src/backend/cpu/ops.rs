@@ -52,14 +52,23 @@ pub fn softcap(x: f64, cap: f64) -> f64 {
 /// llama.cpp does (f32 throughout); the rotation itself is done in f64. The
 /// float64 reference we are checked against therefore uses exactly these
 /// angles.
+///
+/// YaRN (`p.yarn`) changes the inverse frequencies ([`RopeParams::inv_freq`])
+/// and multiplies the f32 cosine and sine by its attention factor in f32,
+/// as transformers does.
 pub fn rope_cos_sin(pos: usize, p: &RopeParams) -> Vec<(f64, f64)> {
     let n_pairs = p.rope_dim / 2;
+    let m = p.attn_factor() as f32;
     (0..n_pairs)
         .map(|i| {
-            let inv_freq = (1.0 / p.base.powf(2.0 * i as f64 / p.rope_dim as f64) / p.scale) as f32;
+            let inv_freq = p.inv_freq(i) as f32;
             let angle = (pos as f32) * inv_freq;
             let (s, c) = (angle as f64).sin_cos();
-            (c as f32 as f64, s as f32 as f64)
+            if p.yarn.is_none() {
+                (c as f32 as f64, s as f32 as f64)
+            } else {
+                ((c as f32 * m) as f64, (s as f32 * m) as f64)
+            }
         })
         .collect()
 }
@@ -119,7 +128,7 @@ mod tests {
     }
 
     fn params(style: RopeStyle, rope_dim: usize) -> RopeParams {
-        RopeParams { style, base: 10000.0, scale: 1.0, rope_dim }
+        RopeParams { style, base: 10000.0, scale: 1.0, rope_dim, yarn: None }
     }
 
     #[test]
@@ -152,12 +161,38 @@ mod tests {
     #[test]
     fn rope_partial_and_scaled() {
         // rope_dim 2 of d_head 4: only (x0, x1) turns; scale 2 halves the angle.
-        let p = RopeParams { style: RopeStyle::Neox, base: 10000.0, scale: 2.0, rope_dim: 2 };
+        let p = RopeParams { style: RopeStyle::Neox, base: 10000.0, scale: 2.0, rope_dim: 2, yarn: None };
         let cs = rope_cos_sin(2, &p);
         let mut x = [1.0f32, 0.0, 5.0, 6.0];
         rope_head(&mut x, &cs, p.style);
         assert!((x[0] as f64 - 1f64.cos()).abs() < 1e-6 && (x[1] as f64 - 1f64.sin()).abs() < 1e-6);
         assert_eq!(&x[2..], &[5.0, 6.0]);
+    }
+
+    #[test]
+    fn yarn_keeps_high_frequencies_interpolates_low_ones_and_scales() {
+        // Factor 4 over 8192 trained positions, base 1e4, 64 dims: correction
+        // range floor(12.88) = 12 .. ceil(24.92) = 25 (hand-computed).
+        let y = crate::backend::Yarn::new(4.0, 8192, 10000.0, 64);
+        assert_eq!((y.ramp_low, y.ramp_high), (12.0, 25.0));
+        assert!((y.attn_factor - (1.0 + 0.1 * 4f64.ln())).abs() < 1e-15);
+        let native = params(RopeStyle::Neox, 64);
+        let p = RopeParams { yarn: Some(y), ..native };
+        for i in 0..32 {
+            let (f, f0) = (p.inv_freq(i), native.inv_freq(i));
+            if i <= 12 {
+                assert_eq!(f, f0, "pair {i} keeps its frequency");
+            } else if i >= 25 {
+                assert!((f - f0 / 4.0).abs() <= 1e-15 * f0, "pair {i} is interpolated");
+            } else {
+                assert!(f < f0 && f > f0 / 4.0, "pair {i} is blended");
+            }
+        }
+        // cos and sin carry the attention factor: |(cos, sin)| = factor.
+        let cs = rope_cos_sin(1000, &p);
+        for (c, s) in cs {
+            assert!(((c * c + s * s).sqrt() - y.attn_factor).abs() < 1e-6);
+        }
     }
 
     #[test]

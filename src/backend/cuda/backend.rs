@@ -339,6 +339,7 @@ impl Backend for CudaBackend {
             freq_base: p.base,
             // The seam divides the position by `scale`; the kernel multiplies by freq_scale.
             freq_scale: 1.0 / p.scale,
+            yarn: p.yarn,
         };
         let n_cols = x.n_cols;
         let n_rows = x.n_rows;

@@ -185,6 +185,8 @@ pub struct RopeParams {
     pub freq_base: f64,
     /// Linear position scaling: angle uses pos * freq_scale (1 = none).
     pub freq_scale: f64,
+    /// YaRN, as `crate::backend::Yarn` defines it; `None`: native RoPE.
+    pub yarn: Option<crate::backend::Yarn>,
 }
 
 /// Rotates x in place. x: (n_tokens, token_stride) with heads of d_head
@@ -211,8 +213,12 @@ pub fn rope(dev: &CudaDevice, x: DevViewMut<f32>, token_stride: usize, n_tokens:
         RopeMode::Neox => 2,
     };
     let gx = grid_1d(p.n_heads * p.n_rot / 2, 128)?;
+    // Native RoPE: factor 1 (the kernel's unchanged expression), attention factor 1.
+    let (yf, yl, yh, ya) = p.yarn.map_or((1.0, 0.0, 1.0, 1.0), |y| (y.factor, y.ramp_low, y.ramp_high, y.attn_factor));
+    ensure!(yf >= 1.0 && yh > yl, "rope: YaRN factor {yf}, ramp {yl}..{yh}");
     let mut b = dev.stream().launch_builder(f);
     b.arg(&xp).arg(&pp).arg(&nps).arg(&nh).arg(&dh).arg(&nr).arg(&ts).arg(&mode).arg(&p.freq_base).arg(&p.freq_scale);
+    b.arg(&yf).arg(&yl).arg(&yh).arg(&ya);
     // SAFETY: arguments match `rope_f32` in kernels/rope.cu; x covers n_tokens rows of n_heads * d_head.
     unsafe { b.launch(cfg((gx, n_tokens as u32, 1), 128, 0)) }.map_err(|e| launch_err("rope_f32", e))?;
     Ok(())
