@@ -213,12 +213,9 @@ __device__ __forceinline__ void dequant8(const uint8_t* __restrict__ row, int g,
 
 // ---------------------------------------------------------------- reductions
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-__device__ __forceinline__ double warp_sum(double v) {
+// Sum over the warp (float, double, int); every lane gets the result.
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

@@ -36,16 +36,6 @@ __device__ __forceinline__ uint32_t e4m3_code(float t) {
     return (r & 0x7Fu) | (signbit(t) ? 0x80u : 0u);
 }
 
-__device__ __forceinline__ int warp_sum_int(int v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-__device__ __forceinline__ float warp_max_exact(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
 }  // namespace kvc
 
 extern "C" __global__ void __launch_bounds__(32) kv_encode_fp8(const KvEncodeArgs a) {
@@ -62,8 +52,8 @@ extern "C" __global__ void __launch_bounds__(32) kv_encode_fp8(const KvEncodeArg
         if (isfinite(v)) amax = fmaxf(amax, fabsf(v));
         else ++n_bad;
     }
-    n_bad = warp_sum_int(n_bad);
-    amax = warp_max_exact(amax);
+    n_bad = warp_sum(n_bad);
+    amax = warp_max(amax);  // exact: fmaxf in any order
     const float s = __fdiv_rn(amax, E4M3_MAX);
     bool poison = n_bad > 0;
     if (!poison && !isfinite(__fmul_rn(s, E4M3_MAX))) {
