@@ -957,15 +957,17 @@ fn kv_encode_fp8_bit_exact_random_and_adversarial() {
 
 /// Kernel v2 on an fp8 cache against the CPU backend's attention op with the same
 /// fp8 format (`CpuBackend::with_kv(KvFormat::Fp8)`: encode, decode, f32 attention).
-/// Besides P's bf16 rounding (TOL_ATTN_BF16_TC's budget), v2 rounds each decoded K
-/// and V element to bf16 (relative 2^-9 at most, rms about 2^-9/sqrt(3) = 1.1e-3):
-/// through K a score error of rms about 1.1e-3 (q·k has unit-variance terms times
-/// scale = 1/sqrt(d)), which moves each probability by about 1.1e-3 relative; through V
-/// 1.1e-3 relative per element, averaged over the keys like P's own rounding. The
-/// three independent terms give an output error of about sqrt(3) * 1.1e-3 * rms and
-/// an nmse near 4e-6: atol 2e-2 * rms is still about 10 standard deviations, rtol
-/// 1e-2 covers a bf16 output's rounding, nmse 2.5e-5 is 6x the expectation.
-const TOL_ATTN_FP8_TC: Tol = Tol { atol_rel: 2e-2, rtol: 1e-2, nmse: 2.5e-5 };
+/// Besides P's bf16 rounding (TOL_ATTN_BF16_TC's budget; at most 40 % of it used in
+/// the bf16 cases on the H200, i.e. about 8e-3 * rms), v2 rounds each decoded K and V
+/// element to bf16 (relative 2^-9 at most). That term alone, measured on the CPU with
+/// no kernel involved (the CPU attention on bf16(decoded K/V) against it on the decoded
+/// K/V, these cases and seed): nmse 2.7e-6 .. 6.9e-6, worst element 3.5e-2 * rms, an
+/// atol of at most 2.4e-2 * rms beside rtol 1e-2 (2026-12-01; the first estimate,
+/// sqrt(3) * 1.1e-3 * rms from uniform rounding, missed these tails and 1 element of
+/// 86400 exceeded its atol 2e-2 on the H200). atol 5e-2 * rms is about 1.6x the sum of
+/// the two worst terms, nmse 2.5e-5 about 2x their worst sum, rtol 1e-2 covers a bf16
+/// output's rounding.
+const TOL_ATTN_FP8_TC: Tol = Tol { atol_rel: 5e-2, rtol: 1e-2, nmse: 2.5e-5 };
 
 fn attention_fp8_case<O: Elem + Poison + ops::OutElem>(dev: &CudaDevice, rng: &mut ChaCha8Rng, c: &AttnCase) {
     use infernix_perplexity::backend::cpu::{CpuBackend, CpuTensor};

@@ -664,13 +664,6 @@ pub fn attention<KV: KvElem, O: OutElem>(
     p: &AttnParams,
 ) -> Result<()> {
     ensure!(k_cache.len() == shape.len() && v_cache.len() == shape.len(), "attention: caches ({}, {}) vs shape {shape:?}", k_cache.len(), v_cache.len());
-    if kernel == AttnKernel::V2 {
-        ensure!(
-            KV::NAME == "bf16",
-            "attention kernel v2 (tensor cores) reads a bf16 or fp8 cache; a {} cache runs kernel v1",
-            KV::NAME
-        );
-    }
     let cache = CacheRef { kv: KV::NAME, k: k_cache.ptr(), v: v_cache.ptr(), row_bytes: shape.d_head * size_of::<KV>() };
     attention_launch::<O>(dev, kernel, q, cache, shape, out, p)
 }
@@ -737,6 +730,11 @@ fn attention_launch<O: OutElem>(
             (format!("attn_prefill_d{d}_{}_{}", cache.kv, O::NAME), attn_smem_bytes(d, cache.row_bytes / d), 16u32)
         }
         AttnKernel::V2 => {
+            ensure!(
+                cache.kv != "f32",
+                "attention kernel v2 (tensor cores) reads a bf16 or fp8 cache; a {} cache runs kernel v1",
+                cache.kv
+            );
             // float4 loads of q, 16-byte loads of cache rows, paired stores of out.
             ensure!(q.ptr() % 16 == 0 && p.q_stride % 4 == 0, "attention v2: q must be 16-byte aligned with a stride that is a multiple of 4");
             ensure!(cache.k % 16 == 0 && cache.v % 16 == 0 && cache.row_bytes % 16 == 0, "attention v2: the caches must be 16-byte aligned");
