@@ -1,8 +1,8 @@
 // attention.cu: KV-cache store and causal prefill attention (GQA, optional
 // sliding window), flash-attention style, in two kernels kept side by side:
 // v1 (attn_prefill_*, f32 on the CUDA cores, bf16 or f32 cache: the FP32
-// route's exact path) and v2 (attn_flash_*, below: tensor cores, bf16 cache,
-// the default route). ops::AttnKernel selects one; the report names it.
+// route's exact path) and v2 (attn_flash_*, below: tensor cores, bf16 or fp8
+// cache, the default route). ops::AttnKernel selects one; the report names it.
 //
 // Cache layout, per layer: (n_seqs, n_kv_heads, n_ctx, d_head), BF16
 // (default route) or f32 (FP32 route); a head's keys are contiguous so a key
@@ -196,9 +196,11 @@ ATTN_D(256)
 
 // ================================================================ v2: flash attention on the tensor cores
 //
-// attn_flash_d<D>_bf16_<out>(AttnArgs): the same contract as attn_prefill_*
+// attn_flash_d<D>_<kv>_<out>(AttnArgs): the same contract as attn_prefill_*
 // (causal, optional sliding window, GQA, soft-cap, a cache filled by earlier
-// passes, blockIdx.z = window of a batched pass), bf16 cache only.
+// passes, blockIdx.z = window of a batched pass), for a bf16 cache (kv = bf16)
+// or an fp8 cache (kv = fp8: rows of src/kv's fp8 layout, written by
+// kv_encode_fp8 in kv_codec.cu).
 // Algorithm (FlashAttention-2's forward): a block owns BQ = 64 * MT queries of
 // one head, 4 warps of 16 * MT query rows each (MT = m_tiles(D), 1 today, see
 // there), and walks the key tiles of BK = key_tile(D) keys that any of its
@@ -212,12 +214,20 @@ ATTN_D(256)
 // Output = O / l. Q and both K/V stages live in shared memory with rows padded
 // by 8 elements (16 B), which makes every ldmatrix phase conflict-free; K and V
 // tiles are fetched with cp.async (16 B, zero-filled past the cached
-// positions) one tile ahead of the math (two stages). Query tiles run in
-// reverse order (the longest causal rows start first).
+// positions) one tile ahead of the math (two stages). fp8 cache: the same tiles,
+// loaded synchronously (one tile ahead, no cp.async): each 8-element chunk is
+// 8 E4M3 codes and the row's f32 scale, decoded as e4m3_value(code) * scale (one
+// f32 multiply, exactly kv::codec's decode) and rounded to bf16 (nearest even)
+// into shared memory: the same operand rounding a bf16 cache gets when it is
+// stored, applied here to the decoded value. No dequantized copy of the cache
+// exists; a poisoned row (NaN scale) decodes to NaN as on the CPU. Query tiles
+// run in reverse order (the longest causal rows start first).
 // Launch: grid (ceil(n_tokens/BQ), n_heads, n_seqs), block 128, dynamic shared
 // memory (BQ + 4*BK) * (D + 8) * 2 bytes (BQ = 64 * MT; 168960 for D = 256).
 // The launcher (ops::attention, ops::attn_flash_tiles) mirrors m_tiles and key_tile.
-// CPU twin: backend::cpu::attention::attention on the same bf16-rounded q, k, v.
+// CPU twin: backend::cpu::attention::attention on the same bf16-rounded q, k, v
+// (fp8: on the CPU backend's fp8 cache, kv::codec decode, whose bf16 rounding is
+// the one difference the parity test's tolerance covers).
 
 namespace flash {
 constexpr int THREADS = 128;
@@ -267,6 +277,22 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// Elements 8c .. 8c+7 of one fp8 cache row (src/kv layout: codes at byte 0, the
+// f32 scale at byte D) as eight bf16: e4m3_value(code) * scale (__fmul_rn, the CPU
+// decode's one multiply), then rounded to nearest even bf16 for the mma.
+template <int D>
+__device__ __forceinline__ uint4 fp8_decode8_bf16(const unsigned char* row, int c) {
+    const uint2 q = *reinterpret_cast<const uint2*>(row + c * 8);
+    const float s = *reinterpret_cast<const float*>(row + D);
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        v[j] = __fmul_rn(e4m3_value((q.x >> (8 * j)) & 0xFFu), s);
+        v[4 + j] = __fmul_rn(e4m3_value((q.y >> (8 * j)) & 0xFFu), s);
+    }
+    return pack_bf16x8(v);
+}
+
 template <typename OUT>
 __device__ __forceinline__ void store2(OUT* p, float a, float b);
 template <>
@@ -279,7 +305,7 @@ __device__ __forceinline__ void store2<bf16>(bf16* p, float a, float b) {
 }
 }  // namespace flash
 
-template <int D, typename OUT>
+template <int D, typename OUT, bool FP8>
 __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
     using namespace flash;
     constexpr int MT = m_tiles(D);  // 16-row query tiles per warp
@@ -306,9 +332,11 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
     const int k_lo = window > 0 ? max(pos0 + t0 - window + 1, 0) : 0;
     const int tile_first = k_lo / BK, tile_last = k_hi / BK;
 
-    const long long slot = (long long)seq * a.n_kv_heads * a.n_ctx * D;
-    const bf16* kh = a.k + slot + (long long)kvh * a.n_ctx * D;
-    const bf16* vh = a.v + slot + (long long)kvh * a.n_ctx * D;
+    // This (window, KV head)'s rows: n_ctx rows of kv_row_bytes (2 * D for bf16).
+    const long long head_off = ((long long)seq * a.n_kv_heads + kvh) * a.n_ctx * a.kv_row_bytes;
+    const unsigned char* kh = static_cast<const unsigned char*>(a.k) + head_off;
+    const unsigned char* vh = static_cast<const unsigned char*>(a.v) + head_off;
+    const long long rb = a.kv_row_bytes;
     const float* qb = a.q + (long long)seq * n_tokens * a.q_stride + (long long)h * D;
     OUT* ob = reinterpret_cast<OUT*>(a.out) + (long long)seq * n_tokens * a.out_stride + (long long)h * D;
 
@@ -320,9 +348,21 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
             const int r = i / CH, c = i % CH;
             const int kp = kbase + r;
             const bool ok = kp < kv_len;
-            const long long off = (long long)(ok ? kp : 0) * D + c * 8;
-            cp_async16(smem_addr(dk + r * LDS + c * 8), kh + off, ok ? 16 : 0);
-            cp_async16(smem_addr(dv + r * LDS + c * 8), vh + off, ok ? 16 : 0);
+            if constexpr (FP8) {
+                // Synchronous: 8 codes and the row's scale, decoded code * scale (one f32
+                // multiply, kv::codec's decode) and rounded to bf16 (nearest even).
+                uint4 kq = make_uint4(0, 0, 0, 0), vq = kq;
+                if (ok) {
+                    kq = fp8_decode8_bf16<D>(kh + kp * rb, c);
+                    vq = fp8_decode8_bf16<D>(vh + kp * rb, c);
+                }
+                *reinterpret_cast<uint4*>(dk + r * LDS + c * 8) = kq;
+                *reinterpret_cast<uint4*>(dv + r * LDS + c * 8) = vq;
+            } else {
+                const long long off = (long long)(ok ? kp : 0) * rb + c * 16;
+                cp_async16(smem_addr(dk + r * LDS + c * 8), kh + off, ok ? 16 : 0);
+                cp_async16(smem_addr(dv + r * LDS + c * 8), vh + off, ok ? 16 : 0);
+            }
         }
     };
 
@@ -483,14 +523,16 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
     }
 }
 
-#define ATTN_FLASH(D, outn, OUT)                                                                   \
-    extern "C" __global__ void __launch_bounds__(flash::THREADS) attn_flash_d##D##_bf16_##outn( \
-        const AttnArgs a) {                                                                        \
-        attn_flash_impl<D, OUT>(a);                                                                \
+#define ATTN_FLASH(D, kvn, FP8, outn, OUT)                                                          \
+    extern "C" __global__ void __launch_bounds__(flash::THREADS) attn_flash_d##D##_##kvn##_##outn( \
+        const AttnArgs a) {                                                                         \
+        attn_flash_impl<D, OUT, FP8>(a);                                                            \
     }
-#define ATTN_FLASH_D(D)       \
-    ATTN_FLASH(D, f32, float) \
-    ATTN_FLASH(D, bf16, bf16)
+#define ATTN_FLASH_D(D)                   \
+    ATTN_FLASH(D, bf16, false, f32, float) \
+    ATTN_FLASH(D, bf16, false, bf16, bf16) \
+    ATTN_FLASH(D, fp8, true, f32, float)   \
+    ATTN_FLASH(D, fp8, true, bf16, bf16)
 ATTN_FLASH_D(64)
 ATTN_FLASH_D(96)
 ATTN_FLASH_D(128)

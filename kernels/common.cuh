@@ -213,12 +213,9 @@ __device__ __forceinline__ void dequant8(const uint8_t* __restrict__ row, int g,
 
 // ---------------------------------------------------------------- reductions
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-__device__ __forceinline__ double warp_sum(double v) {
+// Sum over the warp (float, double, int); every lane gets the result.
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -309,12 +306,14 @@ __device__ __forceinline__ float to_f32(bf16 v) { return __bfloat162float(v); }
 // Each mirrors a #[repr(C)] struct of src/backend/cuda/ops.rs; both sides assert its size.
 
 // Parameters of attn_flash_* (kernels/attention.cu), mirrored by `ops::AttnArgs`.
-// q: (n_seqs * n_tokens, q_stride) f32; k, v: (n_seqs, n_kv_heads, n_ctx, d_head)
-// bf16; out: (n_seqs * n_tokens, out_stride) f32 or bf16.
+// q: (n_seqs * n_tokens, q_stride) f32; k, v: (n_seqs, n_kv_heads, n_ctx) rows of
+// kv_row_bytes: d_head bf16 (attn_flash_*_bf16_*, kv_row_bytes = 2 * d_head) or
+// one fp8 row of src/kv (attn_flash_*_fp8_*: d_head E4M3 codes, the f32 scale at
+// byte d_head, padded to 16 bytes); out: (n_seqs * n_tokens, out_stride) f32 or bf16.
 struct AttnArgs {
     const float* q;
-    const bf16* k;
-    const bf16* v;
+    const void* k;
+    const void* v;
     void* out;
     int n_tokens;
     int n_heads;
@@ -326,5 +325,35 @@ struct AttnArgs {
     float softcap;  // 0 = none
     long long q_stride;
     long long out_stride;
+    int kv_row_bytes;
+    int pad_;
 };
-static_assert(sizeof(AttnArgs) == 80, "AttnArgs layout differs from ops::AttnArgs");
+static_assert(sizeof(AttnArgs) == 88, "AttnArgs layout differs from ops::AttnArgs");
+
+// Parameters of kv_encode_fp8 (kernels/kv_codec.cu), mirrored by `ops::KvEncodeArgs`.
+// src: (n_seqs * n_tokens, src_stride) f32, head h of token row r at r * src_stride + h * d;
+// cache: (n_seqs_cache, n_kv_heads, n_ctx) rows of row_bytes; n_bad: one u64 counter.
+struct KvEncodeArgs {
+    const float* src;
+    unsigned char* cache;
+    unsigned long long* n_bad;
+    long long src_stride;
+    int d;
+    int n_kv_heads;
+    int n_ctx;
+    int pos0;
+    int row_bytes;
+    int pad_;
+};
+static_assert(sizeof(KvEncodeArgs) == 56, "KvEncodeArgs layout differs from ops::KvEncodeArgs");
+
+// ---------------------------------------------------------------- KV element codes (src/kv/scalar.rs)
+
+// The value of E4M3 (OCP E4M3FN) code c: exact, as kv::scalar::e4m3_to_f32 (NaN for
+// S.1111.111; subnormals m * 2^-9; normals (1 + m/8) * 2^(e-7), i.e. f32 exponent e + 120).
+__device__ __forceinline__ float e4m3_value(uint32_t c) {
+    const uint32_t e = (c >> 3) & 15u, m = c & 7u;
+    if ((c & 0x7Fu) == 0x7Fu) return __uint_as_float(0x7FC00000u);
+    const float mag = e == 0 ? __fmul_rn((float)m, 0.001953125f) : __uint_as_float(((e + 120u) << 23) | (m << 20));
+    return (c & 0x80u) ? -mag : mag;
+}

@@ -14,12 +14,20 @@
 //! - `Fp32` (`--lossless`): f32 matmul inputs, f32 FFMA accumulation, f32 KV.
 //!
 //! `--kv-dtype` sets the KV cache type apart from the route (bf16 KV on the
-//! FP32 route, f32 KV on the default route), to measure what each costs.
+//! FP32 route, f32 KV on the default route), to measure what each costs. The
+//! quantized format fp8 (src/kv's rows: E4M3 codes and an f32 scale per
+//! position and KV head) is stored by `kv_encode_fp8` (kernels/kv_codec.cu,
+//! bit-identical to the CPU codec) on the default route; the other quantized
+//! formats are refused with an error naming them. Like the CPU backend's
+//! cache, [`CudaKvCache`] counts the non-finite elements its codec reported
+//! ([`CudaKvCache::n_nonfinite`]).
 //!
 //! Attention ([`CudaBackend::attention_kernel`]): on the default route with a
-//! bf16 cache the tensor-core flash attention (kernel v2: q and P rounded to
-//! bf16, f32 accumulation and softmax); on the FP32 route and with an f32
-//! cache the f32 CUDA-core kernel (v1). The report names the one that ran.
+//! bf16 or fp8 cache the tensor-core flash attention (kernel v2: q and P
+//! rounded to bf16, f32 accumulation and softmax; fp8 K/V decoded and rounded
+//! to bf16 in its tile loads); on the FP32 route and with an f32 cache the f32
+//! CUDA-core kernel (v1). The report names the one that ran and the cache's
+//! store and read kernels.
 //!
 //! Common to both: activations and the residual stream are f32 device
 //! matrices; norms, RoPE and activations are f32. The LM head
@@ -89,11 +97,13 @@ pub struct CudaMatrix {
     pub q: QuantMatrix,
 }
 
-/// Per layer: K `(n_seqs, n_kv_heads, max_pos, d_head)` and V of the same shape.
+/// Per layer: K `(n_seqs, n_kv_heads, max_pos, d_head)` and V of the same shape
+/// (fp8: the same rows, each `ops::fp8_row_bytes(d_head)` bytes).
 #[derive(Debug)]
 enum KvLayers {
     Bf16(Vec<[DeviceBuffer<bf16>; 2]>),
     F32(Vec<[DeviceBuffer<f32>; 2]>),
+    Fp8(Vec<[DeviceBuffer<u8>; 2]>),
 }
 
 /// The KV cache of the windows of one pass on the device.
@@ -101,6 +111,18 @@ enum KvLayers {
 pub struct CudaKvCache {
     pub geometry: KvGeometry,
     layers: KvLayers,
+    /// (1) elements the fp8 encoder counted non-finite (`kv::RowCodec::encode_row`'s count).
+    n_bad: DeviceBuffer<u64>,
+}
+
+impl CudaKvCache {
+    /// Elements counted non-finite by the KV codec so far, as the CPU backend's
+    /// `CpuKvCache::n_nonfinite` (fp8 only: the bf16 and f32 stores count nothing).
+    /// Waits for the stream.
+    pub fn n_nonfinite(&self, dev: &CudaDevice) -> Result<usize> {
+        let n = dev.download(&self.n_bad)?;
+        usize::try_from(n[0]).context("kv cache: non-finite count")
+    }
 }
 
 /// The CUDA backend on one GPU.
@@ -149,9 +171,14 @@ impl CudaBackend {
     /// panic) and loads every kernel.
     pub fn open(index: usize, route: Route, kv_dtype: KvFormat) -> Result<Self> {
         ensure!(
-            matches!(kv_dtype, KvFormat::Bf16 | KvFormat::F32),
-            "--kv-dtype {kv_dtype}: this KV format is not implemented on the CUDA backend yet (there: bf16, f32; \
+            matches!(kv_dtype, KvFormat::Bf16 | KvFormat::F32 | KvFormat::Fp8),
+            "--kv-dtype {kv_dtype}: this KV format is not implemented on the CUDA backend yet (there: bf16, f32, fp8; \
              every format runs on --backend cpu)"
+        );
+        ensure!(
+            !(kv_dtype == KvFormat::Fp8 && route == Route::Fp32),
+            "--kv-dtype fp8 on the CUDA FP32 route: its attention kernel (v1) reads bf16 or f32 caches; \
+             fp8 runs on the default (bf16 tensor-core) route"
         );
         let dev = CudaDevice::open(index)?;
         Ok(Self { dev, route, kv_dtype, positions: RefCell::new(None), head_scratch: RefCell::new(None) })
@@ -183,7 +210,7 @@ impl CudaBackend {
     }
 
     /// Zeroed K and V buffers of `len` elements for each of `n_layers` layers.
-    fn kv_buffers<KV: ops::KvElem>(&self, n_layers: usize, len: usize) -> Result<Vec<[DeviceBuffer<KV>; 2]>> {
+    fn kv_buffers<KV: super::buffer::Elem>(&self, n_layers: usize, len: usize) -> Result<Vec<[DeviceBuffer<KV>; 2]>> {
         (0..n_layers).map(|_| Ok([self.dev.alloc_zeros(len)?, self.dev.alloc_zeros(len)?])).collect()
     }
 
@@ -204,13 +231,52 @@ impl CudaBackend {
         ops::attention::<KV, f32>(&self.dev, self.attention_kernel(), q.buf.view(), kc.view(), vc.view(), shape, out.buf.view_mut(), p)
     }
 
+    /// fp8: K and V rows encoded into the cache (non-finite counts into `n_bad`),
+    /// then attention v2 decoding them in its tile loads.
+    #[allow(clippy::too_many_arguments)]
+    fn kv_encode_and_attend_fp8(
+        &self,
+        kv: &mut [DeviceBuffer<u8>; 2],
+        n_bad: &mut DeviceBuffer<u64>,
+        shape: ops::KvShape,
+        q: &CudaAct,
+        k: &CudaAct,
+        v: &CudaAct,
+        out: &mut CudaAct,
+        p: &ops::AttnParams,
+    ) -> Result<()> {
+        let [kc, vc] = kv;
+        let (n_seqs, n) = (p.n_seqs, p.n_tokens);
+        ops::kv_encode_fp8(&self.dev, k.buf.view(), n_seqs, n, k.n_cols, kc.view_mut(), shape, p.pos0, n_bad.view_mut())
+            .context("attention: store K (fp8)")?;
+        ops::kv_encode_fp8(&self.dev, v.buf.view(), n_seqs, n, v.n_cols, vc.view_mut(), shape, p.pos0, n_bad.view_mut())
+            .context("attention: store V (fp8)")?;
+        ops::attention_fp8::<f32>(&self.dev, q.buf.view(), kc.view(), vc.view(), shape, out.buf.view_mut(), p)
+    }
+
     /// The prefill attention kernel of this backend's route and KV type: the
-    /// tensor-core kernel (v2) on the default route with a bf16 cache; the f32
-    /// CUDA-core kernel (v1) on the FP32 route (its exact path) and for an f32 cache.
+    /// tensor-core kernel (v2) on the default route with a bf16 or fp8 cache (fp8
+    /// only runs there, `open` refuses the rest); the f32 CUDA-core kernel (v1) on
+    /// the FP32 route (its exact path) and for an f32 cache.
     pub fn attention_kernel(&self) -> ops::AttnKernel {
         match (self.route, self.kv_dtype) {
-            (Route::Bf16TensorCore, KvFormat::Bf16) => ops::AttnKernel::V2,
+            (Route::Bf16TensorCore, KvFormat::Bf16 | KvFormat::Fp8) => ops::AttnKernel::V2,
             _ => ops::AttnKernel::V1,
+        }
+    }
+
+    /// The kernels that store and read the KV cache, for the report.
+    fn kv_cache_kernels(&self) -> String {
+        let reader = match self.attention_kernel() {
+            ops::AttnKernel::V1 => "attn_prefill_d<D>",
+            ops::AttnKernel::V2 => "attn_flash_d<D>",
+        };
+        match self.kv_dtype {
+            KvFormat::Fp8 => format!(
+                "stored by kv_encode_fp8 (kernels/kv_codec.cu: src/kv's fp8 rows, bit-identical to the CPU codec); \
+                 read by {reader}_fp8 (E4M3 code * row scale, rounded to bf16 in the K/V tile load)"
+            ),
+            f => format!("stored by kv_store_{f} (round to nearest even); read by {reader}_{f}"),
         }
     }
 }
@@ -247,13 +313,17 @@ impl Backend for CudaBackend {
             g.d_head_v,
             g.d_head
         );
-        let len = g.n_seqs * g.n_kv_heads * g.max_pos * g.d_head;
+        let shape = ops::KvShape { n_seqs: g.n_seqs, n_kv_heads: g.n_kv_heads, n_ctx: g.max_pos, d_head: g.d_head };
         let layers = match self.kv_dtype {
-            KvFormat::Bf16 => KvLayers::Bf16(self.kv_buffers(g.n_layers, len)?),
-            KvFormat::F32 => KvLayers::F32(self.kv_buffers(g.n_layers, len)?),
+            KvFormat::Bf16 => KvLayers::Bf16(self.kv_buffers(g.n_layers, shape.len())?),
+            KvFormat::F32 => KvLayers::F32(self.kv_buffers(g.n_layers, shape.len())?),
+            KvFormat::Fp8 => {
+                KvFormat::Fp8.check_dims(g.d_head, g.d_head_v).context("kv cache on CUDA")?;
+                KvLayers::Fp8(self.kv_buffers(g.n_layers, shape.fp8_bytes())?)
+            }
             other => bail!("kv cache on CUDA: format {other} is not implemented"),
         };
-        Ok(CudaKvCache { geometry: g, layers })
+        Ok(CudaKvCache { geometry: g, layers, n_bad: self.dev.alloc_zeros(1)? })
     }
 
     fn embed(&self, table: &CudaMatrix, tokens: &[u32], scale: f64) -> Result<CudaAct> {
@@ -417,6 +487,7 @@ impl Backend for CudaBackend {
         match &mut cache.layers {
             KvLayers::Bf16(l) => self.kv_store_and_attend(&mut l[layer], shape, q, k, v, &mut out, &params)?,
             KvLayers::F32(l) => self.kv_store_and_attend(&mut l[layer], shape, q, k, v, &mut out, &params)?,
+            KvLayers::Fp8(l) => self.kv_encode_and_attend_fp8(&mut l[layer], &mut cache.n_bad, shape, q, k, v, &mut out, &params)?,
         }
         Ok(out)
     }
@@ -568,6 +639,7 @@ impl Backend for CudaBackend {
                 },
                 "attention_kernel": self.attention_kernel().name(),
                 "attention": self.attention_kernel().describe(),
+                "kv_cache": self.kv_cache_kernels(),
                 "lm_head": format!("{} in tiles of {LM_HEAD_TILE_ROWS} rows; max, f64 sum of exp, target, top-k on the GPU", match self.route {
                     Route::Bf16TensorCore => "bf16 rows x head on the tensor cores (f32 accumulation, f32 logits)",
                     Route::Fp32 => "f32 rows x head (FFMA, f32 logits)",

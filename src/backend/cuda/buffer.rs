@@ -34,6 +34,9 @@ impl Elem for i32 {
 impl Elem for u8 {
     const NAME: &'static str = "u8";
 }
+impl Elem for u64 {
+    const NAME: &'static str = "u64";
+}
 
 /// An owned device allocation of `len()` elements of `T`.
 pub struct DeviceBuffer<T: Elem> {

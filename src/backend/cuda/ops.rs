@@ -8,13 +8,14 @@
 //! `kernels/*.cu`: pointers as u64 device addresses, `int` as i32,
 //! `long long` as i64, `float` as f32, `double` as f64.
 
-use anyhow::{anyhow, bail, ensure, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use half::bf16;
 
 use super::buffer::{DevView, DevViewMut, DeviceBuffer, Elem, QuantMatrix};
 use super::device::CudaDevice;
 use crate::artifact::format::TensorFormat;
+use crate::kv::KvFormat;
 
 /// Element types a kernel can write as its activation output (f32 or bf16).
 pub trait OutElem: Elem {}
@@ -621,8 +622,17 @@ pub struct KvShape {
 }
 
 impl KvShape {
+    /// Elements of an unscaled cache (bf16, f32): rows * d_head.
     pub fn len(&self) -> usize {
-        self.n_seqs * self.n_kv_heads * self.n_ctx * self.d_head
+        self.rows() * self.d_head
+    }
+    /// Rows (one per slot, KV head and position).
+    pub fn rows(&self) -> usize {
+        self.n_seqs * self.n_kv_heads * self.n_ctx
+    }
+    /// Bytes of an fp8 cache: rows of the fp8 codec's `row_bytes(d_head)`.
+    pub fn fp8_bytes(&self) -> usize {
+        self.rows() * fp8_row_bytes(self.d_head)
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
@@ -665,6 +675,80 @@ pub fn kv_store<KV: KvElem>(
     Ok(())
 }
 
+/// Bytes of one fp8 cache row of `d` elements: the codec's `row_bytes` (src/kv).
+pub fn fp8_row_bytes(d: usize) -> usize {
+    KvFormat::Fp8.k().row_bytes(d)
+}
+
+/// Parameters of `kv_encode_fp8`, mirrored by `struct KvEncodeArgs` in kernels/common.cuh.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct KvEncodeArgs {
+    src: u64,
+    cache: u64,
+    n_bad: u64,
+    src_stride: i64,
+    d: i32,
+    n_kv_heads: i32,
+    n_ctx: i32,
+    pos0: i32,
+    row_bytes: i32,
+    pad_: i32,
+}
+const _: () = assert!(size_of::<KvEncodeArgs>() == 56, "KvEncodeArgs must match kernels/common.cuh");
+// SAFETY: plain data of fixed C layout (asserted above), passed by value as the kernel's parameter.
+unsafe impl cudarc::driver::DeviceRepr for KvEncodeArgs {}
+
+/// Encodes rows into an fp8 cache exactly as `kv::RowCodec::encode_row` (kernels/kv_codec.cu):
+/// cache row (s, h, pos0 + t) = fp8(src[s * n_tokens + t, h*d_head ..]) for the first `n_seqs`
+/// slots; the non-finite count of the rows (the codec's return) is added to `n_bad[0]`.
+/// src: (n_seqs * n_tokens, src_stride) f32; cache: `shape.fp8_bytes()` bytes.
+#[allow(clippy::too_many_arguments)]
+pub fn kv_encode_fp8(
+    dev: &CudaDevice,
+    src: DevView<f32>,
+    n_seqs: usize,
+    n_tokens: usize,
+    src_stride: usize,
+    cache: DevViewMut<u8>,
+    shape: KvShape,
+    pos0: usize,
+    n_bad: DevViewMut<u64>,
+) -> Result<()> {
+    let d = shape.d_head;
+    KvFormat::Fp8.k().check_len(d).context("kv_encode_fp8")?;
+    ensure!(n_seqs <= shape.n_seqs, "kv_encode_fp8: {n_seqs} windows, the cache has {} slots", shape.n_seqs);
+    Rows { n_rows: n_seqs * n_tokens, n_cols: shape.n_kv_heads * d, stride: src_stride }.check(src.len(), "kv_encode_fp8", "src")?;
+    ensure!(cache.len() == shape.fp8_bytes(), "kv_encode_fp8: cache has {} bytes, shape {shape:?} needs {}", cache.len(), shape.fp8_bytes());
+    ensure!(cache.ptr() % 16 == 0, "kv_encode_fp8: the cache is not 16-byte aligned");
+    ensure!(n_bad.len() == 1 && n_bad.ptr() % 8 == 0, "kv_encode_fp8: the counter must be one aligned u64");
+    ensure!(pos0 + n_tokens <= shape.n_ctx, "kv_encode_fp8: positions {pos0}..{} past the cache's {} slots", pos0 + n_tokens, shape.n_ctx);
+    if n_tokens == 0 || n_seqs == 0 {
+        return Ok(());
+    }
+    ensure!(shape.n_kv_heads <= 65535 && n_seqs <= 65535, "kv_encode_fp8: {} KV heads x {n_seqs} windows exceed the grid", shape.n_kv_heads);
+    let args = KvEncodeArgs {
+        src: src.ptr(),
+        cache: cache.ptr(),
+        n_bad: n_bad.ptr(),
+        src_stride: src_stride as i64,
+        d: i32_of(d, "d_head")?,
+        n_kv_heads: i32_of(shape.n_kv_heads, "n_kv_heads")?,
+        n_ctx: i32_of(shape.n_ctx, "n_ctx")?,
+        pos0: i32_of(pos0, "pos0")?,
+        row_bytes: i32_of(fp8_row_bytes(d), "row_bytes")?,
+        pad_: 0,
+    };
+    let f = func(dev, "kv_encode_fp8")?;
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&args);
+    // SAFETY: the one KvEncodeArgs of `kv_encode_fp8` in kernels/kv_codec.cu; src rows, the cache's
+    // bytes (fp8 rows of row_bytes, 16-byte aligned), the counter and d % 32 == 0 checked above.
+    let grid = (u32::try_from(n_tokens)?, shape.n_kv_heads as u32, n_seqs as u32);
+    unsafe { b.launch(cfg(grid, 32, 0)) }.map_err(|e| launch_err("kv_encode_fp8", e))?;
+    Ok(())
+}
+
 /// Parameters of one prefill attention call.
 #[derive(Debug, Clone, Copy)]
 pub struct AttnParams {
@@ -698,7 +782,8 @@ pub enum AttnKernel {
     V1,
     /// `attn_flash_*`: FlashAttention-2 style, QKᵀ and PV with mma.sync
     /// m16n8k16 bf16 (q rounded to bf16 in the kernel, P rounded to bf16, f32
-    /// accumulation and f32 online softmax); bf16 cache only.
+    /// accumulation and f32 online softmax); a bf16 cache, or an fp8 cache
+    /// decoded and rounded to bf16 in its tile loads ([`attention_fp8`]).
     V2,
 }
 
@@ -714,9 +799,10 @@ impl AttnKernel {
         match self {
             Self::V1 => "v1: f32 FMA on the CUDA cores (online softmax), f32 q, cache read as stored",
             Self::V2 => {
-                "v2: flash attention on the tensor cores (mma.sync m16n8k16 bf16, ldmatrix, cp.async K/V \
-                 double buffer); q rounded to bf16 (nearest even) in the kernel, P rounded to bf16, f32 \
-                 accumulation and f32 online softmax; bf16 cache"
+                "v2: flash attention on the tensor cores (mma.sync m16n8k16 bf16, ldmatrix, K/V double \
+                 buffer); q rounded to bf16 (nearest even) in the kernel, P rounded to bf16, f32 \
+                 accumulation and f32 online softmax; a bf16 cache fetched with cp.async, or an fp8 cache \
+                 decoded in the tile load (E4M3 code * row scale, one f32 multiply, rounded to bf16)"
             }
         }
     }
@@ -740,8 +826,11 @@ struct AttnArgs {
     softcap: f32,
     q_stride: i64,
     out_stride: i64,
+    /// Bytes between cache rows (2 * d_head for bf16, the codec's row_bytes for fp8).
+    kv_row_bytes: i32,
+    pad_: i32,
 }
-const _: () = assert!(size_of::<AttnArgs>() == 80, "AttnArgs must match kernels/common.cuh");
+const _: () = assert!(size_of::<AttnArgs>() == 88, "AttnArgs must match kernels/common.cuh");
 // SAFETY: plain data of fixed C layout (asserted above), passed by value as the kernel's parameter.
 unsafe impl cudarc::driver::DeviceRepr for AttnArgs {}
 
@@ -778,6 +867,50 @@ pub fn attention<KV: KvElem, O: OutElem>(
     out: DevViewMut<O>,
     p: &AttnParams,
 ) -> Result<()> {
+    ensure!(k_cache.len() == shape.len() && v_cache.len() == shape.len(), "attention: caches ({}, {}) vs shape {shape:?}", k_cache.len(), v_cache.len());
+    let cache = CacheRef { kv: KV::NAME, k: k_cache.ptr(), v: v_cache.ptr(), row_bytes: shape.d_head * size_of::<KV>() };
+    attention_launch::<O>(dev, kernel, q, cache, shape, out, p)
+}
+
+/// The same attention over an fp8 cache (rows of `fp8_row_bytes(d_head)` as
+/// `kv_encode_fp8` writes them), with kernel v2: its K/V tile loads decode
+/// `e4m3_value(code) * scale` and round to bf16 in shared memory.
+/// k_cache, v_cache: `shape.fp8_bytes()` bytes each.
+pub fn attention_fp8<O: OutElem>(
+    dev: &CudaDevice,
+    q: DevView<f32>,
+    k_cache: DevView<u8>,
+    v_cache: DevView<u8>,
+    shape: KvShape,
+    out: DevViewMut<O>,
+    p: &AttnParams,
+) -> Result<()> {
+    let need = shape.fp8_bytes();
+    ensure!(k_cache.len() == need && v_cache.len() == need, "attention fp8: caches of ({}, {}) bytes, shape {shape:?} needs {need}", k_cache.len(), v_cache.len());
+    KvFormat::Fp8.k().check_len(shape.d_head).context("attention fp8")?;
+    let cache = CacheRef { kv: "fp8", k: k_cache.ptr(), v: v_cache.ptr(), row_bytes: fp8_row_bytes(shape.d_head) };
+    attention_launch::<O>(dev, AttnKernel::V2, q, cache, shape, out, p)
+}
+
+/// One layer's K and V caches as a kernel sees them (lengths checked by the caller).
+struct CacheRef {
+    /// Kernel-name suffix of the cache type: bf16, f32, fp8.
+    kv: &'static str,
+    k: u64,
+    v: u64,
+    /// Bytes between rows.
+    row_bytes: usize,
+}
+
+fn attention_launch<O: OutElem>(
+    dev: &CudaDevice,
+    kernel: AttnKernel,
+    q: DevView<f32>,
+    cache: CacheRef,
+    shape: KvShape,
+    out: DevViewMut<O>,
+    p: &AttnParams,
+) -> Result<()> {
     let d = shape.d_head;
     ensure!(ATTN_HEAD_DIMS.contains(&d), "attention: d_head {d} has no kernel (built: {ATTN_HEAD_DIMS:?})");
     ensure!(
@@ -786,7 +919,6 @@ pub fn attention<KV: KvElem, O: OutElem>(
         p.n_heads,
         shape.n_kv_heads
     );
-    ensure!(k_cache.len() == shape.len() && v_cache.len() == shape.len(), "attention: caches ({}, {}) vs shape {shape:?}", k_cache.len(), v_cache.len());
     ensure!(p.pos0 + p.n_tokens <= shape.n_ctx, "attention: positions up to {} past the cache's {} slots", p.pos0 + p.n_tokens, shape.n_ctx);
     ensure!(p.n_seqs <= shape.n_seqs, "attention: {} windows, the cache has {} slots", p.n_seqs, shape.n_seqs);
     ensure!(p.softcap >= 0.0 && p.softcap.is_finite(), "attention: soft-cap {}", p.softcap);
@@ -797,18 +929,21 @@ pub fn attention<KV: KvElem, O: OutElem>(
         return Ok(());
     }
     let (name, smem, block_q) = match kernel {
-        AttnKernel::V1 => (format!("attn_prefill_d{d}_{}_{}", KV::NAME, O::NAME), attn_smem_bytes(d, size_of::<KV>()), 16u32),
+        AttnKernel::V1 => {
+            ensure!(cache.kv != "fp8", "attention kernel v1 reads bf16 or f32 caches; an fp8 cache runs kernel v2");
+            (format!("attn_prefill_d{d}_{}_{}", cache.kv, O::NAME), attn_smem_bytes(d, cache.row_bytes / d), 16u32)
+        }
         AttnKernel::V2 => {
             ensure!(
-                KV::NAME == "bf16",
-                "attention kernel v2 (tensor cores) reads a bf16 cache; a {} cache runs kernel v1",
-                KV::NAME
+                cache.kv != "f32",
+                "attention kernel v2 (tensor cores) reads a bf16 or fp8 cache; a {} cache runs kernel v1",
+                cache.kv
             );
-            // float4 loads of q, 16-byte cp.async of cache rows, paired stores of out.
+            // float4 loads of q, 16-byte loads of cache rows, paired stores of out.
             ensure!(q.ptr() % 16 == 0 && p.q_stride % 4 == 0, "attention v2: q must be 16-byte aligned with a stride that is a multiple of 4");
-            ensure!(k_cache.ptr() % 16 == 0 && v_cache.ptr() % 16 == 0, "attention v2: the caches must be 16-byte aligned");
+            ensure!(cache.k % 16 == 0 && cache.v % 16 == 0 && cache.row_bytes % 16 == 0, "attention v2: the caches must be 16-byte aligned");
             ensure!(out.ptr() % 8 == 0 && p.out_stride % 2 == 0, "attention v2: out must be 8-byte aligned with an even stride");
-            (format!("attn_flash_d{d}_bf16_{}", O::NAME), attn_flash_smem_bytes(d), attn_flash_tiles(d).0 as u32)
+            (format!("attn_flash_d{d}_{}_{}", cache.kv, O::NAME), attn_flash_smem_bytes(d), attn_flash_tiles(d).0 as u32)
         }
     };
     let f = func(dev, &name)?;
@@ -828,7 +963,7 @@ pub fn attention<KV: KvElem, O: OutElem>(
     let (qs, os) = (p.q_stride as i64, p.out_stride as i64);
     let grid = (grid_1d(p.n_tokens, block_q)?, u32::try_from(p.n_heads)?, u32::try_from(p.n_seqs)?);
     ensure!(grid.1 <= 65535 && grid.2 <= 65535, "attention: {} heads x {} windows exceed the grid", p.n_heads, p.n_seqs);
-    let (qp, kp, vp, op) = (q.ptr(), k_cache.ptr(), v_cache.ptr(), out.ptr());
+    let (qp, kp, vp, op) = (q.ptr(), cache.k, cache.v, out.ptr());
     let mut b = dev.stream().launch_builder(f);
     let args = AttnArgs {
         q: qp,
@@ -845,6 +980,8 @@ pub fn attention<KV: KvElem, O: OutElem>(
         softcap: p.softcap,
         q_stride: qs,
         out_stride: os,
+        kv_row_bytes: i32_of(cache.row_bytes, "kv_row_bytes")?,
+        pad_: 0,
     };
     match kernel {
         AttnKernel::V1 => {
@@ -855,8 +992,9 @@ pub fn attention<KV: KvElem, O: OutElem>(
         }
     }
     // SAFETY: arguments match `attn_prefill_d<D>_<kv>_<out>` (v1, positional) or
-    // `attn_flash_d<D>_bf16_<out>` (v2, one AttnArgs) in kernels/attention.cu; q, out and
-    // both caches checked above (v2: alignment too); dynamic shared memory set to the kernel's need.
+    // `attn_flash_d<D>_<kv>_<out>` (v2, one AttnArgs) in kernels/attention.cu; q, out and
+    // both caches checked above and by the callers (lengths; v2: alignment too); dynamic
+    // shared memory set to the kernel's need.
     unsafe { b.launch(cfg(grid, 128, smem as u32)) }.map_err(|e| launch_err(&name, e))?;
     Ok(())
 }
