@@ -154,9 +154,10 @@ impl CpuBackend {
     }
 
     /// The queries as attention reads them: rounded to bf16 where the CUDA
-    /// default route's tensor-core attention (kernel v2, bf16 KV) rounds them.
+    /// default route's tensor-core attention (kernel v2, bf16 or fp8 KV)
+    /// rounds them.
     fn attention_query<'a>(&self, q: &'a [f32]) -> Cow<'a, [f32]> {
-        if self.bf16_matmul_inputs && self.kv_format == KvFormat::Bf16 {
+        if self.bf16_matmul_inputs && matches!(self.kv_format, KvFormat::Bf16 | KvFormat::Fp8) {
             Cow::Owned(round_bf16(q))
         } else {
             Cow::Borrowed(q)

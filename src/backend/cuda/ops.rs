@@ -717,6 +717,10 @@ pub fn kv_encode_fp8(
 ) -> Result<()> {
     let d = shape.d_head;
     KvFormat::Fp8.k().check_len(d).context("kv_encode_fp8")?;
+    ensure!(
+        !KvFormat::Fp8.k().rotate && !KvFormat::Fp8.v().rotate,
+        "kv_encode_fp8: the KV table rotates fp8 rows and this kernel does not rotate (src/kv/mod.rs)"
+    );
     ensure!(n_seqs <= shape.n_seqs, "kv_encode_fp8: {n_seqs} windows, the cache has {} slots", shape.n_seqs);
     Rows { n_rows: n_seqs * n_tokens, n_cols: shape.n_kv_heads * d, stride: src_stride }.check(src.len(), "kv_encode_fp8", "src")?;
     ensure!(cache.len() == shape.fp8_bytes(), "kv_encode_fp8: cache has {} bytes, shape {shape:?} needs {}", cache.len(), shape.fp8_bytes());
