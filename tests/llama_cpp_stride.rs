@@ -71,7 +71,7 @@ fn ppl_stride_scores_llama_cpp_targets_and_agrees_per_window() {
             .arg(models_dir().join("SmolLM2-135M-Instruct.Q4_1.ninfer"))
             .arg("-f")
             .arg(&text)
-            .args(["-c", "512", "--ppl-stride", &r.stride.to_string(), "--backend", "cpu"])
+            .args(["-c", "512", "--ppl-stride", &r.stride.to_string(), "--backend", "cpu", "--lossless"])
             .args(extra)
             .arg("--output")
             .arg(&out)
