@@ -412,3 +412,48 @@ fn mxfp4_banks_run_on_the_cpu_and_cuda_refuses_moe_and_mxfp4_by_name() {
     let e = format!("{:#}", load_model(&f_art, cuda, 1.0).err().expect("CUDA must refuse"));
     assert!(e.contains("qwen3moe") && e.contains("not supported on the CUDA backend"), "{e}");
 }
+
+/// End to end through `infernix-perplexity`: report.json carries the
+/// expert-usage counts (every processed row routed to top_k experts), and
+/// batching several windows per pass changes neither a score nor a count.
+#[test]
+fn report_json_carries_expert_usage_and_batching_changes_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let art = tmp.path().join("moe.ninfer");
+    convert(&hf_folder(tmp.path(), false), &art, &ConvertOptions::default()).unwrap();
+    let ids: Vec<u32> = (0..200u32).map(|j| (7 * j * j + 3 * j + 1) % 256).collect();
+    let tokens = tmp.path().join("tokens.json");
+    std::fs::write(&tokens, serde_json::to_vec(&ids).unwrap()).unwrap();
+    let run = |name: &str, batch_tokens: &str| -> Value {
+        let out = tmp.path().join(name);
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_infernix-perplexity"))
+            .arg(&art)
+            .args(["--tokens"])
+            .arg(&tokens)
+            .args(["--context", "64", "--stride", "32", "--backend", "cpu", "--lossless", "--batch-tokens", batch_tokens])
+            .args(["--log-level", "warn", "--output"])
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{name}: {}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap()
+    };
+    let batched = run("batched", "8192");
+    let single = run("single", "64");
+    let usage = &batched["results"]["expert_usage"];
+    assert_eq!(usage["n_experts"], json!(8));
+    assert_eq!(usage["top_k"], json!(3));
+    let processed = batched["timing"]["tokens_processed"].as_u64().unwrap();
+    assert_eq!(usage["rows"].as_u64().unwrap(), processed, "every processed row is routed once per layer");
+    let layers = usage["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 2);
+    for l in layers {
+        let routed: Vec<u64> = l["routed"].as_array().unwrap().iter().map(|c| c.as_u64().unwrap()).collect();
+        assert_eq!(routed.iter().sum::<u64>(), 3 * processed);
+        assert_eq!(l["never_routed"].as_u64().unwrap() as usize, routed.iter().filter(|&&c| c == 0).count());
+    }
+    assert_eq!(usage, &single["results"]["expert_usage"], "batching changed the routing counts");
+    assert_eq!(batched["results"]["overall"], single["results"]["overall"], "batching changed the scores");
+    assert!(batched["execution"]["details"]["windows_per_pass"].as_u64().unwrap() > 1, "the batched run must batch");
+    assert_eq!(single["execution"]["details"]["windows_per_pass"], json!(1));
+}
