@@ -24,6 +24,7 @@
 //! rounding alone, with no kernel in the way (docs/numerical-quality.md).
 
 pub mod attention;
+pub mod delta_net;
 pub mod dequant;
 pub mod gemm;
 pub mod head;
