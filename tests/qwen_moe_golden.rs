@@ -155,7 +155,11 @@ fn score(source: &Path, out: &Path, chunk: Option<usize>) -> (Artifact, Vec<Targ
 
 /// Per field, the worst |ours - golden|; panics past `TOL` with the details.
 fn check_scores(what: &str, scores: &[TargetScore]) -> f64 {
-    let g = golden();
+    check_scores_against(what, scores, &golden())
+}
+
+/// [`check_scores`] against the golden section `g` (its `nll`, `lse`, `target_logit`).
+fn check_scores_against(what: &str, scores: &[TargetScore], g: &Value) -> f64 {
     let fields = [
         ("nll", scores.iter().map(|s| s.nll).collect::<Vec<_>>()),
         ("lse", scores.iter().map(|s| s.lse).collect()),
@@ -181,8 +185,11 @@ fn check_scores(what: &str, scores: &[TargetScore]) -> f64 {
 }
 
 fn golden_counts() -> Vec<Vec<u64>> {
-    golden()["expert_counts"]
-        .as_array()
+    counts_of(&golden()["expert_counts"])
+}
+
+fn counts_of(v: &Value) -> Vec<Vec<u64>> {
+    v.as_array()
         .unwrap()
         .iter()
         .map(|l| l.as_array().unwrap().iter().map(|c| c.as_u64().unwrap()).collect())
@@ -218,6 +225,23 @@ fn qwen3moe_hf_folder_matches_transformers_in_one_and_several_passes() {
         check_scores(&format!("qwen3moe, passes of {chunk}"), &passes);
         assert_eq!(counts, golden_counts(), "passes of {chunk}: routing counts");
     }
+}
+
+/// The same checkpoint with `norm_topk_prob` false (a Hugging Face-only
+/// setting): the raw softmax weights of the top 3.
+#[test]
+fn qwen3moe_without_norm_topk_prob_matches_transformers() {
+    let g = golden();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = g["config"].clone();
+    cfg["norm_topk_prob"] = json!(false);
+    let folder = tmp.path().join("raw");
+    seeded::write_folder(&folder, &cfg, &seeded::tensors_of(&g["tensors"]));
+    let (artifact, scores, counts) = score(&folder, &tmp.path().join("raw.ninfer"), Some(16));
+    assert!(!artifact.meta.hparams.moe.unwrap().norm_topk_prob);
+    let raw = &g["without_norm_topk_prob"];
+    check_scores_against("qwen3moe without norm_topk_prob, passes of 16", &scores, raw);
+    assert_eq!(counts, counts_of(&raw["expert_counts"]));
 }
 
 #[test]

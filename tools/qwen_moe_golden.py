@@ -15,7 +15,8 @@ every tensor's SHA-256, converts both and compares our CPU backend per position.
 
 Geometry: 8 experts, top-3 routing with norm_topk_prob (llama.cpp's qwen3moe
 graph always renormalizes, so the GGUF twin computes the same function),
-2 layers, QK norm, separate lm_head.
+2 layers, QK norm, separate lm_head; also scored with norm_topk_prob false
+(`without_norm_topk_prob`, a Hugging Face-only setting).
 
 Precision: transformers computes three things in float32 even in a float64
 model: RMSNorm (input cast to float32), the eager attention softmax
@@ -47,7 +48,7 @@ VOCAB, HIDDEN, N_LAYERS, N_HEADS, N_KV_HEADS, HEAD_DIM = 256, 64, 2, 4, 2, 16
 N_EXPERTS, TOP_K, D_EXPERT = 8, 3, 32
 
 
-def config_json():
+def config_json(norm_topk_prob=True):
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
@@ -57,7 +58,7 @@ def config_json():
         "moe_intermediate_size": D_EXPERT,
         "num_experts": N_EXPERTS,
         "num_experts_per_tok": TOP_K,
-        "norm_topk_prob": True,
+        "norm_topk_prob": norm_topk_prob,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
         "output_router_logits": False,
@@ -111,8 +112,8 @@ def tensor_specs():
     return specs
 
 
-def build_folder(folder):
-    cfg = config_json()
+def build_folder(folder, norm_topk_prob=True):
+    cfg = config_json(norm_topk_prob)
     return cfg, write_folder(folder, tensor_specs(), cfg)
 
 
@@ -205,7 +206,7 @@ def score(folder, stock):
     mlp = model.model.layers[0].mlp
     assert type(mlp).__name__ == "Qwen3MoeSparseMoeBlock"
     assert tuple(mlp.experts.gate_up_proj.shape) == (N_EXPERTS, 2 * D_EXPERT, HIDDEN)
-    assert mlp.gate.top_k == TOP_K and mlp.gate.norm_topk_prob
+    assert mlp.gate.top_k == TOP_K
     # The fused bank holds expert e's gate rows, then its up rows (chunk(2) in the forward).
     g0 = generate("model.layers.0.mlp.experts.5.up_proj.weight", [D_EXPERT, HIDDEN], 0.3, 0.0)
     assert np.array_equal(mlp.experts.gate_up_proj[5, D_EXPERT:].detach().numpy().astype(np.float32), g0)
@@ -245,6 +246,10 @@ def main():
         cfg, records = build_folder(folder)
         exact = score(folder, stock=args.stock)
         stock = score(folder, stock=True)
+        # The same weights with norm_topk_prob false (Hugging Face only: llama.cpp always renormalizes).
+        raw_folder = os.path.join(tmp, "qwen3moe_raw_topk")
+        build_folder(raw_folder, norm_topk_prob=False)
+        raw = score(raw_folder, stock=args.stock)
     drift = max(abs(a - b) for a, b in zip(exact["nll"], stock["nll"]))
     out = {
         "about": "A tiny seeded qwen3moe checkpoint (8 experts, top-3, norm_topk_prob) scored by Hugging Face "
@@ -269,6 +274,11 @@ def main():
         "expert_counts": exact["expert_counts"],
         "expert_counts_about": "per layer, per expert: positions of the one 48-token forward routed to it",
         "patched_to_float64": exact["patched"],
+        "without_norm_topk_prob": {
+            "about": "the same checkpoint with config norm_topk_prob false (raw softmax weights of the top 3)",
+            "lse": raw["lse"], "target_logit": raw["target_logit"], "nll": raw["nll"],
+            "expert_counts": raw["expert_counts"],
+        },
         "max_abs_nll_change_with_stock_float32_paths": drift,
     }
     print(f"qwen3moe: mean NLL {out['mean_nll']:.12f}, patched {exact['patched']}, stock drift {drift:.3e}, "

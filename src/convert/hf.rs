@@ -8,8 +8,10 @@
 //! (`mlp.experts.{e}.gate_proj.weight`, the Hub layout) or transformers'
 //! fused banks (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`); both
 //! become the GGUF banks `ffn_{gate,up,down}_exps` `(n_experts, rows, cols)`,
-//! expert-major, each expert's bytes copied unchanged (so a bank is held in
-//! memory once while the artifact is written).
+//! expert-major, each expert's bytes copied unchanged. The banks are
+//! assembled in memory before the artifact is written, so converting a MoE
+//! folder needs about its expert bytes in RAM (a GGUF source needs none:
+//! its banks are already contiguous and are borrowed from the map).
 
 use std::borrow::Cow;
 use std::fs::File;
