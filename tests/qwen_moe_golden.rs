@@ -85,7 +85,10 @@ fn fuse_experts(tensors: &[Tensor], cfg: &Value) -> Vec<Tensor> {
 /// A GGUF tensor being written: name, dims (innermost first), ggml type, bytes.
 type GgufTensor = (String, Vec<u64>, u32, Vec<u8>);
 
-fn write_gguf(g: &Value, path: &Path, edit: &dyn Fn(&mut Vec<(String, GgufValue)>, &mut Vec<GgufTensor>)) {
+/// A deliberate change to a GGUF twin's metadata and tensors before it is written.
+type GgufEdit<'a> = dyn Fn(&mut Vec<(String, GgufValue)>, &mut Vec<GgufTensor>) + 'a;
+
+fn write_gguf(g: &Value, path: &Path, edit: &GgufEdit<'_>) {
     let cfg = &g["config"];
     let names = &g["gguf"]["tensors"];
     let keys = &g["gguf"]["keys"];
@@ -344,7 +347,7 @@ fn bad_moe_sources_fail_with_one_line_naming_file_and_field() {
     });
     cases.push(("HF: router rows disagree with num_experts".into(), p.clone(), vec![p.display().to_string(), "blk.0.ffn_gate_inp.weight".into(), "expert_count".into()]));
 
-    let gguf_case = |name: &str, edit: &dyn Fn(&mut Vec<(String, GgufValue)>, &mut Vec<GgufTensor>)| -> PathBuf {
+    let gguf_case = |name: &str, edit: &GgufEdit<'_>| -> PathBuf {
         let p = tmp.path().join(format!("{name}.gguf"));
         write_gguf(&g, &p, edit);
         p
