@@ -165,7 +165,7 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         artifact: ArtifactInfo::of(&artifact, cfg.verify),
         workload,
         execution: None,
-        results: Results { overall: None, domains: Vec::new(), streams: Vec::new(), kl_divergence: None },
+        results: Results { overall: None, domains: Vec::new(), streams: Vec::new(), kl_divergence: None, expert_usage: None },
         timing: Timing { load_seconds, tokenize_seconds, ..Default::default() },
         noise_floor: None,
     };
@@ -236,6 +236,8 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
     let (stats, window_results, stream_kl) =
         score_streams(&streams, scorer.as_mut(), bos, cfg.prefill_chunk, n_seqs, top_tokens.as_mut())?;
     let scoring_seconds = t_score.elapsed().as_secs_f64();
+    // Before the noise-floor rescoring, which would count its windows again.
+    report.results.expert_usage = scorer.expert_usage();
     if cfg.noise_floor {
         report.noise_floor = Some(noise_floor(cfg, &streams, &stats, scorer.as_mut(), bos, n_seqs)?);
     }

@@ -114,6 +114,7 @@ fn tiny_hparams(arch: Architecture) -> HParams {
         qk_norm: false,
         post_norms: false,
         tied_embeddings: false,
+        moe: None,
     };
     match arch {
         Architecture::Llama => {
@@ -140,6 +141,7 @@ fn tiny_hparams(arch: Architecture) -> HParams {
             hp.qk_norm = true;
             hp.rope_dim = 32; // partial rotary
         }
+        Architecture::Qwen3Moe => panic!("the routed-expert forward is checked by tests/qwen_moe_golden.rs"),
     }
     hp
 }

@@ -6,17 +6,17 @@
 //! `tests/data/qwen_golden.json` (transformers 5.17 in float64, made by that
 //! script; the file records the versions and the generator).
 
-use std::collections::HashMap;
 use std::path::Path;
 
-use infernix_perplexity::artifact::container::sha256_hex;
 use infernix_perplexity::artifact::{Architecture, Artifact, ArtifactMeta};
 use infernix_perplexity::backend::BackendKind;
 use infernix_perplexity::convert::{convert, ConvertOptions};
 use infernix_perplexity::model::{load_model, ScoreOptions};
-use safetensors::tensor::{serialize_to_file, TensorView};
-use safetensors::Dtype;
 use serde_json::{json, Value};
+
+#[path = "common/seeded.rs"]
+mod seeded;
+use seeded::{worst, Tensor};
 
 /// Absolute tolerance on NLL, log-sum-exp and target logit (nats). The golden
 /// is float64 throughout; our CPU backend keeps weights, activations and
@@ -24,31 +24,6 @@ use serde_json::{json, Value};
 /// up to 5e-7 when stored. Seen: worst 2.2e-6 (qwen2), 1.6e-6 (qwen3); a
 /// mapping bug moves the NLL by far more (`tolerance_catches_mapping_bugs`).
 const TOL: f64 = 1e-5;
-
-const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
-
-fn fnv1a64(name: &str) -> u64 {
-    name.bytes().fold(0xCBF2_9CE4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01B3))
-}
-
-/// Output `i` of the splitmix64 stream seeded with `h`.
-fn splitmix64(h: u64, i: u64) -> u64 {
-    let mut z = h.wrapping_add((i + 1).wrapping_mul(GAMMA));
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// The tensor `name` (`n` elements, row-major), as `tools/qwen_golden.py`'s `generate`.
-fn generate(name: &str, n: usize, scale: f64, offset: f64) -> Vec<f32> {
-    let h = fnv1a64(name);
-    (0..n as u64)
-        .map(|i| {
-            let u = (splitmix64(h, i) >> 11) as f64 * (-53f64).exp2();
-            (scale * (2.0 * u - 1.0) + offset) as f32
-        })
-        .collect()
-}
 
 fn golden() -> Value {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/qwen_golden.json");
@@ -59,58 +34,16 @@ fn f64s(v: &Value) -> Vec<f64> {
     v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
 }
 
-/// One generated tensor: name, shape, F32 little-endian bytes.
-type Tensor = (String, Vec<usize>, Vec<u8>);
-
 /// A deliberate change to a folder (config, tensors) before it is written.
 type Edit = dyn Fn(&mut Value, &mut Vec<Tensor>);
 
 /// Writes the Hugging Face folder of `model` (a golden entry) into `dir`,
 /// checking every generated tensor against the golden SHA-256, then applying `edit`.
 fn write_hf_folder(model: &Value, dir: &Path, edit: &Edit) {
-    std::fs::create_dir_all(dir).unwrap();
-    let mut data: Vec<Tensor> = Vec::new();
-    for t in model["tensors"].as_array().unwrap() {
-        let name = t["name"].as_str().unwrap();
-        let shape: Vec<usize> = t["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
-        let values = generate(name, shape.iter().product(), t["scale"].as_f64().unwrap(), t["offset"].as_f64().unwrap());
-        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        assert_eq!(sha256_hex(&bytes), t["sha256"].as_str().unwrap(), "generator twin disagrees on {name}");
-        data.push((name.to_string(), shape, bytes));
-    }
+    let mut data = seeded::tensors_of(&model["tensors"]);
     let mut config = model["config"].clone();
     edit(&mut config, &mut data);
-    let views: Vec<(String, TensorView<'_>)> =
-        data.iter().map(|(n, s, b)| (n.clone(), TensorView::new(Dtype::F32, s.clone(), b).unwrap())).collect();
-    let st_meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    serialize_to_file(views, Some(st_meta), &dir.join("model.safetensors")).unwrap();
-
-    // "<unk>" is id 0, "t1".."t255" are ids 1..255 (as the script writes it).
-    let n_vocab = config["vocab_size"].as_u64().unwrap();
-    let mut vocab = serde_json::Map::new();
-    vocab.insert("<unk>".into(), json!(0));
-    for i in 1..n_vocab {
-        vocab.insert(format!("t{i}"), json!(i));
-    }
-    let tokenizer = json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
-        "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null, "decoder": null,
-        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
-    });
-    let files = [
-        ("config.json", config),
-        ("tokenizer.json", tokenizer),
-        ("tokenizer_config.json", json!({"add_bos_token": false, "add_eos_token": false})),
-    ];
-    for (file, doc) in files {
-        std::fs::write(dir.join(file), serde_json::to_vec_pretty(&doc).unwrap()).unwrap();
-    }
-}
-
-/// Largest |ours - golden| with its position, after checking lengths.
-fn worst(ours: &[f64], want: &[f64]) -> (f64, usize) {
-    assert_eq!(ours.len(), want.len());
-    ours.iter().zip(want).map(|(a, b)| (a - b).abs()).enumerate().fold((0.0, 0), |w, (i, d)| if d > w.0 { (d, i) } else { w })
+    seeded::write_folder(dir, &config, &data);
 }
 
 fn tokens(g: &Value) -> Vec<u32> {

@@ -162,14 +162,13 @@ def tokenizer_json():
     }
 
 
-def build_folder(model_type, folder):
-    """Writes the Hugging Face folder; returns its tensor records for the golden file."""
+def write_folder(folder, specs, cfg):
+    """Writes a Hugging Face folder of generated F32 tensors `specs` and `cfg`; returns the tensor records."""
     from safetensors.numpy import save_file
 
-    m = MODELS[model_type]
     os.makedirs(folder, exist_ok=True)
     tensors, records = {}, []
-    for name, shape, scale, offset in tensor_specs(m):
+    for name, shape, scale, offset in specs:
         t = generate(name, shape, scale, offset)
         tensors[name] = t
         records.append({
@@ -177,12 +176,18 @@ def build_folder(model_type, folder):
             "sha256": hashlib.sha256(t.astype("<f4").tobytes()).hexdigest(),
         })
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    cfg = config_json(model_type, m)
     for fname, doc in [("config.json", cfg), ("tokenizer.json", tokenizer_json()),
                        ("tokenizer_config.json", {"add_bos_token": False, "add_eos_token": False})]:
         with open(os.path.join(folder, fname), "w") as f:
             json.dump(doc, f, indent=1)
-    return cfg, records
+    return records
+
+
+def build_folder(model_type, folder):
+    """Writes the Hugging Face folder; returns its config and tensor records for the golden file."""
+    m = MODELS[model_type]
+    cfg = config_json(model_type, m)
+    return cfg, write_folder(folder, tensor_specs(m), cfg)
 
 
 def keep_norms_in_float64(model):

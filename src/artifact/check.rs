@@ -34,6 +34,9 @@ fn gguf_key(field: &str) -> &'static str {
         "attn_scale" => "attention.key_length / query_pre_attn_scalar",
         "attn_softcap" => "attn_logit_softcapping",
         "final_softcap" => "final_logit_softcapping",
+        "moe.n_experts" => "expert_count",
+        "moe.n_experts_used" => "expert_used_count",
+        "moe.d_ffn_expert" => "expert_feed_forward_length",
         _ => "derived",
     }
 }
@@ -90,6 +93,17 @@ pub fn check_ranges(hp: &HParams) -> Result<()> {
     if hp.sliding_window.len() != hp.n_layers {
         bail!("{}: {} entries for hparams.n_layers = {} layers", key("sliding_window"), hp.sliding_window.len(), hp.n_layers);
     }
+    if let Some(m) = &hp.moe {
+        if !(1..=1 << 16).contains(&m.n_experts) {
+            bail!("{} = {}: must be in 1..=65536", key("moe.n_experts"), m.n_experts);
+        }
+        if !(1..=m.n_experts).contains(&m.n_experts_used) {
+            bail!("{} = {}: must be in 1..=hparams.moe.n_experts = {}", key("moe.n_experts_used"), m.n_experts_used, m.n_experts);
+        }
+        if !(1..=1 << 24).contains(&m.d_ffn_expert) {
+            bail!("{} = {}: must be in 1..=16777216", key("moe.d_ffn_expert"), m.d_ffn_expert);
+        }
+    }
     if let Some(l) = hp.sliding_window.iter().position(|w| *w == Some(0)) {
         bail!("hparams.sliding_window[{l}] (GGUF {}) = 0: a sliding window holds at least the query's own position", gguf_key("sliding_window"));
     }
@@ -142,9 +156,31 @@ pub fn check_hparams<'a>(
         want(&w("attn_k"), &[k, d])?;
         want(&w("attn_v"), &[v, d])?;
         want(&w("attn_output"), &[d, o_in])?;
-        want(&w("ffn_gate"), &[f, d])?;
-        want(&w("ffn_up"), &[f, d])?;
-        want(&w("ffn_down"), &[d, f])?;
+        match &hp.moe {
+            None => {
+                want(&w("ffn_gate"), &[f, d])?;
+                want(&w("ffn_up"), &[f, d])?;
+                want(&w("ffn_down"), &[d, f])?;
+            }
+            Some(m) => {
+                let (n_e, fe) = (m.n_experts as u64, m.d_ffn_expert as u64);
+                let moe_want = |name: &str, shape: &[u64]| -> Result<()> {
+                    match shape_of(name) {
+                        Some(got) if got == shape => Ok(()),
+                        Some(got) => bail!(
+                            "tensor {name} has shape {got:?}, the hyperparameters ({}, {}, d_model) = ({n_e}, {fe}, {d}) imply {shape:?}",
+                            key("moe.n_experts"),
+                            key("moe.d_ffn_expert")
+                        ),
+                        None => bail!("tensor {name} is missing ({} = {n_e})", key("moe.n_experts")),
+                    }
+                };
+                moe_want(&w("ffn_gate_inp"), &[n_e, d])?;
+                moe_want(&w("ffn_gate_exps"), &[n_e, fe, d])?;
+                moe_want(&w("ffn_up_exps"), &[n_e, fe, d])?;
+                moe_want(&w("ffn_down_exps"), &[n_e, d, fe])?;
+            }
+        }
         if hp.qkv_bias {
             want(&blk(l, "attn_q.bias"), &[q])?;
             want(&blk(l, "attn_k.bias"), &[k])?;
@@ -201,6 +237,7 @@ mod tests {
             qk_norm: false,
             post_norms: false,
             tied_embeddings: true,
+            moe: None,
         }
     }
 
@@ -279,5 +316,32 @@ mod tests {
         h.n_layers = 2;
         h.sliding_window = vec![None, None];
         assert!(format!("{:#}", check(&h, &shapes()).unwrap_err()).contains("blk.1.attn_norm.weight is missing"));
+    }
+
+    #[test]
+    fn expert_banks_must_agree_with_the_expert_geometry() {
+        use crate::artifact::meta::MoeParams;
+        let mut h = hp();
+        h.moe = Some(MoeParams { n_experts: 4, n_experts_used: 2, d_ffn_expert: 6, norm_topk_prob: true });
+        let mut m = shapes();
+        for n in ["ffn_gate", "ffn_up", "ffn_down"] {
+            m.remove(&blk(0, &format!("{n}.weight")));
+        }
+        m.insert(blk(0, "ffn_gate_inp.weight"), vec![4, 8]);
+        m.insert(blk(0, "ffn_gate_exps.weight"), vec![4, 6, 8]);
+        m.insert(blk(0, "ffn_up_exps.weight"), vec![4, 6, 8]);
+        m.insert(blk(0, "ffn_down_exps.weight"), vec![4, 8, 6]);
+        check(&h, &m).unwrap();
+        let mut three = h.clone();
+        three.moe.as_mut().unwrap().n_experts = 3;
+        let e = format!("{:#}", check(&three, &m).unwrap_err());
+        assert!(e.contains("blk.0.ffn_gate_inp.weight has shape [4, 8]") && e.contains("GGUF expert_count"), "{e}");
+        let mut topk = h.clone();
+        topk.moe.as_mut().unwrap().n_experts_used = 5;
+        let e = format!("{:#}", check(&topk, &m).unwrap_err());
+        assert!(e.contains("hparams.moe.n_experts_used (GGUF expert_used_count) = 5"), "{e}");
+        let mut gone = m.clone();
+        gone.remove(&blk(0, "ffn_up_exps.weight"));
+        assert!(format!("{:#}", check(&h, &gone).unwrap_err()).contains("tensor blk.0.ffn_up_exps.weight is missing"));
     }
 }

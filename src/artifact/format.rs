@@ -26,6 +26,8 @@ pub enum TensorFormat {
     Q6K = 14,
     Iq4Nl = 20,
     Bf16 = 30,
+    /// OCP microscaling FP4: 32 E2M1 values with one shared E8M0 scale (gpt-oss experts).
+    Mxfp4 = 39,
 }
 
 pub const ALL_FORMATS: [TensorFormat; 14] = [
@@ -45,22 +47,33 @@ pub const ALL_FORMATS: [TensorFormat; 14] = [
     TensorFormat::Iq4Nl,
 ];
 
+/// Formats kept and decoded by the CPU backend only: the CUDA backend
+/// refuses them by name (no tile loader yet). Not in [`ALL_FORMATS`], which
+/// lists the formats every backend runs (the GPU parity suites iterate it).
+pub const CPU_ONLY_FORMATS: [TensorFormat; 1] = [TensorFormat::Mxfp4];
+
 /// Elements per super-block of the K-quants.
 pub const QK_K: usize = 256;
 
 impl TensorFormat {
     /// The format for a GGML type id, or `None` when we do not keep that type.
     pub fn from_ggml_type(id: u32) -> Option<Self> {
-        ALL_FORMATS.iter().copied().find(|f| *f as u32 == id)
+        ALL_FORMATS.iter().chain(&CPU_ONLY_FORMATS).copied().find(|f| *f as u32 == id)
+    }
+
+    /// Whether every backend runs this format (`false`: CPU only, see [`CPU_ONLY_FORMATS`]).
+    pub fn runs_on_cuda(self) -> bool {
+        !CPU_ONLY_FORMATS.contains(&self)
     }
 
     /// GGML's name of a type id, for error messages about types we do not keep.
     pub fn ggml_type_name(id: u32) -> String {
-        const NAMES: [&str; 31] = [
+        const NAMES: [&str; 40] = [
             "F32", "F16", "Q4_0", "Q4_1", "Q4_2", "Q4_3", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q2_K",
             "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S",
             "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS", "I8", "I16", "I32", "I64", "F64", "IQ1_M",
-            "BF16",
+            "BF16", "Q4_0_4_4", "Q4_0_4_8", "Q4_0_8_8", "TQ1_0", "TQ2_0", "IQ4_NL_4_4", "IQ4_NL_4_8",
+            "IQ4_NL_8_8", "MXFP4",
         ];
         NAMES.get(id as usize).map_or_else(|| format!("type {id}"), |n| format!("{n} (type {id})"))
     }
@@ -82,15 +95,17 @@ impl TensorFormat {
             Self::Q5K => "Q5_K",
             Self::Q6K => "Q6_K",
             Self::Iq4Nl => "IQ4_NL",
+            Self::Mxfp4 => "MXFP4",
         }
     }
 
     pub fn from_name(name: &str) -> Result<Self> {
-        match ALL_FORMATS.iter().copied().find(|f| f.name().eq_ignore_ascii_case(name)) {
+        match ALL_FORMATS.iter().chain(&CPU_ONLY_FORMATS).copied().find(|f| f.name().eq_ignore_ascii_case(name)) {
             Some(f) => Ok(f),
             None => bail!(
-                "unknown tensor format {name:?} (known: {})",
-                ALL_FORMATS.map(|f| f.name()).join(", ")
+                "unknown tensor format {name:?} (known: {}, {})",
+                ALL_FORMATS.map(|f| f.name()).join(", "),
+                CPU_ONLY_FORMATS.map(|f| f.name()).join(", ")
             ),
         }
     }
@@ -99,7 +114,7 @@ impl TensorFormat {
     pub fn block_elems(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::Bf16 => 1,
-            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::Iq4Nl => 32,
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::Iq4Nl | Self::Mxfp4 => 32,
             Self::Q2K | Self::Q3K | Self::Q4K | Self::Q5K | Self::Q6K => QK_K,
         }
     }
@@ -115,6 +130,7 @@ impl TensorFormat {
             Self::Q5_1 => 24,
             Self::Q8_0 => 34,
             Self::Iq4Nl => 18,
+            Self::Mxfp4 => 17,
             Self::Q2K => 84,
             Self::Q3K => 110,
             Self::Q4K => 144,
@@ -159,12 +175,14 @@ mod tests {
 
     #[test]
     fn ggml_ids_round_trip() {
-        for f in ALL_FORMATS {
+        for f in ALL_FORMATS.into_iter().chain(CPU_ONLY_FORMATS) {
             assert_eq!(TensorFormat::from_ggml_type(f as u32), Some(f));
             assert_eq!(TensorFormat::from_name(f.name()).unwrap(), f);
         }
         assert_eq!(TensorFormat::from_ggml_type(15), None); // Q8_K is not kept
         assert_eq!(TensorFormat::ggml_type_name(23), "IQ4_XS (type 23)");
+        assert_eq!(TensorFormat::ggml_type_name(39), "MXFP4 (type 39)");
+        assert!(!TensorFormat::Mxfp4.runs_on_cuda() && TensorFormat::Q4K.runs_on_cuda());
     }
 
     #[test]
@@ -176,6 +194,8 @@ mod tests {
         assert_eq!(TensorFormat::Q2K.block_bytes(), 16 + 64 + 2 + 2);
         assert_eq!(TensorFormat::Q5K.block_bytes(), 2 * 2 + 12 + 32 + 128);
         assert_eq!(TensorFormat::Q8_0.bytes_for(64).unwrap(), 68);
+        // sizeof(block_mxfp4) = 1 (E8M0) + 16 (32 nibbles)
+        assert_eq!(TensorFormat::Mxfp4.bytes_for(64).unwrap(), 34);
         assert!(TensorFormat::Q4_0.bytes_for(33).is_err());
         // Issue 16 (fuzzing): a shape whose byte size overflows is an error, not a wrap.
         assert!(TensorFormat::F32.bytes_for(u64::MAX / 2).is_err());

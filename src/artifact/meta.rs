@@ -14,6 +14,8 @@ pub enum Architecture {
     Gemma3,
     Qwen2,
     Qwen3,
+    /// Qwen3-MoE: qwen3 attention, every FFN a routed mixture of experts.
+    Qwen3Moe,
 }
 
 impl Architecture {
@@ -23,6 +25,7 @@ impl Architecture {
             "gemma3" => Some(Self::Gemma3),
             "qwen2" => Some(Self::Qwen2),
             "qwen3" => Some(Self::Qwen3),
+            "qwen3moe" => Some(Self::Qwen3Moe),
             _ => None,
         }
     }
@@ -33,8 +36,35 @@ impl Architecture {
             Self::Gemma3 => "gemma3",
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
+            Self::Qwen3Moe => "qwen3moe",
         }
     }
+
+    /// Every architecture we run, for messages (`llama, gemma3, ...`).
+    pub const ALL: [Self; 5] = [Self::Llama, Self::Gemma3, Self::Qwen2, Self::Qwen3, Self::Qwen3Moe];
+
+    /// `llama, gemma3, qwen2, qwen3, qwen3moe`.
+    pub fn names() -> String {
+        Self::ALL.map(Self::name).join(", ")
+    }
+}
+
+/// A routed mixture-of-experts FFN (qwen3moe): per token, a router picks
+/// `n_experts_used` of `n_experts` SwiGLU experts of width `d_ffn_expert`.
+/// Expert banks are stored expert-major: `ffn_gate_exps`/`ffn_up_exps`
+/// `(n_experts, d_ffn_expert, d_model)`, `ffn_down_exps` `(n_experts,
+/// d_model, d_ffn_expert)`, so expert `e` is one contiguous byte range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MoeParams {
+    /// GGUF `<arch>.expert_count`, config `num_experts`.
+    pub n_experts: usize,
+    /// Experts routed per token (top-k): GGUF `<arch>.expert_used_count`, config `num_experts_per_tok`.
+    pub n_experts_used: usize,
+    /// Width of one expert: GGUF `<arch>.expert_feed_forward_length`, config `moe_intermediate_size`.
+    pub d_ffn_expert: usize,
+    /// Renormalize the top-k probabilities to sum to 1 (config `norm_topk_prob`;
+    /// llama.cpp always does for qwen3moe).
+    pub norm_topk_prob: bool,
 }
 
 /// How rotary embeddings pair dimensions.
@@ -101,6 +131,10 @@ pub struct HParams {
     pub post_norms: bool,
     /// The LM head is the token embedding (no `output.weight`).
     pub tied_embeddings: bool,
+    /// Routed experts in place of the dense FFN on every layer (qwen3moe);
+    /// absent for dense models (and from their JSON).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeParams>,
 }
 
 /// The tokenizer's policy; the tokenizer.json itself is a blob in the file.

@@ -25,7 +25,7 @@
 pub mod cpu;
 pub mod cuda;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use serde::Serialize;
 
 use crate::artifact::meta::{Activation, RopeStyle};
@@ -208,6 +208,32 @@ pub struct RowScore {
     pub extra: Vec<f32>,
 }
 
+/// The routing of one mixture-of-experts layer (qwen3moe): per row, the
+/// softmax of the router logits in f64, the `top_k` most probable experts
+/// (ties: the lower expert index wins), their probabilities renormalized to
+/// sum 1 when `norm_topk_prob`, and the weighted sum of the selected
+/// experts' outputs added in ascending expert index, in f64.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoeRouting {
+    pub n_experts: usize,
+    pub top_k: usize,
+    pub norm_topk_prob: bool,
+    /// The experts' gated activation (SwiGLU for qwen3moe).
+    pub activation: Activation,
+}
+
+/// One expert of a routed FFN: `down(act(gate x) * up x)`, each matrix
+/// loaded from the expert's contiguous byte range of its bank.
+#[derive(Debug)]
+pub struct Expert<M> {
+    /// `(d_ffn_expert, d_model)`
+    pub gate: M,
+    /// `(d_ffn_expert, d_model)`
+    pub up: M,
+    /// `(d_model, d_ffn_expert)`
+    pub down: M,
+}
+
 /// The ops a device provides. Every op checks the shapes it is given and
 /// names the op and the values in its error.
 pub trait Backend {
@@ -274,6 +300,28 @@ pub trait Backend {
 
     /// In place, `x += y`.
     fn add_assign(&self, x: &mut Self::Act, y: &Self::Act) -> Result<()>;
+
+    /// The routed experts of one layer: for each row of `x` `(n, d_model)`,
+    /// with its router logits `(n, n_experts)`, routes as [`MoeRouting`]
+    /// says and returns the weighted sum of the selected experts' outputs
+    /// `(n, d_model)`. Adds to `counts[e]` the rows routed to expert `e`.
+    /// Rows never mix, so batching changes no number. The default refuses:
+    /// only the CPU reference implements it so far.
+    fn moe_ffn(
+        &self,
+        _x: &Self::Act,
+        _router_logits: &Self::Act,
+        _experts: &[Expert<Self::Matrix>],
+        p: &MoeRouting,
+        _counts: &mut [u64],
+    ) -> Result<Self::Act> {
+        bail!(
+            "{}: the routed mixture-of-experts FFN ({} experts, top {}) is not supported on this backend: use --backend cpu",
+            self.describe(),
+            p.n_experts,
+            p.top_k
+        )
+    }
 
     /// The fused LM head: for each `rows[r]` of `x` `(n, d_model)` (already
     /// final-normed), the logits row `x[rows[r]] · headᵀ` reduced as

@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
 use super::gguf::GgufFile;
-use crate::artifact::meta::{Activation, Architecture, HParams, RopeStyle};
+use crate::artifact::meta::{Activation, Architecture, HParams, MoeParams, RopeStyle};
 
 /// Gemma-3: every sixth layer is global, the others slide (llama.cpp `set_swa_pattern(6)`).
 const GEMMA3_SWA_PATTERN: usize = 6;
@@ -32,7 +32,16 @@ pub fn hparams_from_gguf(g: &GgufFile, arch: Architecture, n_vocab: usize, tied:
     }
     let d_head = opt_u("attention.key_length").unwrap_or(d_model / n_heads);
     let d_head_v = opt_u("attention.value_length").unwrap_or(d_head);
-    let d_ffn = g.get_u64(&key("feed_forward_length"))? as usize;
+    let moe = match arch {
+        Architecture::Qwen3Moe => Some(moe_from_gguf(g, a)?),
+        _ => None,
+    };
+    // A MoE model has no dense FFN: its feed_forward_length is informational.
+    let d_ffn = match (opt_u("feed_forward_length"), moe) {
+        (Some(f), _) => f,
+        (None, Some(m)) => m.d_ffn_expert,
+        (None, None) => g.get_u64(&key("feed_forward_length"))? as usize,
+    };
     let rms_eps = g.get_f64(&key("attention.layer_norm_rms_epsilon"))?;
     let rope_base = opt_f("rope.freq_base").unwrap_or(10_000.0);
     let rope_dim = opt_u("rope.dimension_count").unwrap_or(d_head);
@@ -73,6 +82,7 @@ pub fn hparams_from_gguf(g: &GgufFile, arch: Architecture, n_vocab: usize, tied:
         qk_norm: false,
         post_norms: false,
         tied_embeddings: tied,
+        moe,
     };
     match arch {
         Architecture::Llama => {
@@ -93,10 +103,59 @@ pub fn hparams_from_gguf(g: &GgufFile, arch: Architecture, n_vocab: usize, tied:
                 hp.attn_scale = 1.0 / ((d_model / n_heads) as f64).sqrt();
             }
         }
-        Architecture::Qwen2 | Architecture::Qwen3 => {}
+        Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => {}
     }
     apply_family_flags(&mut hp, arch);
     Ok(hp)
+}
+
+/// The expert geometry of a MoE GGUF: `<arch>.expert_count` and
+/// `<arch>.expert_used_count` (both required, as llama.cpp requires them),
+/// `<arch>.expert_feed_forward_length` (llama.cpp's fallback when absent:
+/// `feed_forward_length / expert_used_count`). llama.cpp's qwen3moe graph
+/// always renormalizes the top-k weights (`build_moe_ffn(..., norm_w = true)`).
+fn moe_from_gguf(g: &GgufFile, a: &str) -> Result<MoeParams> {
+    let file = g.path.display();
+    let need = |k: &str| -> Result<usize> {
+        let key = format!("{a}.{k}");
+        let v = g.get(&key).with_context(|| format!("{file}: metadata {key} is missing (a {a} model needs it)"))?;
+        v.as_u64().map(|v| v as usize).with_context(|| format!("{file}: metadata {key} is not an unsigned integer"))
+    };
+    let n_experts = need("expert_count")?;
+    let n_experts_used = need("expert_used_count")?;
+    if n_experts == 0 || n_experts_used == 0 || n_experts_used > n_experts {
+        bail!("{file}: metadata {a}.expert_used_count {n_experts_used} is not in 1..={a}.expert_count {n_experts}");
+    }
+    let d_ffn_expert = match g.get(&format!("{a}.expert_feed_forward_length")).and_then(|v| v.as_u64()) {
+        Some(v) => v as usize,
+        None => g.get_u64(&format!("{a}.feed_forward_length"))? as usize / n_experts_used,
+    };
+    Ok(MoeParams { n_experts, n_experts_used, d_ffn_expert, norm_topk_prob: true })
+}
+
+/// The expert geometry of a Qwen3-MoE `config.json`. Only the layout where
+/// every layer is sparse (`decoder_sparse_step` 1, no `mlp_only_layers`, as
+/// llama.cpp's qwen3moe graph assumes) is supported.
+fn moe_from_config(cfg: &Value) -> Result<MoeParams> {
+    let need = |k: &str| cfg_usize(cfg, k).with_context(|| format!("config.json: field {k} is missing (a qwen3_moe model needs it)"));
+    let n_experts = need("num_experts")?;
+    let n_experts_used = need("num_experts_per_tok")?;
+    if n_experts == 0 || n_experts_used == 0 || n_experts_used > n_experts {
+        bail!("config.json: field num_experts_per_tok {n_experts_used} is not in 1..=num_experts {n_experts}");
+    }
+    let step = cfg_usize(cfg, "decoder_sparse_step").unwrap_or(1);
+    if step != 1 {
+        bail!("config.json: field decoder_sparse_step {step}: only 1 (every layer routed) is supported");
+    }
+    if cfg.get("mlp_only_layers").and_then(Value::as_array).is_some_and(|a| !a.is_empty()) {
+        bail!("config.json: field mlp_only_layers: dense layers inside a qwen3_moe model are not supported");
+    }
+    Ok(MoeParams {
+        n_experts,
+        n_experts_used,
+        d_ffn_expert: need("moe_intermediate_size")?,
+        norm_topk_prob: cfg.get("norm_topk_prob").and_then(Value::as_bool).unwrap_or(false),
+    })
 }
 
 /// What follows from the family alone, whatever the source: gemma3's
@@ -112,7 +171,7 @@ fn apply_family_flags(hp: &mut HParams, arch: Architecture) {
             hp.post_norms = true;
         }
         Architecture::Qwen2 => hp.qkv_bias = true,
-        Architecture::Qwen3 => hp.qk_norm = true,
+        Architecture::Qwen3 | Architecture::Qwen3Moe => hp.qk_norm = true,
     }
 }
 
@@ -133,7 +192,8 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture> {
         "gemma3" | "gemma3_text" => Architecture::Gemma3,
         "qwen2" => Architecture::Qwen2,
         "qwen3" => Architecture::Qwen3,
-        other => bail!("config.json: model_type {other:?} is not supported (llama, gemma3, qwen2, qwen3)"),
+        "qwen3_moe" => Architecture::Qwen3Moe,
+        other => bail!("config.json: model_type {other:?} is not supported (llama, gemma3, gemma3_text, qwen2, qwen3, qwen3_moe)"),
     })
 }
 
@@ -163,6 +223,15 @@ pub fn hparams_from_config(cfg_root: &Value, arch: Architecture, tied: bool) -> 
             Some(other) => bail!("config.json: rope_scaling type {other:?} is not supported (linear)"),
         },
     };
+    let moe = match arch {
+        Architecture::Qwen3Moe => Some(moe_from_config(cfg)?),
+        _ => None,
+    };
+    let d_ffn = match (cfg_usize(cfg, "intermediate_size"), moe) {
+        (Some(f), _) => f,
+        (None, Some(m)) => m.d_ffn_expert,
+        (None, None) => need("intermediate_size")?,
+    };
     let mut hp = HParams {
         n_layers,
         d_model,
@@ -170,7 +239,7 @@ pub fn hparams_from_config(cfg_root: &Value, arch: Architecture, tied: bool) -> 
         n_kv_heads,
         d_head,
         d_head_v: d_head,
-        d_ffn: need("intermediate_size")?,
+        d_ffn,
         n_vocab: need("vocab_size")?,
         rms_eps: cfg_f64(cfg, "rms_norm_eps").unwrap_or(1e-6),
         rope_base,
@@ -189,6 +258,7 @@ pub fn hparams_from_config(cfg_root: &Value, arch: Architecture, tied: bool) -> 
         qk_norm: false,
         post_norms: false,
         tied_embeddings: tied,
+        moe,
     };
     match arch {
         Architecture::Llama => {}
@@ -208,7 +278,7 @@ pub fn hparams_from_config(cfg_root: &Value, arch: Architecture, tied: bool) -> 
             let q = cfg_f64(cfg, "query_pre_attn_scalar").unwrap_or(d_head as f64);
             hp.attn_scale = 1.0 / q.sqrt();
         }
-        Architecture::Qwen2 | Architecture::Qwen3 => {}
+        Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => {}
     }
     apply_family_flags(&mut hp, arch);
     Ok(hp)
@@ -244,14 +314,106 @@ pub fn hf_tensor_name(arch: Architecture, name: &str) -> Option<String> {
         ("mlp.gate_proj", _) => "ffn_gate",
         ("mlp.up_proj", _) => "ffn_up",
         ("mlp.down_proj", _) => "ffn_down",
+        ("mlp.gate", Architecture::Qwen3Moe) => "ffn_gate_inp",
         _ => return None,
     };
     Some(format!("blk.{layer}.{mapped}.{suffix}"))
 }
 
+/// Which expert bank a Hugging Face expert tensor belongs to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpertPart {
+    pub layer: usize,
+    pub kind: ExpertTensor,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertTensor {
+    /// `mlp.experts.{e}.{gate,up,down}_proj.weight` (the checkpoint layout
+    /// on the Hub): expert `e`'s matrix of bank `bank`.
+    One { expert: usize, bank: ExpertBank },
+    /// `mlp.experts.gate_up_proj` `(n_experts, 2 * d_ffn_expert, d_model)`
+    /// (transformers' fused layout): per expert, gate rows then up rows.
+    FusedGateUp,
+    /// `mlp.experts.down_proj` `(n_experts, d_model, d_ffn_expert)`.
+    FusedDown,
+}
+
+/// The three expert banks of a routed FFN, by their GGUF names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ExpertBank {
+    Gate,
+    Up,
+    Down,
+}
+
+impl ExpertBank {
+    pub const ALL: [Self; 3] = [Self::Gate, Self::Up, Self::Down];
+
+    /// `ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`.
+    pub fn gguf_group(self) -> &'static str {
+        match self {
+            Self::Gate => "ffn_gate_exps",
+            Self::Up => "ffn_up_exps",
+            Self::Down => "ffn_down_exps",
+        }
+    }
+
+    /// The Hugging Face name of expert `e`'s matrix of this bank in layer `l`.
+    pub fn hf_name(self, l: usize, e: usize) -> String {
+        let p = match self {
+            Self::Gate => "gate_proj",
+            Self::Up => "up_proj",
+            Self::Down => "down_proj",
+        };
+        format!("model.layers.{l}.mlp.experts.{e}.{p}.weight")
+    }
+}
+
+/// The expert bank a Hugging Face tensor of a MoE model feeds, or `None`.
+pub fn hf_expert_part(arch: Architecture, name: &str) -> Option<ExpertPart> {
+    if arch != Architecture::Qwen3Moe {
+        return None;
+    }
+    let rest = name.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let rest = rest.strip_prefix("mlp.experts.")?;
+    let kind = match rest {
+        "gate_up_proj" => ExpertTensor::FusedGateUp,
+        "down_proj" => ExpertTensor::FusedDown,
+        _ => {
+            let (e, proj) = rest.split_once('.')?;
+            let bank = match proj {
+                "gate_proj.weight" => ExpertBank::Gate,
+                "up_proj.weight" => ExpertBank::Up,
+                "down_proj.weight" => ExpertBank::Down,
+                _ => return None,
+            };
+            ExpertTensor::One { expert: e.parse().ok()?, bank }
+        }
+    };
+    Some(ExpertPart { layer, kind })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn qwen3moe_expert_names() {
+        let a = Architecture::Qwen3Moe;
+        assert_eq!(hf_tensor_name(a, "model.layers.2.mlp.gate.weight").as_deref(), Some("blk.2.ffn_gate_inp.weight"));
+        assert_eq!(hf_tensor_name(Architecture::Qwen3, "model.layers.2.mlp.gate.weight"), None);
+        assert_eq!(
+            hf_expert_part(a, "model.layers.1.mlp.experts.7.down_proj.weight"),
+            Some(ExpertPart { layer: 1, kind: ExpertTensor::One { expert: 7, bank: ExpertBank::Down } })
+        );
+        assert_eq!(hf_expert_part(a, "model.layers.0.mlp.experts.gate_up_proj").map(|p| p.kind), Some(ExpertTensor::FusedGateUp));
+        assert_eq!(hf_expert_part(a, "model.layers.0.mlp.gate.weight"), None);
+        assert_eq!(hf_expert_part(Architecture::Qwen3, "model.layers.1.mlp.experts.7.down_proj.weight"), None);
+        assert_eq!(ExpertBank::Up.hf_name(3, 5), "model.layers.3.mlp.experts.5.up_proj.weight");
+    }
 
     #[test]
     fn hf_names_map_to_gguf_names() {

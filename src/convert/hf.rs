@@ -3,6 +3,15 @@
 //! byte, with one documented exception: Gemma-3's RMSNorm multiplies by
 //! `1 + w`, so its norm vectors are stored as F32 `1 + w` (the GGUF
 //! convention), which the forward pass then uses as plain `x * w`.
+//!
+//! Mixture-of-experts folders (qwen3_moe) hold one matrix per expert
+//! (`mlp.experts.{e}.gate_proj.weight`, the Hub layout) or transformers'
+//! fused banks (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`); both
+//! become the GGUF banks `ffn_{gate,up,down}_exps` `(n_experts, rows, cols)`,
+//! expert-major, each expert's bytes copied unchanged. The banks are
+//! assembled in memory before the artifact is written, so converting a MoE
+//! folder needs about its expert bytes in RAM (a GGUF source needs none:
+//! its banks are already contiguous and are borrowed from the map).
 
 use std::borrow::Cow;
 use std::fs::File;
@@ -12,9 +21,10 @@ use anyhow::{anyhow, bail, Context, Result};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
+use super::arch::{ExpertBank, ExpertPart, ExpertTensor};
 use super::{apply_layers, arch, select_layer_name, source_file, tokenizer, ConvertOptions, CONVERTER};
 use crate::artifact::format::TensorFormat;
-use crate::artifact::meta::{Architecture, ArtifactMeta, Component, Provenance};
+use crate::artifact::meta::{Architecture, ArtifactMeta, Component, HParams, Provenance};
 use crate::artifact::names::OUTPUT;
 use crate::artifact::writer::{write_artifact, TensorSource};
 
@@ -69,6 +79,7 @@ pub fn convert_hf(folder: &Path, out: &Path, opts: &ConvertOptions) -> Result<Ar
     sources.push(source_file(&cfg_path, &cfg_bytes));
     sources.push(source_file(&tok_path, &tokenizer_json));
     let mut tensors: Vec<TensorSource<'_>> = Vec::new();
+    let mut experts: Vec<ExpertSource<'_>> = Vec::new();
     let mut skipped = Vec::new();
     for (f, map) in files.iter().zip(&maps) {
         sources.push(source_file(f, map));
@@ -83,6 +94,11 @@ pub fn convert_hf(folder: &Path, out: &Path, opts: &ConvertOptions) -> Result<Ar
                 Dtype::BF16 => TensorFormat::Bf16,
                 other => bail!("{}: tensor {hf_name}: dtype {other:?} is not supported (F32, F16, BF16)", f.display()),
             };
+            if let Some(part) = arch::hf_expert_part(arch, hf_name) {
+                let shape = view.shape().to_vec();
+                experts.push(ExpertSource { part, file: f.clone(), hf_name: hf_name.to_string(), format, shape, bytes: view.data() });
+                continue;
+            }
             let (name, component) = match (arch::hf_tensor_name(arch, hf_name), component_of(hf_name)) {
                 (Some(n), _) => (n, Component::Text),
                 (None, Some(c)) => (hf_name.to_string(), c),
@@ -109,6 +125,7 @@ pub fn convert_hf(folder: &Path, out: &Path, opts: &ConvertOptions) -> Result<Ar
     }
     let tied = !tensors.iter().any(|t| t.name == OUTPUT);
     let hparams = arch::hparams_from_config(&cfg, arch, tied).with_context(|| cfg_path.display().to_string())?;
+    tensors.extend(expert_banks(folder, &hparams, &experts, &opts.layers)?);
     let public_name = cfg
         .get("_name_or_path")
         .and_then(|v| v.as_str())
@@ -135,7 +152,107 @@ pub fn convert_hf(folder: &Path, out: &Path, opts: &ConvertOptions) -> Result<Ar
         tensors: Vec::new(),
     };
     apply_layers(&mut meta, &opts.layers)?;
-    write_artifact(out, meta, &tensors, &tokenizer_json)
+    // Hyperparameters are checked against the tensors inside write_artifact; name the source.
+    write_artifact(out, meta, &tensors, &tokenizer_json).with_context(|| folder.display().to_string())
+}
+
+/// One expert tensor of the folder, before it joins its bank.
+struct ExpertSource<'a> {
+    part: ExpertPart,
+    file: PathBuf,
+    hf_name: String,
+    format: TensorFormat,
+    /// Hugging Face shape, outermost first.
+    shape: Vec<usize>,
+    bytes: &'a [u8],
+}
+
+/// The expert banks of every kept layer, expert-major, from the folder's
+/// per-expert or fused expert tensors. Errors name the folder or file, the
+/// tensor and the config field it disagrees with.
+fn expert_banks<'a>(
+    folder: &Path,
+    hp: &HParams,
+    experts: &[ExpertSource<'a>],
+    layers: &Option<std::ops::Range<usize>>,
+) -> Result<Vec<TensorSource<'a>>> {
+    let Some(moe) = hp.moe else {
+        return Ok(Vec::new());
+    };
+    let (n_e, d, f) = (moe.n_experts, hp.d_model, moe.d_ffn_expert);
+    if let Some(x) = experts.iter().find(|x| x.part.layer >= hp.n_layers) {
+        bail!("{}: tensor {}: layer {} but config.json num_hidden_layers is {}", x.file.display(), x.hf_name, x.part.layer, hp.n_layers);
+    }
+    let mut out = Vec::new();
+    for l in 0..hp.n_layers {
+        let in_layer: Vec<&ExpertSource> = experts.iter().filter(|x| x.part.layer == l).collect();
+        let fused_gate_up = in_layer.iter().find(|x| x.part.kind == ExpertTensor::FusedGateUp);
+        let fused_down = in_layer.iter().find(|x| x.part.kind == ExpertTensor::FusedDown);
+        for bank in ExpertBank::ALL {
+            let name = format!("blk.{l}.{}.weight", bank.gguf_group());
+            let (rows, cols) = if bank == ExpertBank::Down { (d, f) } else { (f, d) };
+            let fused = if bank == ExpertBank::Down { fused_down } else { fused_gate_up };
+            let (format, bytes) = match fused {
+                Some(x) => {
+                    let want_rows = if bank == ExpertBank::Down { d } else { 2 * f };
+                    if x.shape != [n_e, want_rows, cols] {
+                        bail!(
+                            "{}: tensor {} has shape {:?}; config.json (num_experts {n_e}, hidden_size {d}, moe_intermediate_size {f}) implies {:?}",
+                            x.file.display(), x.hf_name, x.shape, [n_e, want_rows, cols]
+                        );
+                    }
+                    let row_bytes = x.format.row_bytes(cols)?;
+                    let per_expert = want_rows * row_bytes;
+                    // Gate rows come first in each expert's gate_up block (transformers' `chunk(2)`).
+                    let rows_kept = match bank {
+                        ExpertBank::Gate => 0..f,
+                        ExpertBank::Up => f..2 * f,
+                        ExpertBank::Down => 0..d,
+                    };
+                    let mut b = Vec::with_capacity(n_e * rows * row_bytes);
+                    for e in 0..n_e {
+                        let base = e * per_expert;
+                        b.extend_from_slice(&x.bytes[base + rows_kept.start * row_bytes..base + rows_kept.end * row_bytes]);
+                    }
+                    (x.format, b)
+                }
+                None => {
+                    let mut b = Vec::new();
+                    let mut format = None;
+                    for e in 0..n_e {
+                        let hf = bank.hf_name(l, e);
+                        let x = in_layer
+                            .iter()
+                            .find(|x| x.part.kind == ExpertTensor::One { expert: e, bank })
+                            .with_context(|| format!("{}: tensor {hf} is missing (config.json num_experts is {n_e})", folder.display()))?;
+                        if x.shape != [rows, cols] {
+                            bail!(
+                                "{}: tensor {hf} has shape {:?}; config.json (hidden_size {d}, moe_intermediate_size {f}) implies {:?}",
+                                x.file.display(), x.shape, [rows, cols]
+                            );
+                        }
+                        if *format.get_or_insert(x.format) != x.format {
+                            bail!("{}: tensor {hf} is {}, expert 0 of its bank is {}", x.file.display(), x.format, format.unwrap_or(x.format));
+                        }
+                        b.extend_from_slice(x.bytes);
+                    }
+                    (format.unwrap_or(TensorFormat::F32), b)
+                }
+            };
+            let Some(name) = select_layer_name(&name, layers) else { continue };
+            out.push(TensorSource {
+                name,
+                component: Component::Text,
+                format,
+                shape: vec![n_e as u64, rows as u64, cols as u64],
+                bytes: Cow::Owned(bytes),
+            });
+        }
+        if let Some(x) = in_layer.iter().find(|x| matches!(x.part.kind, ExpertTensor::One { expert, .. } if expert >= n_e)) {
+            bail!("{}: tensor {}: expert index beyond config.json num_experts {n_e}", x.file.display(), x.hf_name);
+        }
+    }
+    Ok(out)
 }
 
 /// `1 + w` as F32 little-endian bytes.

@@ -81,7 +81,7 @@ fn convert_gguf(path: &Path, out: &Path, opts: &ConvertOptions) -> Result<Artifa
     let ctx = |field: String| format!("{}: {field}", path.display());
     let arch_name = g.get_str("general.architecture")?;
     let arch = Architecture::from_name(arch_name)
-        .ok_or_else(|| anyhow!("{}", ctx(format!("general.architecture {arch_name:?} is not supported (llama, gemma3, qwen2, qwen3)"))))?;
+        .ok_or_else(|| anyhow!("{}", ctx(format!("general.architecture {arch_name:?} is not supported ({})", Architecture::names()))))?;
 
     let mut tensors = Vec::with_capacity(g.tensors.len());
     for t in &g.tensors {

@@ -10,6 +10,12 @@
 //!   tanh GELU, per-layer sliding windows whose layers use `rope_base_local`,
 //!   attention scale from `attn_scale`, tied head.
 //! - `qwen2`: biases on Q, K, V (`qkv_bias`); `qwen3`: QK norm.
+//! - `qwen3moe`: qwen3's attention; every FFN is a routed mixture of
+//!   experts (`hp.moe`): router logits `h·Wrᵀ`, then the backend's
+//!   [`Backend::moe_ffn`] (softmax in f64, top-k, lowest index on ties,
+//!   renormalized weights, sum in ascending expert order; `moe`). Routing
+//!   counts per layer and expert accumulate over every pass
+//!   ([`WindowScorer::expert_usage`]).
 //!
 //! Per layer: `h = norm(x)`; `q, k, v = h·Wqᵀ, h·Wkᵀ, h·Wvᵀ` (+ bias); QK norm;
 //! RoPE; attention through the KV cache; `o = attn·Woᵀ` (post-norm);
@@ -34,9 +40,12 @@ use crate::artifact::names::{self, blk};
 use crate::artifact::{Artifact, TensorView};
 use crate::backend::cuda::{CudaBackend, Route};
 use crate::backend::{
-    AttnParams, Backend, BackendKind, ExecutionInfo, HeadRequest, KvGeometry, PassRows, Precision, RopeParams, Yarn,
-    MAX_TOP_K,
+    AttnParams, Backend, BackendKind, ExecutionInfo, Expert, HeadRequest, KvGeometry, MoeRouting, PassRows, Precision,
+    RopeParams, Yarn, MAX_TOP_K,
 };
+
+pub mod moe;
+pub use moe::{ExpertUsage, LayerExpertUsage};
 
 /// The score of one target position `j` of a window: `-log p(tokens[j] |
 /// tokens[..j])` and the numbers it came from.
@@ -88,11 +97,17 @@ struct Layer<B: Backend> {
     /// Norms of the attention output and the FFN output (gemma3).
     post_norms: Option<[B::Vector; 2]>,
     ffn_norm: B::Vector,
-    gate: B::Matrix,
-    up: B::Matrix,
-    down: B::Matrix,
+    ffn: Ffn<B>,
     attn: AttnParams,
     rope: RopeParams,
+}
+
+/// A layer's feed-forward block.
+enum Ffn<B: Backend> {
+    /// `down(act(gate h) * up h)`.
+    Dense { gate: B::Matrix, up: B::Matrix, down: B::Matrix },
+    /// Routed experts: router `(n_experts, d_model)`, one [`Expert`] each.
+    Moe { router: B::Matrix, experts: Vec<Expert<B::Matrix>>, routing: MoeRouting },
 }
 
 /// A loaded model on backend `B`.
@@ -107,6 +122,8 @@ pub struct Transformer<B: Backend> {
     layers: Vec<Layer<B>>,
     cache: Option<B::KvCache>,
     cache_geometry: Option<KvGeometry>,
+    /// Per MoE layer, rows routed to each expert so far (empty for dense models).
+    expert_counts: Vec<Vec<u64>>,
 }
 
 fn check_hparams(hp: &HParams) -> Result<()> {
@@ -195,9 +212,23 @@ impl<B: Backend> Transformer<B> {
                     None
                 },
                 ffn_norm: vector(&n("ffn_norm.weight"), d)?,
-                gate: matrix(&n("ffn_gate.weight"), hp.d_ffn, d)?,
-                up: matrix(&n("ffn_up.weight"), hp.d_ffn, d)?,
-                down: matrix(&n("ffn_down.weight"), d, hp.d_ffn)?,
+                ffn: match &hp.moe {
+                    None => Ffn::Dense {
+                        gate: matrix(&n("ffn_gate.weight"), hp.d_ffn, d)?,
+                        up: matrix(&n("ffn_up.weight"), hp.d_ffn, d)?,
+                        down: matrix(&n("ffn_down.weight"), d, hp.d_ffn)?,
+                    },
+                    Some(m) => Ffn::Moe {
+                        router: matrix(&n("ffn_gate_inp.weight"), m.n_experts, d)?,
+                        experts: moe::load_experts(&backend, tensor, l, &hp, m)?,
+                        routing: MoeRouting {
+                            n_experts: m.n_experts,
+                            top_k: m.n_experts_used,
+                            norm_topk_prob: m.norm_topk_prob,
+                            activation: hp.activation,
+                        },
+                    },
+                },
                 attn: AttnParams {
                     n_heads: hp.n_heads,
                     n_kv_heads: hp.n_kv_heads,
@@ -217,7 +248,11 @@ impl<B: Backend> Transformer<B> {
                 },
             });
         }
-        Ok(Self { backend, arch, hp, embd, head, output_norm, layers, cache: None, cache_geometry: None })
+        let expert_counts = match &hp.moe {
+            Some(m) => vec![vec![0; m.n_experts]; hp.n_layers],
+            None => Vec::new(),
+        };
+        Ok(Self { backend, arch, hp, embd, head, output_norm, layers, cache: None, cache_geometry: None, expert_counts })
     }
 
     /// YaRN of `factor` on every full-attention layer (sliding-window layers
@@ -251,6 +286,11 @@ impl<B: Backend> Transformer<B> {
 
     pub fn backend(&self) -> &B {
         &self.backend
+    }
+
+    /// Expert-usage counts so far (`None` for a dense model).
+    pub fn expert_usage(&self) -> Option<ExpertUsage> {
+        self.hp.moe.as_ref().map(|m| ExpertUsage::from_counts(m, &self.expert_counts))
     }
 
     /// Scores several windows of the same length together: every prefill
@@ -344,7 +384,9 @@ impl<B: Backend> Transformer<B> {
             "prepare: windows of {n_max_window} tokens, passes of {prefill_chunk}, {max_seqs} windows per pass"
         );
         let hp = &self.hp;
-        let widest = [hp.d_model, hp.n_heads * hp.d_head, hp.n_heads * hp.d_head_v, hp.d_ffn].into_iter().max().unwrap_or(0);
+        let d_expert = hp.moe.map_or(0, |m| m.d_ffn_expert.max(m.n_experts));
+        let widest =
+            [hp.d_model, hp.n_heads * hp.d_head, hp.n_heads * hp.d_head_v, hp.d_ffn, d_expert].into_iter().max().unwrap_or(0);
         let mut n_seqs = max_seqs;
         loop {
             let g = self.kv_geometry(n_max_window, n_seqs);
@@ -412,12 +454,22 @@ impl<B: Backend> Transformer<B> {
             b.add_assign(&mut x, &o)?;
 
             let h = b.rms_norm(&x, &layer.ffn_norm, hp.rms_eps).with_context(fail)?;
-            // (n, d_ffn)
-            let gate = b.matmul(&h, &layer.gate).with_context(fail)?;
-            let up = b.matmul(&h, &layer.up).with_context(fail)?;
-            let g = b.gated_act(&gate, &up, hp.activation)?;
             // (n, d_model)
-            let mut f = b.matmul(&g, &layer.down).with_context(fail)?;
+            let mut f = match &layer.ffn {
+                Ffn::Dense { gate, up, down } => {
+                    // (n, d_ffn)
+                    let gate = b.matmul(&h, gate).with_context(fail)?;
+                    let up = b.matmul(&h, up).with_context(fail)?;
+                    let g = b.gated_act(&gate, &up, hp.activation)?;
+                    b.matmul(&g, down).with_context(fail)?
+                }
+                Ffn::Moe { router, experts, routing } => {
+                    // (n, n_experts)
+                    let logits = b.matmul(&h, router).with_context(fail)?;
+                    let counts = self.expert_counts.get_mut(l).context("forward: no expert counters")?;
+                    b.moe_ffn(&h, &logits, experts, routing, counts).with_context(fail)?
+                }
+            };
             if let Some([_, post_ffn]) = &layer.post_norms {
                 f = b.rms_norm(&f, post_ffn, hp.rms_eps)?;
             }
@@ -453,6 +505,8 @@ pub trait WindowScorer: Send {
     fn execution(&self) -> ExecutionInfo;
     /// See [`Transformer::prepare`].
     fn prepare(&mut self, n_max_window: usize, prefill_chunk: usize, max_seqs: usize) -> Result<usize>;
+    /// See [`Transformer::expert_usage`].
+    fn expert_usage(&self) -> Option<ExpertUsage>;
 }
 
 impl<B: Backend> WindowScorer for Transformer<B>
@@ -474,6 +528,31 @@ where
     fn prepare(&mut self, n_max_window: usize, prefill_chunk: usize, max_seqs: usize) -> Result<usize> {
         Transformer::prepare(self, n_max_window, prefill_chunk, max_seqs)
     }
+    fn expert_usage(&self) -> Option<ExpertUsage> {
+        Transformer::expert_usage(self)
+    }
+}
+
+/// Refuses, before any device is opened, what the CUDA backend cannot run
+/// yet: the routed-expert architectures and the CPU-only block formats
+/// (MXFP4). The message names the architecture or the tensor and format.
+pub fn check_cuda_support(artifact: &Artifact) -> Result<()> {
+    let meta = &artifact.meta;
+    if let Some(t) = meta.tensors.iter().find(|t| !t.format.runs_on_cuda()) {
+        bail!(
+            "{}: tensor {} is {}, a block format the CUDA backend does not load yet: use --backend cpu",
+            artifact.path.display(),
+            t.name,
+            t.format
+        );
+    }
+    ensure!(
+        meta.hparams.moe.is_none(),
+        "{}: architecture {} (routed mixture of experts) is not supported on the CUDA backend yet: use --backend cpu",
+        artifact.path.display(),
+        meta.architecture.name()
+    );
+    Ok(())
 }
 
 /// Loads `artifact` on the chosen backend, with YaRN of `rope_yarn_factor`
@@ -482,6 +561,7 @@ pub fn load_model(artifact: &Artifact, kind: BackendKind, rope_yarn_factor: f64)
     match kind {
         BackendKind::Cpu(cpu) => Ok(Box::new(Transformer::load(cpu, artifact)?.with_rope_yarn(rope_yarn_factor)?)),
         BackendKind::Cuda { device, spec } => {
+            check_cuda_support(artifact)?;
             let route = match spec.matmul_inputs {
                 Precision::F32 => Route::Fp32,
                 Precision::Bf16 => Route::Bf16TensorCore,

@@ -47,6 +47,7 @@ fn hparams(arch: Architecture) -> HParams {
         qk_norm: false,
         post_norms: false,
         tied_embeddings: false,
+        moe: None,
     };
     match arch {
         Architecture::Llama => {
@@ -76,6 +77,7 @@ fn hparams(arch: Architecture) -> HParams {
             hp.qk_norm = true;
             hp.rope_dim = 6; // partial rotary
         }
+        Architecture::Qwen3Moe => panic!("the routed-expert forward is checked by tests/qwen_moe_golden.rs"),
     }
     hp
 }

@@ -137,6 +137,11 @@ pub struct Results {
     /// KL divergence against `--kl-reference` (absent without one).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kl_divergence: Option<KlReport>,
+    /// For mixture-of-experts models, per layer how often each expert was
+    /// routed over every row the scoring passes ran, and how many never were
+    /// (`model::ExpertUsage`); absent for dense models.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expert_usage: Option<crate::model::ExpertUsage>,
 }
 
 /// `results.kl_divergence`: the run against a recorded top-k reference.

@@ -186,6 +186,7 @@ pub fn dequant_row(format: TensorFormat, row: &[u8], n_cols: usize) -> Vec<f32> 
                 }
                 y.extend_from_slice(&out);
             }
+            TensorFormat::Mxfp4 => panic!("MXFP4 is CPU-only (not in ALL_FORMATS)"),
         }
     }
     y
@@ -200,6 +201,7 @@ fn scale_offsets(format: TensorFormat) -> &'static [usize] {
         TensorFormat::Q3K => &[108],
         TensorFormat::Q6K => &[208],
         TensorFormat::F32 | TensorFormat::F16 | TensorFormat::Bf16 => &[],
+        TensorFormat::Mxfp4 => panic!("MXFP4 is CPU-only (not in ALL_FORMATS)"),
     }
 }
 

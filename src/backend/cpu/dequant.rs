@@ -58,6 +58,7 @@ pub fn dequantize_row(format: TensorFormat, bytes: &[u8], out: &mut [f32]) -> Re
         TensorFormat::Q5K => block_q5_k,
         TensorFormat::Q6K => block_q6_k,
         TensorFormat::Iq4Nl => block_iq4_nl,
+        TensorFormat::Mxfp4 => block_mxfp4,
     };
     for (block, y) in bytes
         .chunks_exact(format.block_bytes())
@@ -287,6 +288,31 @@ fn block_iq4_nl(b: &[u8], y: &mut [f32]) {
     }
 }
 
+/// `kvalues_mxfp4` (ggml-common.h): the E2M1 values doubled (0, 0.5, 1, 1.5,
+/// 2, 3, 4, 6 and their negatives), so that the scale below is half the E8M0
+/// power of two.
+const KVALUES_MXFP4: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// `ggml_e8m0_to_fp32_half`: `2^(e - 128)`, i.e. half the E8M0 scale
+/// `2^(e - 127)`, built from its bits (e < 2 gives the subnormals 2^-128
+/// and 2^-127; e = 255, the E8M0 NaN, gives 2^127 as in ggml).
+fn e8m0_to_f32_half(e: u8) -> f32 {
+    let bits = if e < 2 { 0x0020_0000u32 << e } else { u32::from(e - 1) << 23 };
+    f32::from_bits(bits)
+}
+
+/// MXFP4 (`block_mxfp4`, 17 bytes, 32 weights): `e` (E8M0 scale) at 0, then
+/// `qs[16]` at 1..17. Weight `j` is the low nibble of `qs[j]` and weight
+/// `j + 16` its high nibble: `y = kvalues_mxfp4[nibble] * e8m0_half(e)`.
+fn block_mxfp4(b: &[u8], y: &mut [f32]) {
+    let d = e8m0_to_f32_half(b[0]);
+    let qs = &b[1..17];
+    for j in 0..16 {
+        y[j] = f32::from(KVALUES_MXFP4[usize::from(qs[j] & 0x0F)]) * d;
+        y[j + 16] = f32::from(KVALUES_MXFP4[usize::from(qs[j] >> 4)]) * d;
+    }
+}
+
 // ---------------------------------------------------------------------------
 // K-quants: super-blocks of QK_K = 256 weights.
 
@@ -459,7 +485,7 @@ const _: () = assert!(QK_K == 256, "the K-quant layouts above assume 256-element
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::artifact::format::ALL_FORMATS;
+    use crate::artifact::format::{ALL_FORMATS, CPU_ONLY_FORMATS};
 
     /// f16 bytes of a value that f16 represents exactly.
     fn h(x: f32) -> [u8; 2] {
@@ -566,6 +592,35 @@ mod tests {
             assert_eq!(v, (j as f32 * 8.0 - 128.0) * 0.125);
         }
         assert_eq!((y[0], y[31]), (-16.0, 15.0));
+    }
+
+    #[test]
+    fn mxfp4_block() {
+        // e = 129: scale 2^(129-127) = 4, half-scale 2; byte j = j | (15 - j) << 4.
+        // Low nibble j -> E2M1 value kvalues[j] / 2, times 4.
+        let mut b = vec![129u8];
+        b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+        let y = deq(TensorFormat::Mxfp4, &b);
+        // E2M1 codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6; 8..15 the same negated (8 is -0).
+        let e2m1 = [0.0f32, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+        for j in 0..16 {
+            assert_eq!(y[j], e2m1[j] * 4.0, "weight {j}");
+            assert_eq!(y[j + 16], e2m1[15 - j] * 4.0, "weight {}", j + 16);
+        }
+        assert_eq!((y[7], y[15], y[16]), (24.0, -24.0, -24.0));
+        // e = 127: scale 1 (half 0.5); e = 0 and 1: the subnormal halves 2^-128, 2^-127;
+        // e = 254: 2^127 * 6 overflows to +inf in f32 (as in ggml, no saturation).
+        for (e, scale) in [(127u8, 1.0f64), (120, 2f64.powi(-7)), (1, 2f64.powi(-126)), (0, 2f64.powi(-127))] {
+            let mut b = vec![e];
+            b.extend([0x71u8; 16]); // low nibble 1 (0.5), high nibble 7 (6)
+            let y = deq(TensorFormat::Mxfp4, &b);
+            assert_eq!(y[0] as f64, 0.5 * scale, "e = {e}");
+            assert_eq!(y[16] as f64, 6.0 * scale, "e = {e}");
+        }
+        let mut b = vec![254u8];
+        b.extend([0x07u8; 16]);
+        assert_eq!(deq(TensorFormat::Mxfp4, &b)[0], f32::INFINITY);
+        assert_eq!(TensorFormat::Mxfp4.block_bytes(), 17);
     }
 
     #[test]
@@ -821,7 +876,7 @@ mod tests {
 
     #[test]
     fn rows_gather_and_matrix_agree_with_single_rows() {
-        for format in ALL_FORMATS {
+        for format in ALL_FORMATS.into_iter().chain(CPU_ONLY_FORMATS) {
             let n_cols = 2 * QK_K;
             let n_rows = 5;
             let row_bytes = format.row_bytes(n_cols).unwrap();

@@ -24,9 +24,11 @@
 //! rounding alone, with no kernel in the way (docs/numerical-quality.md).
 
 pub mod attention;
+pub mod delta_net;
 pub mod dequant;
 pub mod gemm;
 pub mod head;
+pub mod moe;
 pub mod ops;
 
 use std::borrow::Cow;
@@ -38,7 +40,8 @@ use rayon::prelude::*;
 use crate::artifact::meta::Activation;
 use crate::artifact::TensorView;
 use crate::backend::{
-    AttnParams, Backend, ExecutionInfo, ExecutionSpec, HeadRequest, KvGeometry, PassRows, Precision, RopeParams, RowScore,
+    AttnParams, Backend, ExecutionInfo, ExecutionSpec, Expert, HeadRequest, KvGeometry, MoeRouting, PassRows, Precision,
+    RopeParams, RowScore,
 };
 use crate::kv::{ElemCodec, KvFormat, RowCodec};
 
@@ -388,6 +391,17 @@ impl Backend for CpuBackend {
             *a += b;
         }
         Ok(())
+    }
+
+    fn moe_ffn(
+        &self,
+        x: &CpuTensor,
+        router_logits: &CpuTensor,
+        experts: &[Expert<CpuMatrix>],
+        p: &MoeRouting,
+        counts: &mut [u64],
+    ) -> Result<CpuTensor> {
+        self.moe_ffn_cpu(x, router_logits, experts, p, counts)
     }
 
     fn score_rows(&self, x: &CpuTensor, rows: &[usize], head: &CpuMatrix, req: &HeadRequest) -> Result<Vec<RowScore>> {

@@ -1,0 +1,116 @@
+//! The routed mixture-of-experts FFN of `qwen3moe` on the model side:
+//! loading an expert bank (`(n_experts, n_out, n_in)`, expert-major) as one
+//! matrix per expert, each from its own contiguous byte range of the bank
+//! (no copy, no conversion: the bank's block format is the experts'), and
+//! the per-layer expert-usage counts the report carries.
+//!
+//! The routing and the weighted sum are the backend's
+//! ([`Backend::moe_ffn`](crate::backend::Backend::moe_ffn); the CPU
+//! definition is `backend::cpu::moe`).
+
+use anyhow::{ensure, Context, Result};
+use serde::Serialize;
+
+use crate::artifact::meta::{HParams, MoeParams, TensorEntry};
+use crate::artifact::names::blk;
+use crate::artifact::TensorView;
+use crate::backend::{Backend, Expert};
+
+/// The experts of layer `l`: banks `blk.{l}.ffn_{gate,up,down}_exps.weight`
+/// split into `n_experts` matrices.
+pub fn load_experts<'a, B: Backend>(
+    backend: &B,
+    tensor: &dyn Fn(&str) -> Result<TensorView<'a>>,
+    l: usize,
+    hp: &HParams,
+    moe: &MoeParams,
+) -> Result<Vec<Expert<B::Matrix>>> {
+    let (d, f, n_e) = (hp.d_model, moe.d_ffn_expert, moe.n_experts);
+    let gate = tensor(&blk(l, "ffn_gate_exps.weight"))?;
+    let up = tensor(&blk(l, "ffn_up_exps.weight"))?;
+    let down = tensor(&blk(l, "ffn_down_exps.weight"))?;
+    let mut experts = Vec::with_capacity(n_e);
+    for e in 0..n_e {
+        experts.push(Expert {
+            gate: load_expert(backend, &gate, e, n_e, f, d)?,
+            up: load_expert(backend, &up, e, n_e, f, d)?,
+            down: load_expert(backend, &down, e, n_e, d, f)?,
+        });
+    }
+    Ok(experts)
+}
+
+/// Expert `e` of `bank` `(n_experts, n_out, n_in)`: bytes `e * size ..
+/// (e + 1) * size`, loaded as an `(n_out, n_in)` matrix named `bank[e]`.
+fn load_expert<B: Backend>(backend: &B, bank: &TensorView, e: usize, n_e: usize, n_out: usize, n_in: usize) -> Result<B::Matrix> {
+    let name = &bank.entry.name;
+    ensure!(
+        bank.entry.shape == [n_e as u64, n_out as u64, n_in as u64],
+        "tensor {name}: shape {:?}, expected [{n_e}, {n_out}, {n_in}] (experts, rows, columns)",
+        bank.entry.shape
+    );
+    let size = bank.entry.format.bytes_for((n_out * n_in) as u64).with_context(|| format!("tensor {name}"))? as usize;
+    ensure!(bank.bytes.len() == n_e * size, "tensor {name}: {} bytes for {n_e} experts of {size}", bank.bytes.len());
+    let entry = TensorEntry {
+        name: format!("{name}[{e}]"),
+        shape: vec![n_out as u64, n_in as u64],
+        n_bytes: size as u64,
+        ..bank.entry.clone()
+    };
+    let view = TensorView { entry: &entry, bytes: &bank.bytes[e * size..(e + 1) * size] };
+    backend.load_matrix(&view)
+}
+
+/// How often each expert was routed, per MoE layer, over every row the
+/// forward pass ran (each window's context rows included: a token in two
+/// overlapping windows is routed, and counted, twice). Each row counts once
+/// for each of its `top_k` experts.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ExpertUsage {
+    pub n_experts: usize,
+    pub top_k: usize,
+    /// Rows routed per layer (every layer routes every row).
+    pub rows: u64,
+    pub layers: Vec<LayerExpertUsage>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LayerExpertUsage {
+    pub layer: usize,
+    /// Per expert, the rows routed to it (sums to `rows * top_k`).
+    pub routed: Vec<u64>,
+    /// Experts no row was routed to.
+    pub never_routed: usize,
+}
+
+impl ExpertUsage {
+    /// From per-layer counters (`counts[l][e]`).
+    pub fn from_counts(moe: &MoeParams, counts: &[Vec<u64>]) -> Self {
+        let rows = counts.first().map_or(0, |c| c.iter().sum::<u64>() / moe.n_experts_used as u64);
+        Self {
+            n_experts: moe.n_experts,
+            top_k: moe.n_experts_used,
+            rows,
+            layers: counts
+                .iter()
+                .enumerate()
+                .map(|(layer, c)| LayerExpertUsage { layer, routed: c.clone(), never_routed: c.iter().filter(|&&n| n == 0).count() })
+                .collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_counts_never_routed_experts() {
+        let moe = MoeParams { n_experts: 4, n_experts_used: 2, d_ffn_expert: 8, norm_topk_prob: true };
+        let u = ExpertUsage::from_counts(&moe, &[vec![3, 0, 2, 1], vec![0, 0, 6, 0]]);
+        assert_eq!(u.rows, 3);
+        assert_eq!(u.layers[0].never_routed, 1);
+        assert_eq!(u.layers[1].never_routed, 3);
+        assert_eq!(u.layers[1].routed, vec![0, 0, 6, 0]);
+    }
+}

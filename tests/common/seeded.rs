@@ -1,0 +1,95 @@
+//! The Rust twin of the seeded weight generator of `tools/qwen_golden.py`
+//! (also used by `tools/qwen_moe_golden.py`) and the Hugging Face folder
+//! pieces the golden tests rebuild: tensors from a golden file's records
+//! (each checked against its SHA-256), the WordLevel `tokenizer.json`, and
+//! the safetensors/config writer.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use infernix_perplexity::artifact::container::sha256_hex;
+use safetensors::tensor::{serialize_to_file, TensorView};
+use safetensors::Dtype;
+use serde_json::{json, Value};
+
+const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+
+fn fnv1a64(name: &str) -> u64 {
+    name.bytes().fold(0xCBF2_9CE4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01B3))
+}
+
+/// Output `i` of the splitmix64 stream seeded with `h`.
+fn splitmix64(h: u64, i: u64) -> u64 {
+    let mut z = h.wrapping_add((i + 1).wrapping_mul(GAMMA));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The tensor `name` (`n` elements, row-major), as `tools/qwen_golden.py`'s `generate`.
+pub fn generate(name: &str, n: usize, scale: f64, offset: f64) -> Vec<f32> {
+    let h = fnv1a64(name);
+    (0..n as u64)
+        .map(|i| {
+            let u = (splitmix64(h, i) >> 11) as f64 * (-53f64).exp2();
+            (scale * (2.0 * u - 1.0) + offset) as f32
+        })
+        .collect()
+}
+
+/// One generated tensor: Hugging Face name, shape, F32 little-endian bytes.
+pub type Tensor = (String, Vec<usize>, Vec<u8>);
+
+/// The tensors of a golden file's `tensors` records, each checked against its SHA-256.
+pub fn tensors_of(records: &Value) -> Vec<Tensor> {
+    let mut data = Vec::new();
+    for t in records.as_array().expect("tensor records") {
+        let name = t["name"].as_str().unwrap();
+        let shape: Vec<usize> = t["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
+        let values = generate(name, shape.iter().product(), t["scale"].as_f64().unwrap(), t["offset"].as_f64().unwrap());
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert_eq!(sha256_hex(&bytes), t["sha256"].as_str().unwrap(), "generator twin disagrees on {name}");
+        data.push((name.to_string(), shape, bytes));
+    }
+    data
+}
+
+/// The WordLevel vocabulary of the scripts: "<unk>" is id 0, "t1".."t{n-1}" are ids 1..n.
+pub fn tokenizer_json(n_vocab: u64) -> Value {
+    let mut vocab = serde_json::Map::new();
+    vocab.insert("<unk>".into(), json!(0));
+    for i in 1..n_vocab {
+        vocab.insert(format!("t{i}"), json!(i));
+    }
+    json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    })
+}
+
+/// Writes `model.safetensors` (F32 `tensors`), `config.json`, `tokenizer.json`
+/// and `tokenizer_config.json` into `dir`.
+pub fn write_folder(dir: &Path, config: &Value, tensors: &[Tensor]) {
+    std::fs::create_dir_all(dir).unwrap();
+    let views: Vec<(String, TensorView<'_>)> =
+        tensors.iter().map(|(n, s, b)| (n.clone(), TensorView::new(Dtype::F32, s.clone(), b).unwrap())).collect();
+    let st_meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    serialize_to_file(views, Some(st_meta), &dir.join("model.safetensors")).unwrap();
+    let n_vocab = config["vocab_size"].as_u64().unwrap();
+    let files = [
+        ("config.json", config.clone()),
+        ("tokenizer.json", tokenizer_json(n_vocab)),
+        ("tokenizer_config.json", json!({"add_bos_token": false, "add_eos_token": false})),
+    ];
+    for (file, doc) in files {
+        std::fs::write(dir.join(file), serde_json::to_vec_pretty(&doc).unwrap()).unwrap();
+    }
+}
+
+/// Largest |ours - golden| with its position, after checking lengths.
+pub fn worst(ours: &[f64], want: &[f64]) -> (f64, usize) {
+    assert_eq!(ours.len(), want.len());
+    ours.iter().zip(want).map(|(a, b)| (a - b).abs()).enumerate().fold((0.0, 0), |w, (i, d)| if d > w.0 { (d, i) } else { w })
+}
