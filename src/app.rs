@@ -15,9 +15,8 @@ use tracing::info;
 use crate::artifact::Artifact;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::BackendKind;
-use crate::compare::floor::alternate_prefill_chunk;
-use crate::compare::stats::PairedWindow;
-use crate::compare::NoiseFloor;
+use crate::score::floor::{alternate_prefill_chunk, NoiseFloor};
+use crate::score::paired::PairedWindow;
 use crate::config::{BackendChoice, Input, RunConfig};
 use crate::model::{load_model, ScoreOptions, WindowInput, WindowScorer};
 use crate::plan::{plan_windows, Window};
@@ -145,13 +144,14 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
             Input::Text(_) => "text",
             Input::Tokens(_) => "tokens",
             Input::Corpus { .. } => "corpus",
-        },
+        }
+        .into(),
         input_path: match &cfg.input {
             Input::Text(p) | Input::Tokens(p) => Some(p.display().to_string()),
             Input::Corpus { .. } => None,
         },
         corpus: corpus_info,
-        method: cfg.method.name(),
+        method: cfg.method.name().into(),
         context: cfg.method.context(),
         stride: cfg.method.stride(),
         chunks_limit: cfg.chunks_limit,
@@ -216,7 +216,6 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
     report.execution = Some(Execution {
         backend: exec.backend,
         device: exec.device,
-        kv_dtype: exec.kv_dtype,
         route: exec.route,
         threads: cfg.threads,
         spec,
@@ -368,7 +367,7 @@ fn stream_result(s: &Stream, summary: Option<Summary>, windows: Vec<WindowResult
     StreamResult {
         name: s.name.clone(),
         domain: s.domain.clone(),
-        input_tokens: s.tokens.len(),
+        n_tokens: s.tokens.len(),
         token_ids_sha256: s.token_ids_sha256.clone(),
         summary,
         kl_divergence: None,
@@ -498,7 +497,7 @@ fn noise_floor(
             rows.push((a.domain.clone(), w));
         }
     }
-    let f = crate::compare::floor::noise_floor(&rows, n_excluded, cfg.prefill_chunk, alternate, longest, seconds);
+    let f = crate::score::floor::noise_floor(&rows, n_excluded, cfg.prefill_chunk, alternate, longest, seconds);
     info!(
         "noise floor: {}; PPL change {:+.3e} %, floor {:.3e} % ({:.1} s)",
         f.note, f.overall.ppl_change_pct, f.floor_pct, seconds
@@ -577,12 +576,14 @@ fn score_streams(
                     first_target: w.first_target,
                     scored: ws.scored_tokens,
                     tokens_sha256: report::window_tokens_sha256(tokens),
+                    input_tokens: ws.input_tokens,
                     n_nonfinite: ws.n_nonfinite,
                     nll_sum: ws.nll_sum,
+                    nll_sq_sum: ws.nll_sq_sum,
                     mean_nll: ws.mean_nll(),
                     perplexity: ws.perplexity(),
                     seconds,
-                    kl_divergence: window_kl,
+                    kl_divergence: window_kl.map(|(record, _)| record),
                 });
                 stats.push(ws);
             }
