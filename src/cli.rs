@@ -176,6 +176,11 @@ pub struct Args {
     /// `--kl-divergence-base` instead of writing it.
     #[arg(long, requires = "kl_divergence_base")]
     pub kl_divergence: bool,
+    /// Score only shard K of N (K counted from 0): window g of the plan (stream
+    /// order, then window order) is shard g % N's. `infernix-perplexity merge`
+    /// joins the N reports into the one a single process writes (docs/cluster.md).
+    #[arg(long, value_name = "K/N")]
+    pub shard: Option<String>,
     /// Log verbosity on stderr.
     #[arg(long, value_enum, default_value_t = LogLevel::Info)]
     pub log_level: LogLevel,

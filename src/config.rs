@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use crate::backend::{effective_prefill_chunk, ExecutionSpec, Precision, PrefillChunk, FAST_PATHS};
 use crate::cli::{Args, BackendArg, MethodArg};
 use crate::kv::KvFormat;
-use crate::plan::{validate_prefill_chunk, Method};
+use crate::plan::{validate_prefill_chunk, Method, Shard};
 
 /// Where the streams come from.
 #[derive(Debug, Clone)]
@@ -56,6 +56,8 @@ pub struct RunConfig {
     pub kl_reference: Option<PathBuf>,
     /// `--save-tokens FILE`.
     pub save_tokens: Option<PathBuf>,
+    /// `--shard K/N`: score only this shard's windows.
+    pub shard: Option<Shard>,
 }
 
 impl RunConfig {
@@ -132,6 +134,18 @@ impl RunConfig {
         if args.dry_run && save_top_tokens.is_some() {
             bail!("--save-top-tokens needs scoring: drop --dry-run");
         }
+        let shard = args.shard.as_deref().map(Shard::parse).transpose()?;
+        if shard.is_some() {
+            let with = [
+                (args.noise_floor, "--noise-floor"),
+                (save_top_tokens.is_some(), "--save-top-tokens"),
+                (kl_reference.is_some(), "--kl-reference"),
+                (args.save_tokens.is_some(), "--save-tokens"),
+            ];
+            if let Some((_, flag)) = with.iter().find(|(on, _)| *on) {
+                bail!("--shard with {flag} is not supported yet: score the run in one process, or shard it without {flag}");
+            }
+        }
         // Output paths against inputs and special files: `util::outputs`, when the run starts.
         let output = match &args.output {
             Some(dir) => dir.clone(),
@@ -156,6 +170,7 @@ impl RunConfig {
             save_top_tokens,
             kl_reference,
             save_tokens: args.save_tokens.clone(),
+            shard,
         })
     }
 }

@@ -17,11 +17,10 @@ use std::path::Path;
 use anyhow::{ensure, Context, Result};
 use tracing::info;
 
-use crate::app::Stream;
+use crate::plan::{Stream, Window};
 use crate::artifact::Artifact;
 use crate::config::{Input, RunConfig};
 use crate::model::TargetScore;
-use crate::plan::Window;
 use crate::report::{CorpusInfo, KlReport, KlReferenceInfo};
 use crate::score::kl::{self, KlAccumulator, KlPositions, KlSummary, OwnPosition, ReferencePosition, WindowKl, WorstPosition};
 use crate::score::topk::{

@@ -99,6 +99,21 @@ pub struct Workload {
     pub chunks_limit: Option<usize>,
     pub prefill_chunk_tokens: usize,
     pub bos: BosPolicy,
+    /// `--shard K/N`: this report holds shard K's windows only
+    /// (`infernix-perplexity merge` joins the shards; absent otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard: Option<ShardInfo>,
+}
+
+/// `workload.shard`: which shard of the plan a report holds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ShardInfo {
+    /// K, counted from 0.
+    pub index: usize,
+    /// N.
+    pub count: usize,
+    /// Windows the whole plan has in each stream (the shards hold them all between them).
+    pub n_windows: Vec<usize>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
