@@ -181,6 +181,11 @@ pub struct Args {
     /// joins the N reports into the one a single process writes (docs/cluster.md).
     #[arg(long, value_name = "K/N")]
     pub shard: Option<String>,
+    /// Keep a checkpoint of every finished window in DIR, and continue from
+    /// the checkpoints already there (same plan only): an interrupted run
+    /// resumed gives the report of an uninterrupted one.
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
     /// Log verbosity on stderr.
     #[arg(long, value_enum, default_value_t = LogLevel::Info)]
     pub log_level: LogLevel,

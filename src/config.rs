@@ -58,6 +58,8 @@ pub struct RunConfig {
     pub save_tokens: Option<PathBuf>,
     /// `--shard K/N`: score only this shard's windows.
     pub shard: Option<Shard>,
+    /// `--resume DIR`: per-window checkpoints.
+    pub resume: Option<PathBuf>,
 }
 
 impl RunConfig {
@@ -135,16 +137,19 @@ impl RunConfig {
             bail!("--save-top-tokens needs scoring: drop --dry-run");
         }
         let shard = args.shard.as_deref().map(Shard::parse).transpose()?;
-        if shard.is_some() {
-            let with = [
-                (args.noise_floor, "--noise-floor"),
-                (save_top_tokens.is_some(), "--save-top-tokens"),
-                (kl_reference.is_some(), "--kl-reference"),
-                (args.save_tokens.is_some(), "--save-tokens"),
-            ];
-            if let Some((_, flag)) = with.iter().find(|(on, _)| *on) {
-                bail!("--shard with {flag} is not supported yet: score the run in one process, or shard it without {flag}");
+        let with = [
+            (args.noise_floor, "--noise-floor"),
+            (save_top_tokens.is_some(), "--save-top-tokens"),
+            (kl_reference.is_some(), "--kl-reference"),
+            (args.save_tokens.is_some(), "--save-tokens"),
+        ];
+        for (on, mode) in [(shard.is_some(), "--shard"), (args.resume.is_some(), "--resume")] {
+            if let Some((_, flag)) = with.iter().find(|(with, _)| on && *with) {
+                bail!("{mode} with {flag} is not supported yet: run without {mode}, or without {flag}");
             }
+        }
+        if args.resume.is_some() && args.dry_run {
+            bail!("--resume keeps checkpoints of scored windows: drop --dry-run");
         }
         // Output paths against inputs and special files: `util::outputs`, when the run starts.
         let output = match &args.output {
@@ -171,6 +176,7 @@ impl RunConfig {
             kl_reference,
             save_tokens: args.save_tokens.clone(),
             shard,
+            resume: args.resume.clone(),
         })
     }
 }

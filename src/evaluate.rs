@@ -21,6 +21,7 @@ use crate::backend::BackendKind;
 use crate::config::{BackendChoice, Input, RunConfig};
 use crate::model::{load_model, ScoreOptions, WindowInput, WindowScorer};
 use crate::plan::{plan_windows, Shard, Stream, Window};
+use crate::resume::{Checkpoints, PlanStream, ResumePlan};
 use crate::report::{
     self, ArtifactInfo, BosPolicy, CorpusInfo, DomainResult, Execution, Report, Results, ShardInfo, StreamResult, Timing,
     ToolInfo, WindowResult, Workload,
@@ -194,6 +195,28 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
         spec,
         details,
     });
+    let mut checkpoints = match &cfg.resume {
+        None => None,
+        Some(dir) => {
+            let execution = report.execution.as_ref().context("execution is recorded before scoring")?;
+            let plan = ResumePlan {
+                schema_version: report::SCHEMA_VERSION,
+                artifact_digest: artifact.digest.clone(),
+                workload: report.workload.clone(),
+                backend: execution.backend.clone(),
+                route: execution.route.clone(),
+                spec: execution.spec.clone(),
+                details: execution.details.clone(),
+                streams: streams
+                    .iter()
+                    .map(|s| PlanStream { name: s.name.clone(), token_ids_sha256: s.token_ids_sha256.clone(), n_windows: s.windows.len() })
+                    .collect(),
+            };
+            let c = Checkpoints::open(dir, &plan)?;
+            info!("--resume {}: {} of {} windows already scored", dir.display(), c.n_done(), streams.iter().map(|s| s.windows.len()).sum::<usize>());
+            Some(c)
+        }
+    };
     if let Some(t) = &mut top_tokens {
         let producer = serde_json::json!({
             "tool": report.tool,
@@ -206,7 +229,7 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
 
     let t_score = Instant::now();
     let (stats, window_results, stream_kl) =
-        score_streams(&streams, scorer.as_mut(), bos, cfg.prefill_chunk, n_seqs, top_tokens.as_mut(), on_event)?;
+        score_streams(&streams, scorer.as_mut(), bos, cfg.prefill_chunk, n_seqs, top_tokens.as_mut(), checkpoints.as_mut(), on_event)?;
     let scoring_seconds = t_score.elapsed().as_secs_f64();
     if cfg.noise_floor {
         report.noise_floor = Some(noise_floor(cfg, &streams, &stats, scorer.as_mut(), bos, n_seqs, on_event)?);
@@ -432,7 +455,7 @@ fn noise_floor(
     let rows_checked = n_seqs * cfg.prefill_chunk.min(longest.max(1));
     let n_seqs_again = windows_per_pass(rows_checked, alternate.min(longest.max(1))).min(n_seqs);
     let t = Instant::now();
-    let (again, _, _) = score_streams(streams, scorer, bos, alternate, n_seqs_again, None, on_event)?;
+    let (again, _, _) = score_streams(streams, scorer, bos, alternate, n_seqs_again, None, None, on_event)?;
     let seconds = t.elapsed().as_secs_f64();
     let mut rows = Vec::new();
     let mut n_excluded = 0;
@@ -470,6 +493,7 @@ fn score_streams(
     prefill_chunk: usize,
     n_seqs: usize,
     mut top_tokens: Option<&mut TopTokensRun>,
+    mut checkpoints: Option<&mut Checkpoints>,
     on_event: &mut dyn FnMut(Event<'_>),
 ) -> Result<StreamScores> {
     let top_k = top_tokens.as_ref().map_or(0, |t| t.top_k());
@@ -479,14 +503,29 @@ fn score_streams(
     let mut all_stats = Vec::with_capacity(streams.len());
     let mut all_windows = Vec::with_capacity(streams.len());
     let mut all_kl = Vec::with_capacity(streams.len());
-    for s in streams {
-        let mut stats: Vec<WindowStats> = Vec::with_capacity(s.windows.len());
-        let mut results = Vec::with_capacity(s.windows.len());
+    for (si, s) in streams.iter().enumerate() {
+        let mut results: Vec<WindowResult> = Vec::with_capacity(s.windows.len());
         let t_stream = Instant::now();
         let at = |w: &Window| format!("stream {} window {} [{}, {})", s.name, w.index, w.begin, w.end);
-        for batch in equal_length_batches(&s.windows, n_seqs) {
+        // --resume: windows already checkpointed are taken as recorded, the rest scored.
+        let mut pending = Vec::with_capacity(s.windows.len());
+        for w in &s.windows {
+            match checkpoints.as_mut().and_then(|c| c.take(si, w.index)) {
+                Some(r) => {
+                    if (r.begin, r.end, r.first_target, r.scored) != (w.begin, w.end, w.first_target, w.scored()) {
+                        bail!("--resume: the checkpoint of {} covers [{}, {}) from {}", at(w), r.begin, r.end, r.first_target);
+                    }
+                    results.push(r);
+                }
+                None => pending.push(*w),
+            }
+        }
+        if !results.is_empty() {
+            on_event(Event::Pass { stream: &s.name, n_scored: results.iter().map(|r| r.scored).sum() });
+        }
+        for batch in equal_length_batches(&pending, n_seqs) {
             signal::check().with_context(|| {
-                let n_done: usize = all_stats.iter().map(|st: &StreamStats| st.windows.len()).sum::<usize>() + stats.len();
+                let n_done: usize = all_stats.iter().map(|st: &StreamStats| st.windows.len()).sum::<usize>() + results.len();
                 let n_windows: usize = streams.iter().map(|s| s.windows.len()).sum();
                 format!("stopped after {n_done} of {n_windows} windows (at stream {}); no report written", s.name)
             })?;
@@ -519,7 +558,7 @@ fn score_streams(
                     None => None,
                 };
                 let ws = WindowScores { input_tokens: tokens.len(), nll: scores.iter().map(|r| r.nll).collect() }.stats();
-                results.push(WindowResult {
+                let result = WindowResult {
                     index: w.index,
                     begin: w.begin,
                     end: w.end,
@@ -534,12 +573,17 @@ fn score_streams(
                     perplexity: ws.perplexity(),
                     seconds,
                     kl_divergence: window_kl.map(|(record, _)| record),
-                });
-                stats.push(ws);
+                };
+                if let Some(c) = checkpoints.as_deref() {
+                    c.save(si, &s.name, &result)?;
+                }
+                results.push(result);
             }
             // Once per pass, after all its windows: the line counts every finished window.
             on_event(Event::Pass { stream: &s.name, n_scored: batch.iter().map(Window::scored).sum::<usize>() });
         }
+        results.sort_by_key(|r| r.index);
+        let stats: Vec<WindowStats> = results.iter().map(WindowResult::stats).collect();
         let st = StreamStats { id: s.name.clone(), domain: s.domain.clone(), windows: stats };
         on_event(Event::Stream { stream: &s.name, summary: &st.summary(), seconds: t_stream.elapsed().as_secs_f64() });
         all_stats.push(st);

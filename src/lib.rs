@@ -27,6 +27,7 @@ pub mod merge;
 pub mod model;
 pub mod plan;
 pub mod report;
+pub mod resume;
 pub mod score;
 pub mod text;
 pub mod util;

@@ -28,6 +28,7 @@ use serde_json::Value;
 use crate::plan::Shard;
 use crate::report::{self, DomainResult, Report, StreamResult, Timing, WindowResult};
 use crate::score::{domain_summaries, overall_summary, StreamStats, Summary};
+use crate::util::json::first_difference;
 use crate::util::outputs::{check_outputs, Named, OutputDir};
 
 /// Joins the reports of `--shard K/N` runs into the report of the whole run.
@@ -59,24 +60,6 @@ pub fn run(args: &MergeArgs) -> Result<Report> {
     out.keep();
     print!("{}", report::domain_table(&merged.results));
     Ok(merged)
-}
-
-/// The first leaf where two JSON values differ, as a dotted path.
-fn first_difference(a: &Value, b: &Value, at: &str) -> Option<String> {
-    match (a, b) {
-        (Value::Object(x), Value::Object(y)) => {
-            let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
-            keys.into_iter().find_map(|k| {
-                let (va, vb) = (x.get(k).unwrap_or(&Value::Null), y.get(k).unwrap_or(&Value::Null));
-                first_difference(va, vb, &format!("{at}.{k}"))
-            })
-        }
-        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => {
-            x.iter().zip(y).enumerate().find_map(|(i, (va, vb))| first_difference(va, vb, &format!("{at}[{i}]")))
-        }
-        _ if a == b => None,
-        _ => Some(format!("{at} is {a} there and {b} here")),
-    }
 }
 
 fn json<T: serde::Serialize>(v: &T) -> Result<Value> {
@@ -219,20 +202,4 @@ fn merged_timing<'a>(shards: impl Iterator<Item = &'a Timing>, overall: &Summary
     t.tokens_per_second_processed = rate(t.tokens_processed);
     t.tokens_per_second_scored = rate(t.tokens_scored);
     t
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    #[test]
-    fn first_difference_names_the_leaf() {
-        let a = json!({"x": {"kv_format": "fp8", "n": [1, 2]}, "y": 1});
-        assert_eq!(first_difference(&a, &a, "execution"), None);
-        let b = json!({"x": {"kv_format": "bf16", "n": [1, 2]}, "y": 1});
-        assert_eq!(first_difference(&a, &b, "execution").unwrap(), "execution.x.kv_format is \"fp8\" there and \"bf16\" here");
-        let c = json!({"x": {"kv_format": "fp8", "n": [1, 3]}, "y": 1});
-        assert!(first_difference(&a, &c, "e").unwrap().starts_with("e.x.n[1]"));
-    }
 }
