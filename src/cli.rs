@@ -186,6 +186,12 @@ pub struct Args {
     /// resumed gives the report of an uninterrupted one.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+    /// Spread the windows over these CUDA devices (e.g. 0,1,2,3): one model
+    /// copy, host thread and stream each, windows handed out in a fixed order,
+    /// the report equal to a one-device run. An index may repeat (0,0: two
+    /// workers on one device). With --backend cpu only 0s: CPU workers.
+    #[arg(long, value_name = "LIST")]
+    pub devices: Option<String>,
     /// Log verbosity on stderr.
     #[arg(long, value_enum, default_value_t = LogLevel::Info)]
     pub log_level: LogLevel,

@@ -60,6 +60,8 @@ pub struct RunConfig {
     pub shard: Option<Shard>,
     /// `--resume DIR`: per-window checkpoints.
     pub resume: Option<PathBuf>,
+    /// `--devices LIST`: one scoring worker per entry (empty: one worker on `device`).
+    pub devices: Vec<usize>,
 }
 
 impl RunConfig {
@@ -143,7 +145,11 @@ impl RunConfig {
             (kl_reference.is_some(), "--kl-reference"),
             (args.save_tokens.is_some(), "--save-tokens"),
         ];
-        for (on, mode) in [(shard.is_some(), "--shard"), (args.resume.is_some(), "--resume")] {
+        let devices = match &args.devices {
+            None => Vec::new(),
+            Some(list) => parse_devices(list, backend)?,
+        };
+        for (on, mode) in [(shard.is_some(), "--shard"), (args.resume.is_some(), "--resume"), (devices.len() > 1, "--devices")] {
             if let Some((_, flag)) = with.iter().find(|(with, _)| on && *with) {
                 bail!("{mode} with {flag} is not supported yet: run without {mode}, or without {flag}");
             }
@@ -177,8 +183,25 @@ impl RunConfig {
             save_tokens: args.save_tokens.clone(),
             shard,
             resume: args.resume.clone(),
+            devices,
         })
     }
+}
+
+/// `--devices 0,1,...`: device indices (repeats allowed); on the CPU backend only 0.
+fn parse_devices(list: &str, backend: BackendChoice) -> Result<Vec<usize>> {
+    let devices: Vec<usize> = list
+        .split(',')
+        .map(|d| d.trim().parse::<usize>())
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|_| anyhow::anyhow!("--devices {list}: expected device indices separated by commas (e.g. 0,1)"))?;
+    if devices.is_empty() || devices.len() > 64 {
+        bail!("--devices {list}: give 1 to 64 devices");
+    }
+    if backend == BackendChoice::Cpu && devices.iter().any(|&d| d != 0) {
+        bail!("--devices {list} with --backend cpu: the CPU is device 0 only (0,0 runs two CPU workers)");
+    }
+    Ok(devices)
 }
 
 impl RunConfig {

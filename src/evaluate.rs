@@ -158,21 +158,29 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
         return Ok(report);
     }
 
-    let kind = choose_backend(cfg)?;
-    let spec = match &kind {
+    let kinds = choose_backends(cfg)?;
+    let spec = match &kinds[0] {
         BackendKind::Cpu(_) => cfg.execution.clone(),
         BackendKind::Cuda { spec, .. } => spec.clone(),
     };
-    info!("{}", plan_statement(cfg, &artifact, &streams, &kind, top_tokens.as_ref().map(TopTokensRun::top_k)));
+    info!("{}", plan_statement(cfg, &artifact, &streams, &kinds[0], top_tokens.as_ref().map(TopTokensRun::top_k)));
     let t_load = Instant::now();
-    let mut scorer = load_model(&artifact, kind, cfg.execution.rope_yarn_factor)?;
     // Size memory from the model and the plan before the first window.
     let PlanSizes { n_max_window, n_most_windows } = sizes;
     let pass_tokens = cfg.prefill_chunk.min(n_max_window);
     let max_seqs = windows_per_pass(cfg.batch_tokens, pass_tokens).min(n_most_windows);
-    let n_seqs = scorer.prepare(n_max_window, cfg.prefill_chunk, max_seqs).with_context(|| {
-        format!("windows of up to {n_max_window} tokens, prefill passes of {}, {max_seqs} windows per pass", cfg.prefill_chunk)
-    })?;
+    // One model copy per worker (--devices); the batch is what every worker's memory admits.
+    let mut scorers = Vec::with_capacity(kinds.len());
+    let mut n_seqs = max_seqs;
+    for (i, kind) in kinds.into_iter().enumerate() {
+        let mut scorer = load_model(&artifact, kind, cfg.execution.rope_yarn_factor).with_context(|| format!("worker {i}"))?;
+        let n = scorer.prepare(n_max_window, cfg.prefill_chunk, max_seqs).with_context(|| {
+            format!("windows of up to {n_max_window} tokens, prefill passes of {}, {max_seqs} windows per pass", cfg.prefill_chunk)
+        })?;
+        n_seqs = n_seqs.min(n);
+        scorers.push(scorer);
+    }
+    let mut scorer = scorers.remove(0);
     if n_seqs < max_seqs {
         info!("batching {n_seqs} windows per pass ({max_seqs} would not fit the device's memory)");
     }
@@ -228,8 +236,14 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
     }
 
     let t_score = Instant::now();
-    let (stats, window_results, stream_kl) =
-        score_streams(&streams, scorer.as_mut(), bos, cfg.prefill_chunk, n_seqs, top_tokens.as_mut(), checkpoints.as_mut(), on_event)?;
+    let (stats, window_results, stream_kl) = if scorers.is_empty() {
+        score_streams(&streams, scorer.as_mut(), bos, cfg.prefill_chunk, n_seqs, top_tokens.as_mut(), checkpoints.as_mut(), on_event)?
+    } else {
+        scorers.insert(0, scorer);
+        let out = score_on_workers(&streams, &mut scorers, bos, cfg.prefill_chunk, n_seqs, on_event)?;
+        scorer = scorers.remove(0);
+        out
+    };
     let scoring_seconds = t_score.elapsed().as_secs_f64();
     if cfg.noise_floor {
         report.noise_floor = Some(noise_floor(cfg, &streams, &stats, scorer.as_mut(), bos, n_seqs, on_event)?);
@@ -288,17 +302,23 @@ impl PlanSizes {
 /// [`Shard`]) and returns what the report records of the split.
 fn select_shard(streams: &mut [Stream], shard: Shard) -> ShardInfo {
     let n_windows: Vec<usize> = streams.iter().map(|s| s.windows.len()).collect();
+    select_windows(streams, shard);
+    let n_mine: usize = streams.iter().map(|s| s.windows.len()).sum();
+    info!("shard {}/{}: {n_mine} of {} windows", shard.index, shard.count, n_windows.iter().sum::<usize>());
+    ShardInfo { index: shard.index, count: shard.count, n_windows }
+}
+
+/// Keeps only the windows `part` takes, numbering windows in plan order
+/// (the split of `--shard` and of `--devices`).
+fn select_windows(streams: &mut [Stream], part: Shard) {
     let mut g = 0;
     for s in streams.iter_mut() {
         s.windows.retain(|_| {
-            let keep = shard.takes(g);
+            let keep = part.takes(g);
             g += 1;
             keep
         });
     }
-    let n_mine: usize = streams.iter().map(|s| s.windows.len()).sum();
-    info!("shard {}/{}: {n_mine} of {g} windows", shard.index, shard.count);
-    ShardInfo { index: shard.index, count: shard.count, n_windows }
 }
 
 enum Content {
@@ -362,19 +382,95 @@ fn check_trained_context(context: usize, trained: usize, yarn_factor: f64) -> Re
     Ok(())
 }
 
-/// The backend and the spec it runs under (`RunConfig::execution` on the
-/// CPU, `RunConfig::spec_for_cuda` on CUDA).
-fn choose_backend(cfg: &RunConfig) -> Result<BackendKind> {
-    let device = match cfg.backend {
-        BackendChoice::Cpu => None,
-        BackendChoice::Cuda { device } => Some(device),
-        BackendChoice::Auto if crate::backend::cuda_available() => Some(cfg.device),
-        BackendChoice::Auto => None,
+/// The backend of each worker and the spec it runs under
+/// (`RunConfig::execution` on the CPU, `RunConfig::spec_for_cuda` on CUDA):
+/// one per `--devices` entry, else one on `--device`.
+fn choose_backends(cfg: &RunConfig) -> Result<Vec<BackendKind>> {
+    let cuda = match cfg.backend {
+        BackendChoice::Cpu => false,
+        BackendChoice::Cuda { .. } => true,
+        BackendChoice::Auto => crate::backend::cuda_available(),
     };
-    Ok(match device {
-        Some(device) => BackendKind::Cuda { device, spec: cfg.spec_for_cuda() },
-        None => BackendKind::Cpu(CpuBackend::from_spec(&cfg.execution)?),
-    })
+    let devices = if cfg.devices.is_empty() { vec![cfg.device] } else { cfg.devices.clone() };
+    devices
+        .into_iter()
+        .map(|device| {
+            Ok(if cuda {
+                BackendKind::Cuda { device, spec: cfg.spec_for_cuda() }
+            } else {
+                if device != 0 {
+                    bail!("--devices: device {device} on the CPU backend (the CPU is device 0)");
+                }
+                BackendKind::Cpu(CpuBackend::from_spec(&cfg.execution)?)
+            })
+        })
+        .collect()
+}
+
+/// `--devices`: scores the windows on several workers at once, one host
+/// thread each. Window `g` of the plan (stream order, then window order) goes
+/// to worker `g % n`, a fixed hand-out; each worker runs [`score_streams`] on
+/// its windows, and the results are joined per stream in window order, so
+/// every pooled figure is that of one worker scoring them all (as `merge`
+/// joins shards).
+fn score_on_workers(
+    streams: &[Stream],
+    scorers: &mut [Box<dyn WindowScorer>],
+    bos: Option<u32>,
+    prefill_chunk: usize,
+    n_seqs: usize,
+    on_event: &mut dyn FnMut(Event<'_>),
+) -> Result<StreamScores> {
+    let n = scorers.len();
+    let parts: Vec<Vec<Stream>> = (0..n)
+        .map(|i| {
+            let mut part = streams.to_vec();
+            select_windows(&mut part, Shard { index: i, count: n });
+            part
+        })
+        .collect();
+    on_event(Event::Scoring { n_targets: streams.iter().flat_map(|s| &s.windows).map(Window::scored).sum() });
+    let (tx, rx) = std::sync::mpsc::channel::<(String, usize)>();
+    let outs: Vec<Result<StreamScores>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = scorers
+            .iter_mut()
+            .zip(&parts)
+            .enumerate()
+            .map(|(i, (scorer, part))| {
+                let tx = tx.clone();
+                scope.spawn(move || {
+                    let mut events = |e: Event<'_>| {
+                        if let Event::Pass { stream, n_scored } = e {
+                            // The receiver lives until every worker ended.
+                            let _ = tx.send((stream.to_string(), n_scored));
+                        }
+                    };
+                    score_streams(part, scorer.as_mut(), bos, prefill_chunk, n_seqs, None, None, &mut events).with_context(|| format!("worker {i}"))
+                })
+            })
+            .collect();
+        drop(tx);
+        for (stream, n_scored) in rx {
+            on_event(Event::Pass { stream: &stream, n_scored });
+        }
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a scoring worker panicked")))).collect()
+    });
+    let outs: Vec<StreamScores> = outs.into_iter().collect::<Result<_>>()?;
+    let mut all_stats = Vec::with_capacity(streams.len());
+    let mut all_windows = Vec::with_capacity(streams.len());
+    for (si, s) in streams.iter().enumerate() {
+        let mut windows: Vec<WindowResult> = outs.iter().flat_map(|(_, w, _)| w[si].iter().cloned()).collect();
+        windows.sort_by_key(|w| w.index);
+        if windows.len() != s.windows.len() {
+            bail!("stream {}: the workers returned {} of its {} windows", s.name, windows.len(), s.windows.len());
+        }
+        let st = StreamStats { id: s.name.clone(), domain: s.domain.clone(), windows: windows.iter().map(WindowResult::stats).collect() };
+        on_event(Event::Stream { stream: &s.name, summary: &st.summary(), seconds: 0.0 });
+        all_stats.push(st);
+        all_windows.push(windows);
+    }
+    on_event(Event::Scored);
+    Ok((all_stats, all_windows, vec![None; streams.len()]))
 }
 
 fn stream_result(s: &Stream, summary: Option<Summary>, windows: Vec<WindowResult>) -> StreamResult {

@@ -438,6 +438,8 @@ fn bad_input_table() {
         e("--shard a/b", with(vec![m(), os("--text"), os(&text), os("--shard"), os("a/b")], out()), w(&["--shard a/b", "K/N"])),
         e("--shard with --save-top-tokens", with(vec![m(), os("--text"), os(&text), os("--shard"), os("0/2"), os("--save-top-tokens"), os(d.join("t.top"))], out()), w(&["--shard with --save-top-tokens", "not supported yet"])),
         e("--resume with --noise-floor", with(vec![m(), os("--text"), os(&text), os("--resume"), os(d.join("ck")), os("--noise-floor")], out()), w(&["--resume with --noise-floor", "not supported yet"])),
+        e("--devices 1 on the CPU", with(vec![m(), os("--text"), os(&text), os("--backend"), os("cpu"), os("--devices"), os("0,1")], out()), w(&["--devices 0,1", "device 0 only"])),
+        e("--devices a", with(vec![m(), os("--text"), os(&text), os("--devices"), os("0,a")], out()), w(&["--devices 0,a", "device indices"])),
         g("merge two artifacts", vec![os(d.join("merged")), os(&sh0), os(&sh1_other)], w(&["shard1-other-model.json", "another artifact", "artifact.digest"])),
         g("merge two KV formats", vec![os(d.join("merged")), os(&sh0), os(&sh1_kv)], w(&["shard1-bf16.json", "another route", "execution.kv_format"])),
         g("merge two plans", vec![os(d.join("merged")), os(&sh0), os(&sh1_plan)], w(&["shard1-ctx.json", "another plan", "workload.context"])),
