@@ -17,13 +17,12 @@ use std::path::Path;
 use anyhow::{ensure, Context, Result};
 use tracing::info;
 
-use crate::app::Stream;
+use crate::plan::{Stream, Window};
 use crate::artifact::Artifact;
 use crate::config::{Input, RunConfig};
 use crate::model::TargetScore;
-use crate::plan::Window;
 use crate::report::{CorpusInfo, KlReport, KlReferenceInfo};
-use crate::score::kl::{self, KlAccumulator, KlSummary, OwnPosition, ReferencePosition, WorstPosition};
+use crate::score::kl::{self, KlAccumulator, KlPositions, KlSummary, OwnPosition, ReferencePosition, WindowKl, WorstPosition};
 use crate::score::topk::{
     self, FileHeader, InputFingerprint, RunFingerprint, SavedTokens, StreamFingerprint, TopRecord, TopTokensReader,
     TopTokensWriter, WindowFingerprint, TOP_K,
@@ -230,8 +229,9 @@ impl TopTokensRun {
     }
 
     /// Writes this window's records and compares it with the reference.
-    /// Returns the window's KL statistics (no quantiles, no buckets).
-    pub fn end_window(&mut self, w: &Window, scores: &[TargetScore]) -> Result<Option<KlSummary>> {
+    /// Returns the window's KL record (statistics without quantiles or
+    /// buckets, and the sums) and its per-position KLs.
+    pub fn end_window(&mut self, w: &Window, scores: &[TargetScore]) -> Result<Option<(WindowKl, KlPositions)>> {
         ensure!(scores.len() == w.scored(), "window {}: {} scores for {} targets", w.index, scores.len(), w.scored());
         let covers_vocab = self.k == self.fingerprint.n_vocab;
         if let Some(writer) = &mut self.writer {
@@ -244,7 +244,8 @@ impl TopTokensRun {
         }
         let records = self.window_records.pop_front().with_context(|| format!("window {}: ended before it began", w.index))?;
         ensure!(records.len() == scores.len(), "window {}: {} reference records for {} scores", w.index, records.len(), scores.len());
-        let mut window = kl::KlMoments::default();
+        let mut window = KlAccumulator::default();
+        let mut positions = KlPositions { first_n_context: w.first_target - w.begin, kl: Vec::with_capacity(scores.len()) };
         for (j, (s, rec)) in scores.iter().zip(&records).enumerate() {
             ensure!(
                 s.extra.len() == rec.ids.len(),
@@ -265,7 +266,7 @@ impl TopTokensRun {
             };
             let p = kl::compare_position(&reference, &own);
             window.add(&p);
-            self.stream.add(&p);
+            positions.kl.push(KlPositions::value(&p));
             kl::keep_worst(&mut self.worst, kl::N_WORST_POSITIONS, p.kl, || WorstPosition {
                 kl: p.kl,
                 stream: self.fingerprint.streams.get(self.stream_index).map_or_else(String::new, |st| st.name.clone()),
@@ -281,8 +282,16 @@ impl TopTokensRun {
             });
         }
         window.end_window();
-        self.stream.end_window();
-        Ok(Some(window.summary()))
+        let record = window.window_record();
+        self.add_window(&record, &positions);
+        Ok(Some((record, positions)))
+    }
+
+    /// Pools a window's KL record into the stream's and the run's statistics
+    /// (windows in plan order).
+    pub fn add_window(&mut self, record: &WindowKl, positions: &KlPositions) {
+        self.stream.add_window(record, positions);
+        self.overall.add_window(record, positions);
     }
 
     /// Closes a stream: its full KL statistics (quantiles and buckets).
@@ -290,7 +299,6 @@ impl TopTokensRun {
         let acc = std::mem::take(&mut self.stream);
         self.stream_index += 1;
         self.reference.as_ref()?;
-        self.overall.merge(&acc);
         Some(acc.summary())
     }
 
@@ -332,7 +340,7 @@ impl TopTokensRun {
                 producer: r.header.producer.clone(),
                 top_k: r.k,
             },
-            bound: KlReport::BOUND,
+            bound: KlReport::BOUND.into(),
             summary,
             worst_positions: self.worst,
         }))

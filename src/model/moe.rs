@@ -9,7 +9,7 @@
 //! definition is `backend::cpu::moe`).
 
 use anyhow::{ensure, Context, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::artifact::meta::{HParams, MoeParams, TensorEntry};
 use crate::artifact::names::blk;
@@ -65,7 +65,7 @@ fn load_expert<B: Backend>(backend: &B, bank: &TensorView, e: usize, n_e: usize,
 /// forward pass ran (each window's context rows included: a token in two
 /// overlapping windows is routed, and counted, twice). Each row counts once
 /// for each of its `top_k` experts.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ExpertUsage {
     pub n_experts: usize,
     pub top_k: usize,
@@ -74,7 +74,7 @@ pub struct ExpertUsage {
     pub layers: Vec<LayerExpertUsage>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LayerExpertUsage {
     pub layer: usize,
     /// Per expert, the rows routed to it (sums to `rows * top_k`).
@@ -98,11 +98,60 @@ impl ExpertUsage {
                 .collect(),
         }
     }
+
+    /// Adds the counts of rows routed elsewhere (another `--devices` worker
+    /// or `--shard`): counts are additive over windows, so the sum equals
+    /// one process's counts over the union of their windows.
+    pub fn add(&mut self, other: &ExpertUsage) -> Result<()> {
+        ensure!(
+            self.n_experts == other.n_experts && self.top_k == other.top_k && self.layers.len() == other.layers.len(),
+            "expert usage of another model ({} experts, top-{}, {} layers vs {}, top-{}, {})",
+            other.n_experts,
+            other.top_k,
+            other.layers.len(),
+            self.n_experts,
+            self.top_k,
+            self.layers.len()
+        );
+        self.rows += other.rows;
+        for (a, b) in self.layers.iter_mut().zip(&other.layers) {
+            ensure!(a.layer == b.layer && a.routed.len() == b.routed.len(), "expert usage: layer {} differs in shape", a.layer);
+            for (x, y) in a.routed.iter_mut().zip(&b.routed) {
+                *x += y;
+            }
+            a.never_routed = a.routed.iter().filter(|&&n| n == 0).count();
+        }
+        Ok(())
+    }
+
+    /// The sum of several parts' counts (`None` for dense models).
+    pub fn sum<'a>(parts: impl IntoIterator<Item = Option<&'a ExpertUsage>>) -> Result<Option<ExpertUsage>> {
+        let mut total: Option<ExpertUsage> = None;
+        for part in parts.into_iter().flatten() {
+            match &mut total {
+                None => total = Some(part.clone()),
+                Some(t) => t.add(part)?,
+            }
+        }
+        Ok(total)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn usage_sums_over_parts() {
+        let moe = MoeParams { n_experts: 3, n_experts_used: 1, d_ffn_expert: 8, norm_topk_prob: true };
+        let a = ExpertUsage::from_counts(&moe, &[vec![2, 0, 0]]);
+        let b = ExpertUsage::from_counts(&moe, &[vec![0, 1, 0]]);
+        let s = ExpertUsage::sum([Some(&a), None, Some(&b)]).unwrap().unwrap();
+        assert_eq!(s, ExpertUsage::from_counts(&moe, &[vec![2, 1, 0]]));
+        assert_eq!(s.layers[0].never_routed, 1);
+        let other = ExpertUsage::from_counts(&MoeParams { n_experts: 4, ..moe }, &[vec![0, 0, 0, 1]]);
+        assert!(ExpertUsage::sum([Some(&a), Some(&other)]).is_err());
+    }
 
     #[test]
     fn usage_counts_never_routed_experts() {
