@@ -7,9 +7,10 @@
 //! published H100 figures at seqlen 4096 (causal, bf16; from the research notes
 //! in ../shared/research/speed-and-kv-facts.md). Also the two real models'
 //! attention shapes (SmolLM2: 9/3 heads of 64; Gemma-3-270M: 4/1 heads of 256,
-//! sliding window 512). Then kernel v2 on an fp8 cache (src/kv's rows, encoded
-//! by `kv_encode_fp8` from the same kind of random values; its tile loads decode
-//! and round to bf16) on the same shapes, for the quantized formats' target
+//! sliding window 512). Then kernel v2 on a cache of each quantized format
+//! (src/kv's rows, encoded by `kv_encode` from the same kind of random values;
+//! its tile loads decode and round to bf16, rotated formats rotate q and the
+//! output in the kernel) on the same shapes, for the quantized formats' target
 //! (within 20 % of bf16). Prints one `BENCH` line per row.
 //!
 //!   cargo bench --bench attention --no-run   (here; carry the executable)
@@ -21,6 +22,7 @@ use anyhow::{bail, Context, Result};
 use half::bf16;
 use infernix_perplexity::backend::cuda::ops::{self, AttnKernel, AttnParams, KvShape};
 use infernix_perplexity::backend::cuda::{self as cuda, CudaDevice, DeviceBuffer};
+use infernix_perplexity::kv::KvFormat;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -58,7 +60,8 @@ fn time_ms(dev: &CudaDevice, reps: usize, mut launch: impl FnMut() -> Result<()>
     Ok(times[reps / 2])
 }
 
-fn bench(dev: &CudaDevice, s: &Shape, kernel: AttnKernel, fp8: bool, rng: &mut ChaCha8Rng) -> Result<()> {
+/// One row: `format` bf16 (either kernel) or a quantized format (kernel v2).
+fn bench(dev: &CudaDevice, s: &Shape, kernel: AttnKernel, format: KvFormat, book: &ops::VqBook, rng: &mut ChaCha8Rng) -> Result<()> {
     let kv = KvShape { n_seqs: s.n_seqs, n_kv_heads: s.n_kv_heads, n_ctx: s.n_tokens, d_head: s.d_head };
     let width = s.n_heads * s.d_head;
     let n_rows = s.n_seqs * s.n_tokens;
@@ -66,18 +69,20 @@ fn bench(dev: &CudaDevice, s: &Shape, kernel: AttnKernel, fp8: bool, rng: &mut C
     let qd = dev.upload(&q)?;
     let kc = dev.upload(&random_bf16(rng, kv.len()))?;
     let vc = dev.upload(&random_bf16(rng, kv.len()))?;
-    // fp8: the same shape's rows encoded on the device from random f32 (s_tokens rows per slot).
-    let (mut kc8, mut vc8) = (dev.alloc_zeros::<u8>(kv.fp8_bytes())?, dev.alloc_zeros::<u8>(kv.fp8_bytes())?);
-    if fp8 {
+    // A quantized format: the same shape's rows encoded on the device from random f32.
+    let quantized = format.is_quantized();
+    let bytes = |c| if quantized { kv.coded_bytes(c) } else { 16 };
+    let (mut kcq, mut vcq) = (dev.alloc_zeros::<u8>(bytes(format.k()))?, dev.alloc_zeros::<u8>(bytes(format.v()))?);
+    if quantized {
         let mut n_bad = dev.alloc_zeros::<u64>(1)?;
         let src_w = s.n_kv_heads * s.d_head;
-        for c in [&mut kc8, &mut vc8] {
+        for (c, codec) in [(&mut kcq, format.k()), (&mut vcq, format.v())] {
             let x: Vec<f32> = (0..n_rows * src_w).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
             let xd = dev.upload(&x)?;
-            ops::kv_encode_fp8(dev, xd.view(), s.n_seqs, s.n_tokens, src_w, c.view_mut(), kv, 0, n_bad.view_mut())?;
+            ops::kv_encode(dev, codec, xd.view(), s.n_seqs, s.n_tokens, src_w, c.view_mut(), kv, 0, n_bad.view_mut(), Some(book))?;
         }
         if dev.download(&n_bad)?[0] != 0 {
-            bail!("{}: the fp8 encoder counted non-finite inputs in finite data", s.name);
+            bail!("{}: the {format} encoder counted non-finite inputs in finite data", s.name);
         }
     }
     let mut out: DeviceBuffer<f32> = dev.upload(&vec![f32::NAN; n_rows * width])?;
@@ -93,15 +98,15 @@ fn bench(dev: &CudaDevice, s: &Shape, kernel: AttnKernel, fp8: bool, rng: &mut C
         out_stride: width,
     };
     let reps = if kernel == AttnKernel::V1 { 5 } else { 20 };
-    let ms = if fp8 {
-        time_ms(dev, reps, || ops::attention_fp8::<f32>(dev, qd.view(), kc8.view(), vc8.view(), kv, out.view_mut(), &p))?
+    let ms = if quantized {
+        time_ms(dev, reps, || ops::attention_coded::<f32>(dev, format, qd.view(), kcq.view(), vcq.view(), kv, out.view_mut(), &p, Some(book)))?
     } else {
         time_ms(dev, reps, || ops::attention::<bf16, f32>(dev, kernel, qd.view(), kc.view(), vc.view(), kv, out.view_mut(), &p))?
     };
     let sample = dev.download_range(&out, 0..n_rows * width)?;
     let bad = sample.iter().filter(|v| !v.is_finite()).count();
     if bad > 0 {
-        bail!("{} {} (fp8 {fp8}): {bad} outputs not finite", s.name, kernel.name());
+        bail!("{} {} ({format}): {bad} outputs not finite", s.name, kernel.name());
     }
     // FlashAttention's count: 4 * b * s^2 * h * d, halved for causal. With a window, the
     // visible pairs instead (each query sees min(pos + 1, window) keys).
@@ -117,10 +122,10 @@ fn bench(dev: &CudaDevice, s: &Shape, kernel: AttnKernel, fp8: bool, rng: &mut C
         None => "-".to_string(),
     };
     println!(
-        "BENCH attention {:<34} kernel {} {} : {:9.3} ms  {:7.1} TFLOP/s   [{refs}]",
+        "BENCH attention {:<34} kernel {} {:<5} : {:9.3} ms  {:7.1} TFLOP/s   [{refs}]",
         s.name,
         kernel.name(),
-        if fp8 { "fp8 " } else { "bf16" },
+        format.name(),
         ms,
         tflops
     );
@@ -144,13 +149,13 @@ fn main() -> Result<()> {
         Shape { name: "Gemma-3 4/1 d256 ctx4096 b8 win512", n_seqs: 8, n_tokens: 4096, n_heads: 4, n_kv_heads: 1, d_head: 256, window: 512, targets: None },
         Shape { name: "Gemma-3 4/1 d256 ctx4096 b8 global", n_seqs: 8, n_tokens: 4096, n_heads: 4, n_kv_heads: 1, d_head: 256, window: 0, targets: None },
     ];
-    for s in &shapes {
-        bench(&dev, s, AttnKernel::V2, false, &mut rng)?;
+    let book = ops::VqBook::upload(&dev)?;
+    for format in KvFormat::ALL.into_iter().filter(|f| *f == KvFormat::Bf16 || f.is_quantized()) {
+        for s in &shapes {
+            bench(&dev, s, AttnKernel::V2, format, &book, &mut rng)?;
+        }
     }
-    for s in &shapes {
-        bench(&dev, s, AttnKernel::V2, true, &mut rng)?;
-    }
-    bench(&dev, &shapes[0], AttnKernel::V1, false, &mut rng)?;
-    bench(&dev, &shapes[1], AttnKernel::V1, false, &mut rng)?;
+    bench(&dev, &shapes[0], AttnKernel::V1, KvFormat::Bf16, &book, &mut rng)?;
+    bench(&dev, &shapes[1], AttnKernel::V1, KvFormat::Bf16, &book, &mut rng)?;
     Ok(())
 }

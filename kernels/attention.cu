@@ -1,8 +1,8 @@
 // attention.cu: KV-cache store and causal prefill attention (GQA, optional
 // sliding window), flash-attention style, in two kernels kept side by side:
 // v1 (attn_prefill_*, f32 on the CUDA cores, bf16 or f32 cache: the FP32
-// route's exact path) and v2 (attn_flash_*, below: tensor cores, bf16 or fp8
-// cache, the default route). ops::AttnKernel selects one; the report names it.
+// route's exact path) and v2 (attn_flash_*, below: tensor cores, bf16 or
+// quantized cache, the default route). ops::AttnKernel selects one; the report names it.
 //
 // Cache layout, per layer: (n_seqs, n_kv_heads, n_ctx, d_head), BF16
 // (default route) or f32 (FP32 route); a head's keys are contiguous so a key
@@ -199,8 +199,9 @@ ATTN_D(256)
 // attn_flash_d<D>_<kv>_<out>(AttnArgs): the same contract as attn_prefill_*
 // (causal, optional sliding window, GQA, soft-cap, a cache filled by earlier
 // passes, blockIdx.z = window of a batched pass), for a bf16 cache (kv = bf16)
-// or an fp8 cache (kv = fp8: rows of src/kv's fp8 layout, written by
-// kv_encode_fp8 in kv_codec.cu).
+// or a cache of a quantized KV format (kv = fp8 | int8 | nvfp4 | k8v4 | k4v2 |
+// vq2: rows of src/kv's layout of the format's K and V codecs, written by
+// kv_encode_<codec> in kv_codec.cu).
 // Algorithm (FlashAttention-2's forward): a block owns BQ = 64 * MT queries of
 // one head, 4 warps of 16 * MT query rows each (MT = m_tiles(D), 1 today, see
 // there), and walks the key tiles of BK = key_tile(D) keys that any of its
@@ -214,20 +215,27 @@ ATTN_D(256)
 // Output = O / l. Q and both K/V stages live in shared memory with rows padded
 // by 8 elements (16 B), which makes every ldmatrix phase conflict-free; K and V
 // tiles are fetched with cp.async (16 B, zero-filled past the cached
-// positions) one tile ahead of the math (two stages). fp8 cache: the same tiles,
-// loaded synchronously (one tile ahead, no cp.async): each 8-element chunk is
-// 8 E4M3 codes and the row's f32 scale, decoded as e4m3_value(code) * scale (one
-// f32 multiply, exactly kv::codec's decode) and rounded to bf16 (nearest even)
-// into shared memory: the same operand rounding a bf16 cache gets when it is
+// positions) one tile ahead of the math (two stages). Quantized cache: the same
+// tiles, loaded synchronously (one tile ahead, no cp.async) through one decoder
+// per codec (flash::Dec*, the template's K and V parameters, so K and V may
+// differ: k8v4, k4v2): each 8-element chunk of a row is decoded as kv::codec
+// decodes it (code value * scale, one f32 multiply) and rounded to bf16 (nearest
+// even) into shared memory: the operand rounding a bf16 cache gets when it is
 // stored, applied here to the decoded value. No dequantized copy of the cache
-// exists; a poisoned row (NaN scale) decodes to NaN as on the CPU. Query tiles
-// run in reverse order (the longest causal rows start first).
+// exists; a poisoned row (NaN scale) decodes to NaN as on the CPU. Rotated rows
+// (AttnArgs::rot; src/kv/hadamard.rs, y = H x stored) stay in the rotated basis:
+// a rotated K is met by staging q as (H q) / n (hadamard_rows in f32 over a
+// scratch in the K stages, the exact power-of-two 1/n, then the bf16 rounding),
+// so q·k = ((H q) / n)·y; a rotated V by rotating the output back, O = (H O') / n
+// with O' = Σ p y / l (f32, through the same scratch after the last tile). Query
+// tiles run in reverse order (the longest causal rows start first).
 // Launch: grid (ceil(n_tokens/BQ), n_heads, n_seqs), block 128, dynamic shared
 // memory (BQ + 4*BK) * (D + 8) * 2 bytes (BQ = 64 * MT; 168960 for D = 256).
 // The launcher (ops::attention, ops::attn_flash_tiles) mirrors m_tiles and key_tile.
 // CPU twin: backend::cpu::attention::attention on the same bf16-rounded q, k, v
-// (fp8: on the CPU backend's fp8 cache, kv::codec decode, whose bf16 rounding is
-// the one difference the parity test's tolerance covers).
+// (a quantized format: on the CPU backend's cache of that format, kv::codec
+// decode; the bf16 roundings of the decoded K/V and of (H q) / n are the
+// differences the parity test's tolerance covers, tests/gpu_ops.rs).
 
 namespace flash {
 constexpr int THREADS = 128;
@@ -277,21 +285,95 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// Elements 8c .. 8c+7 of one fp8 cache row (src/kv layout: codes at byte 0, the
-// f32 scale at byte D) as eight bf16: e4m3_value(code) * scale (__fmul_rn, the CPU
-// decode's one multiply), then rounded to nearest even bf16 for the mma.
+// K/V row decoders of the tile loads, one per src/kv codec: `load8(row, c, book)`
+// gives elements 8c .. 8c+7 of one encoded cache row as eight bf16: each element
+// decoded exactly as kv::codec's decode_row before its inverse rotation (one f32
+// multiply: code value * scale; nvfp4 (e2m1 * e4m3 block scale, exact) * row
+// scale), then rounded to nearest even bf16 for the mma. RAW (bf16 rows) is
+// fetched with cp.async instead. A poisoned row (NaN scales) decodes to NaN.
+struct DecBf16 {
+    static constexpr bool RAW = true;
+};
 template <int D>
-__device__ __forceinline__ uint4 fp8_decode8_bf16(const unsigned char* row, int c) {
-    const uint2 q = *reinterpret_cast<const uint2*>(row + c * 8);
-    const float s = *reinterpret_cast<const float*>(row + D);
-    float v[8];
+struct DecFp8 {  // D E4M3 codes, f32 scale at D
+    static constexpr bool RAW = false;
+    static __device__ __forceinline__ uint4 load8(const unsigned char* row, int c, const float*) {
+        const uint2 q = *reinterpret_cast<const uint2*>(row + c * 8);
+        const float s = *reinterpret_cast<const float*>(row + D);
+        float v[8];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        v[j] = __fmul_rn(e4m3_value((q.x >> (8 * j)) & 0xFFu), s);
-        v[4 + j] = __fmul_rn(e4m3_value((q.y >> (8 * j)) & 0xFFu), s);
+        for (int j = 0; j < 4; ++j) {
+            v[j] = __fmul_rn(e4m3_value((q.x >> (8 * j)) & 0xFFu), s);
+            v[4 + j] = __fmul_rn(e4m3_value((q.y >> (8 * j)) & 0xFFu), s);
+        }
+        return pack_bf16x8(v);
     }
-    return pack_bf16x8(v);
-}
+};
+template <int D>
+struct DecInt8 {  // D int8 codes, f32 scale at D
+    static constexpr bool RAW = false;
+    static __device__ __forceinline__ uint4 load8(const unsigned char* row, int c, const float*) {
+        const uint2 q = *reinterpret_cast<const uint2*>(row + c * 8);
+        const float s = *reinterpret_cast<const float*>(row + D);
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            v[j] = __fmul_rn((float)(int8_t)((q.x >> (8 * j)) & 0xFFu), s);
+            v[4 + j] = __fmul_rn((float)(int8_t)((q.y >> (8 * j)) & 0xFFu), s);
+        }
+        return pack_bf16x8(v);
+    }
+};
+template <int D>
+struct DecNvfp4 {  // D/2 bytes of E2M1 nibbles, f32 row scale at D/2, D/16 E4M3 block scales at D/2 + 4
+    static constexpr bool RAW = false;
+    static __device__ __forceinline__ uint4 load8(const unsigned char* row, int c, const float*) {
+        const uint32_t q = *reinterpret_cast<const uint32_t*>(row + c * 4);
+        const float S = *reinterpret_cast<const float*>(row + D / 2);
+        const float bs = e4m3_value(row[D / 2 + 4 + c / 2]);
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(__fmul_rn(e2m1_value((q >> (4 * j)) & 0xFu), bs), S);
+        return pack_bf16x8(v);
+    }
+};
+template <int D>
+struct DecInt4G32 {  // D/2 bytes of nibbles q + 8, D/32 f32 scales at D/2
+    static constexpr bool RAW = false;
+    static __device__ __forceinline__ uint4 load8(const unsigned char* row, int c, const float*) {
+        const uint32_t q = *reinterpret_cast<const uint32_t*>(row + c * 4);
+        const float s = reinterpret_cast<const float*>(row + D / 2)[c / 4];
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn((float)((int)((q >> (4 * j)) & 0xFu) - 8), s);
+        return pack_bf16x8(v);
+    }
+};
+template <int D>
+struct DecInt2G32 {  // D/4 bytes of 2-bit codes, D/32 f32 scales at D/4; value (q - 1.5) * s
+    static constexpr bool RAW = false;
+    static __device__ __forceinline__ uint4 load8(const unsigned char* row, int c, const float*) {
+        const uint32_t q = *reinterpret_cast<const uint16_t*>(row + c * 2);
+        const float s = reinterpret_cast<const float*>(row + D / 4)[c / 4];
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn((float)((q >> (2 * j)) & 3u) - 1.5f, s);
+        return pack_bf16x8(v);
+    }
+};
+template <int D>
+struct DecVq2 {  // D/4 codeword indices (4 elements each), f32 RMS at D/4; value codeword_j * s
+    static constexpr bool RAW = false;
+    static __device__ __forceinline__ uint4 load8(const unsigned char* row, int c, const float* book) {
+        const uint32_t q = *reinterpret_cast<const uint16_t*>(row + c * 2);
+        const float s = *reinterpret_cast<const float*>(row + D / 4);
+        const float4 c0 = __ldg(reinterpret_cast<const float4*>(book) + (q & 0xFFu));
+        const float4 c1 = __ldg(reinterpret_cast<const float4*>(book) + (q >> 8));
+        const float v[8] = {__fmul_rn(c0.x, s), __fmul_rn(c0.y, s), __fmul_rn(c0.z, s), __fmul_rn(c0.w, s),
+                            __fmul_rn(c1.x, s), __fmul_rn(c1.y, s), __fmul_rn(c1.z, s), __fmul_rn(c1.w, s)};
+        return pack_bf16x8(v);
+    }
+};
 
 template <typename OUT>
 __device__ __forceinline__ void store2(OUT* p, float a, float b);
@@ -305,7 +387,7 @@ __device__ __forceinline__ void store2<bf16>(bf16* p, float a, float b) {
 }
 }  // namespace flash
 
-template <int D, typename OUT, bool FP8>
+template <int D, typename OUT, typename KD, typename VD>
 __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
     using namespace flash;
     constexpr int MT = m_tiles(D);  // 16-row query tiles per warp
@@ -315,11 +397,16 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
     constexpr int CH = D / 8;       // 16-byte chunks per row
     constexpr int NT = BK / 8;      // 8-key column tiles of S
     constexpr int DT = D / 8;       // 8-dim column tiles of O
+    constexpr bool RAW = KD::RAW;   // bf16 rows: cp.async; coded rows: decoded in the load
+    static_assert(KD::RAW == VD::RAW, "K and V are both bf16 or both coded");
     static_assert(D % 16 == 0 && DT % 2 == 0, "head dims are multiples of 16");
+    static_assert(2 * BK * LDS * 2 >= BQ * D * 4, "the K stages hold a (BQ, D) f32 scratch");
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* sq = reinterpret_cast<bf16*>(smem);  // (BQ, LDS)
     bf16* sk = sq + BQ * LDS;                  // 2 stages of (BK, LDS)
     bf16* sv = sk + 2 * BK * LDS;              // 2 stages of (BK, LDS)
+    float* scratch = reinterpret_cast<float*>(sk);  // (BQ, D) f32 while no K tile lives there
+    auto block_sync = [] { __syncthreads(); };
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int seq = blockIdx.z, h = blockIdx.y;
@@ -331,12 +418,14 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
     const int k_hi = pos0 + t_last;
     const int k_lo = window > 0 ? max(pos0 + t0 - window + 1, 0) : 0;
     const int tile_first = k_lo / BK, tile_last = k_hi / BK;
+    const bool rot_k = (a.rot & 1) != 0, rot_v = (a.rot & 2) != 0;
+    const float inv_n = 1.0f / (float)(D & -D);  // 1 / rotation block, a power of two
 
-    // This (window, KV head)'s rows: n_ctx rows of kv_row_bytes (2 * D for bf16).
-    const long long head_off = ((long long)seq * a.n_kv_heads + kvh) * a.n_ctx * a.kv_row_bytes;
-    const unsigned char* kh = static_cast<const unsigned char*>(a.k) + head_off;
-    const unsigned char* vh = static_cast<const unsigned char*>(a.v) + head_off;
-    const long long rb = a.kv_row_bytes;
+    // This (window, KV head)'s rows: n_ctx rows of k_row_bytes / v_row_bytes (2 * D for bf16).
+    const long long head_rows = ((long long)seq * a.n_kv_heads + kvh) * a.n_ctx;
+    const long long krb = a.k_row_bytes, vrb = a.v_row_bytes;
+    const unsigned char* kh = static_cast<const unsigned char*>(a.k) + head_rows * krb;
+    const unsigned char* vh = static_cast<const unsigned char*>(a.v) + head_rows * vrb;
     const float* qb = a.q + (long long)seq * n_tokens * a.q_stride + (long long)h * D;
     OUT* ob = reinterpret_cast<OUT*>(a.out) + (long long)seq * n_tokens * a.out_stride + (long long)h * D;
 
@@ -348,33 +437,54 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
             const int r = i / CH, c = i % CH;
             const int kp = kbase + r;
             const bool ok = kp < kv_len;
-            if constexpr (FP8) {
-                // Synchronous: 8 codes and the row's scale, decoded code * scale (one f32
-                // multiply, kv::codec's decode) and rounded to bf16 (nearest even).
+            if constexpr (!RAW) {
+                // Synchronous: the chunk's codes and scales, decoded (kv::codec's decode,
+                // still in the rotated basis) and rounded to bf16 (nearest even).
                 uint4 kq = make_uint4(0, 0, 0, 0), vq = kq;
                 if (ok) {
-                    kq = fp8_decode8_bf16<D>(kh + kp * rb, c);
-                    vq = fp8_decode8_bf16<D>(vh + kp * rb, c);
+                    kq = KD::load8(kh + kp * krb, c, a.book);
+                    vq = VD::load8(vh + kp * vrb, c, a.book);
                 }
                 *reinterpret_cast<uint4*>(dk + r * LDS + c * 8) = kq;
                 *reinterpret_cast<uint4*>(dv + r * LDS + c * 8) = vq;
             } else {
-                const long long off = (long long)(ok ? kp : 0) * rb + c * 16;
-                cp_async16(smem_addr(dk + r * LDS + c * 8), kh + off, ok ? 16 : 0);
-                cp_async16(smem_addr(dv + r * LDS + c * 8), vh + off, ok ? 16 : 0);
+                const long long row = ok ? kp : 0;
+                cp_async16(smem_addr(dk + r * LDS + c * 8), kh + row * krb + c * 16, ok ? 16 : 0);
+                cp_async16(smem_addr(dv + r * LDS + c * 8), vh + row * vrb + c * 16, ok ? 16 : 0);
             }
         }
     };
 
+    // Q: f32 -> bf16 (nearest even) into shared memory; rows past n_tokens are zero.
+    // K rotated (k = H⁻¹ y, y the stored rotated row): q·k = ((H q) / n)·y, so the
+    // queries are rotated the same way (hadamard_rows in f32, exact 1/n) before the
+    // rounding; the K stages are the f32 scratch, so this runs before the first load.
+    if (rot_k) {
+        for (int i = tid; i < BQ * (D / 4); i += THREADS) {
+            const int r = i / (D / 4), c = (i % (D / 4)) * 4;
+            float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (t0 + r < n_tokens) x = *reinterpret_cast<const float4*>(qb + (long long)(t0 + r) * a.q_stride + c);
+            *reinterpret_cast<float4*>(scratch + r * D + c) = x;
+        }
+        hadamard_rows(scratch, BQ, D, tid, THREADS, block_sync);
+        for (int i = tid; i < BQ * (D / 4); i += THREADS) {
+            const int r = i / (D / 4), c = (i % (D / 4)) * 4;
+            const float4 x = *reinterpret_cast<const float4*>(scratch + r * D + c);
+            uint2 p = make_uint2(pack_bf16x2(x.x * inv_n, x.y * inv_n), pack_bf16x2(x.z * inv_n, x.w * inv_n));
+            *reinterpret_cast<uint2*>(sq + r * LDS + c) = p;
+        }
+        __syncthreads();  // the scratch read before the K stage is written
+    }
     load_kv(tile_first, 0);
     cp_async_commit();
-    // Q: f32 -> bf16 (nearest even) into shared memory; rows past n_tokens are zero.
-    for (int i = tid; i < BQ * (D / 4); i += THREADS) {
-        const int r = i / (D / 4), c = (i % (D / 4)) * 4;
-        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (t0 + r < n_tokens) x = *reinterpret_cast<const float4*>(qb + (long long)(t0 + r) * a.q_stride + c);
-        uint2 p = make_uint2(pack_bf16x2(x.x, x.y), pack_bf16x2(x.z, x.w));
-        *reinterpret_cast<uint2*>(sq + r * LDS + c) = p;
+    if (!rot_k) {
+        for (int i = tid; i < BQ * (D / 4); i += THREADS) {
+            const int r = i / (D / 4), c = (i % (D / 4)) * 4;
+            float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (t0 + r < n_tokens) x = *reinterpret_cast<const float4*>(qb + (long long)(t0 + r) * a.q_stride + c);
+            uint2 p = make_uint2(pack_bf16x2(x.x, x.y), pack_bf16x2(x.z, x.w));
+            *reinterpret_cast<uint2*>(sq + r * LDS + c) = p;
+        }
     }
 
     float o[MT][DT][4];
@@ -506,6 +616,9 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
     }
     cp_async_wait<0>();
 
+    // O / l per row. V rotated (v = H⁻¹ y): Σ p v = (H Σ p y) / n, so the rows go
+    // through the f32 scratch (the K stages, free after the last tile's barrier),
+    // are rotated there and scaled by the exact 1/n on the way out.
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -514,25 +627,51 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
             const float inv = 1.0f / l;
-            const int t = row_w + mt * 16 + (lane >> 2) + 8 * r;
+            const int rb = warp * 16 * MT + mt * 16 + (lane >> 2) + 8 * r;  // row in the block
+            const int t = t0 + rb;
+            if (rot_v) {
+                float* srow = scratch + rb * D + 2 * (lane & 3);
+#pragma unroll
+                for (int i = 0; i < DT; ++i) {
+                    srow[i * 8] = o[mt][i][2 * r] * inv;
+                    srow[i * 8 + 1] = o[mt][i][2 * r + 1] * inv;
+                }
+                continue;
+            }
             if (t >= n_tokens) continue;
             OUT* orow = ob + (long long)t * a.out_stride + 2 * (lane & 3);
 #pragma unroll
             for (int i = 0; i < DT; ++i) store2<OUT>(orow + i * 8, o[mt][i][2 * r] * inv, o[mt][i][2 * r + 1] * inv);
         }
     }
+    if (rot_v) {
+        hadamard_rows(scratch, BQ, D, tid, THREADS, block_sync);
+        for (int i = tid; i < BQ * (D / 2); i += THREADS) {
+            const int r = i / (D / 2), c = (i % (D / 2)) * 2;
+            if (t0 + r >= n_tokens) continue;
+            store2<OUT>(ob + (long long)(t0 + r) * a.out_stride + c, scratch[r * D + c] * inv_n, scratch[r * D + c + 1] * inv_n);
+        }
+    }
 }
 
-#define ATTN_FLASH(D, kvn, FP8, outn, OUT)                                                          \
+// attn_flash_d<D>_<kv>_<out>: kv names the KV format (kv::KvFormat::name), whose K
+// and V decoders the tile loads use; the quantized formats have f32 outputs only
+// (the backend's attention output), bf16 and fp8 both.
+#define ATTN_FLASH(D, kvn, KD, VD, outn, OUT)                                                       \
     extern "C" __global__ void __launch_bounds__(flash::THREADS) attn_flash_d##D##_##kvn##_##outn( \
         const AttnArgs a) {                                                                         \
-        attn_flash_impl<D, OUT, FP8>(a);                                                            \
+        attn_flash_impl<D, OUT, KD, VD>(a);                                                         \
     }
-#define ATTN_FLASH_D(D)                   \
-    ATTN_FLASH(D, bf16, false, f32, float) \
-    ATTN_FLASH(D, bf16, false, bf16, bf16) \
-    ATTN_FLASH(D, fp8, true, f32, float)   \
-    ATTN_FLASH(D, fp8, true, bf16, bf16)
+#define ATTN_FLASH_D(D)                                                              \
+    ATTN_FLASH(D, bf16, flash::DecBf16, flash::DecBf16, f32, float)                  \
+    ATTN_FLASH(D, bf16, flash::DecBf16, flash::DecBf16, bf16, bf16)                  \
+    ATTN_FLASH(D, fp8, flash::DecFp8<D>, flash::DecFp8<D>, f32, float)               \
+    ATTN_FLASH(D, fp8, flash::DecFp8<D>, flash::DecFp8<D>, bf16, bf16)               \
+    ATTN_FLASH(D, int8, flash::DecInt8<D>, flash::DecInt8<D>, f32, float)            \
+    ATTN_FLASH(D, nvfp4, flash::DecNvfp4<D>, flash::DecNvfp4<D>, f32, float)         \
+    ATTN_FLASH(D, k8v4, flash::DecInt8<D>, flash::DecInt4G32<D>, f32, float)         \
+    ATTN_FLASH(D, k4v2, flash::DecInt4G32<D>, flash::DecInt2G32<D>, f32, float)      \
+    ATTN_FLASH(D, vq2, flash::DecVq2<D>, flash::DecVq2<D>, f32, float)
 ATTN_FLASH_D(64)
 ATTN_FLASH_D(96)
 ATTN_FLASH_D(128)

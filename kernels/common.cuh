@@ -342,9 +342,11 @@ __device__ __forceinline__ float to_f32(bf16 v) { return __bfloat162float(v); }
 
 // Parameters of attn_flash_* (kernels/attention.cu), mirrored by `ops::AttnArgs`.
 // q: (n_seqs * n_tokens, q_stride) f32; k, v: (n_seqs, n_kv_heads, n_ctx) rows of
-// kv_row_bytes: d_head bf16 (attn_flash_*_bf16_*, kv_row_bytes = 2 * d_head) or
-// one fp8 row of src/kv (attn_flash_*_fp8_*: d_head E4M3 codes, the f32 scale at
-// byte d_head, padded to 16 bytes); out: (n_seqs * n_tokens, out_stride) f32 or bf16.
+// k_row_bytes / v_row_bytes: d_head bf16 (attn_flash_*_bf16_*, 2 * d_head bytes) or
+// one encoded row of src/kv (attn_flash_*_<format>_*: the format's K and V codecs,
+// codes at byte 0, then the scales, padded to 16 bytes); out: (n_seqs * n_tokens,
+// out_stride) f32 or bf16. rot: bit 0 = K rows are Hadamard-rotated, bit 1 = V rows
+// are (src/kv/hadamard.rs); book: the vq2 codebook (256 x 4 f32) or null.
 struct AttnArgs {
     const float* q;
     const void* k;
@@ -360,14 +362,19 @@ struct AttnArgs {
     float softcap;  // 0 = none
     long long q_stride;
     long long out_stride;
-    int kv_row_bytes;
+    int k_row_bytes;
+    int v_row_bytes;
+    int rot;
     int pad_;
+    const float* book;
 };
-static_assert(sizeof(AttnArgs) == 88, "AttnArgs layout differs from ops::AttnArgs");
+static_assert(sizeof(AttnArgs) == 104, "AttnArgs layout differs from ops::AttnArgs");
 
-// Parameters of kv_encode_fp8 (kernels/kv_codec.cu), mirrored by `ops::KvEncodeArgs`.
+// Parameters of kv_encode_<codec> (kernels/kv_codec.cu), mirrored by `ops::KvEncodeArgs`.
 // src: (n_seqs * n_tokens, src_stride) f32, head h of token row r at r * src_stride + h * d;
-// cache: (n_seqs_cache, n_kv_heads, n_ctx) rows of row_bytes; n_bad: one u64 counter.
+// cache: (n_seqs_cache, n_kv_heads, n_ctx) rows of row_bytes; n_bad: one u64 counter;
+// rotate: 1 = Hadamard-rotate each row before coding; book: the vq2 codebook (256 x 4
+// f32, kv::vq::codebook) or null.
 struct KvEncodeArgs {
     const float* src;
     unsigned char* cache;
@@ -378,9 +385,10 @@ struct KvEncodeArgs {
     int n_ctx;
     int pos0;
     int row_bytes;
-    int pad_;
+    int rotate;
+    const float* book;
 };
-static_assert(sizeof(KvEncodeArgs) == 56, "KvEncodeArgs layout differs from ops::KvEncodeArgs");
+static_assert(sizeof(KvEncodeArgs) == 64, "KvEncodeArgs layout differs from ops::KvEncodeArgs");
 
 // ---------------------------------------------------------------- KV element codes (src/kv/scalar.rs)
 
@@ -391,4 +399,38 @@ __device__ __forceinline__ float e4m3_value(uint32_t c) {
     if ((c & 0x7Fu) == 0x7Fu) return __uint_as_float(0x7FC00000u);
     const float mag = e == 0 ? __fmul_rn((float)m, 0.001953125f) : __uint_as_float(((e + 120u) << 23) | (m << 20));
     return (c & 0x80u) ? -mag : mag;
+}
+
+// The value of E2M1 code c (low 4 bits; bit 3 the sign), as kv::scalar::e2m1_to_f32.
+__device__ __forceinline__ float e2m1_value(uint32_t c) {
+    const uint32_t m = c & 7u;
+    // 0, 0.5, 1, 1.5, 2, 3, 4, 6: m * 0.5 up to 2 (m <= 4), then 3, 4, 6.
+    const float mag = m <= 4u ? 0.5f * (float)m : (m == 5u ? 3.0f : (m == 6u ? 4.0f : 6.0f));
+    return (c & 8u) ? -mag : mag;
+}
+
+// ---------------------------------------------------------------- Hadamard rotation (src/kv/hadamard.rs)
+
+// In place, each of n_rows rows of d f32 (row stride d) <- H x per block of n = the
+// largest power of two dividing d (unnormalized): stages h = 1, 2, .., n/2, each pair
+// (j, j + h) with j % (2h) < h becoming (a + b, a - b), exactly kv::hadamard's
+// butterflies and so its bits (each output is a fixed tree of adds). Threads `tid` of
+// `n_threads` share the work; `sync()` orders the stages (__syncwarp for one warp,
+// __syncthreads for a block) and is called before the first stage and after the last.
+template <typename Sync>
+__device__ __forceinline__ void hadamard_rows(float* x, int n_rows, int d, int tid, int n_threads, Sync sync) {
+    const int n = d & -d;
+    const int half = d / 2;
+    sync();
+    for (int h = 1; h < n; h <<= 1) {
+        for (int i = tid; i < n_rows * half; i += n_threads) {
+            const int r = i / half, p = i % half;
+            const int j = (p / h) * 2 * h + (p % h);
+            float* row = x + (long long)r * d;
+            const float a = row[j], b = row[j + h];
+            row[j] = __fadd_rn(a, b);
+            row[j + h] = __fsub_rn(a, b);
+        }
+        sync();
+    }
 }

@@ -15,17 +15,18 @@
 //!
 //! `--kv-dtype` sets the KV cache type apart from the route (bf16 KV on the
 //! FP32 route, f32 KV on the default route), to measure what each costs. The
-//! quantized format fp8 (src/kv's rows: E4M3 codes and an f32 scale per
-//! position and KV head) is stored by `kv_encode_fp8` (kernels/kv_codec.cu,
-//! bit-identical to the CPU codec) on the default route; the other quantized
-//! formats are refused with an error naming them. Like the CPU backend's
-//! cache, [`CudaKvCache`] counts the non-finite elements its codec reported
+//! quantized formats (src/kv's rows: codes and their scales per position and
+//! KV head, Hadamard-rotated where the table says so) are stored by
+//! `kv_encode_<codec>` (kernels/kv_codec.cu, bit-identical to the CPU codec)
+//! on the default route; a format without kernels (`ops::kv_format_has_kernels`)
+//! is refused with an error naming it. Like the CPU backend's cache,
+//! [`CudaKvCache`] counts the non-finite elements its codec reported
 //! ([`CudaKvCache::n_nonfinite`]).
 //!
 //! Attention ([`CudaBackend::attention_kernel`]): on the default route with a
-//! bf16 or fp8 cache the tensor-core flash attention (kernel v2: q and P
-//! rounded to bf16, f32 accumulation and softmax; fp8 K/V decoded and rounded
-//! to bf16 in its tile loads); on the FP32 route and with an f32 cache the f32
+//! bf16 or quantized cache the tensor-core flash attention (kernel v2: q and P
+//! rounded to bf16, f32 accumulation and softmax; quantized K/V decoded and
+//! rounded to bf16 in its tile loads); on the FP32 route and with an f32 cache the f32
 //! CUDA-core kernel (v1). The report names the one that ran and the cache's
 //! store and read kernels.
 //!
@@ -136,12 +137,13 @@ pub struct CudaMatrix {
 }
 
 /// Per layer: K `(n_seqs, n_kv_heads, max_pos, d_head)` and V of the same shape
-/// (fp8: the same rows, each `ops::fp8_row_bytes(d_head)` bytes).
+/// (a quantized format: the same rows, K rows of `format.k().row_bytes(d_head)`
+/// bytes, V rows of `format.v().row_bytes(d_head)`).
 #[derive(Debug)]
 enum KvLayers {
     Bf16(Vec<[DeviceBuffer<bf16>; 2]>),
     F32(Vec<[DeviceBuffer<f32>; 2]>),
-    Fp8(Vec<[DeviceBuffer<u8>; 2]>),
+    Coded(Vec<[DeviceBuffer<u8>; 2]>),
 }
 
 /// The KV cache of the windows of one pass on the device.
@@ -149,13 +151,15 @@ enum KvLayers {
 pub struct CudaKvCache {
     pub geometry: KvGeometry,
     layers: KvLayers,
-    /// (1) elements the fp8 encoder counted non-finite (`kv::RowCodec::encode_row`'s count).
+    /// (1) elements the encoders counted non-finite (`kv::RowCodec::encode_row`'s count).
     n_bad: DeviceBuffer<u64>,
+    /// The vq2 codebook (vq2 caches only).
+    book: Option<ops::VqBook>,
 }
 
 impl CudaKvCache {
     /// Elements counted non-finite by the KV codec so far, as the CPU backend's
-    /// `CpuKvCache::n_nonfinite` (fp8 only: the bf16 and f32 stores count nothing).
+    /// `CpuKvCache::n_nonfinite` (quantized formats only: the bf16 and f32 stores count nothing).
     /// Waits for the stream.
     pub fn n_nonfinite(&self, dev: &CudaDevice) -> Result<usize> {
         let n = dev.download(&self.n_bad)?;
@@ -231,14 +235,15 @@ impl CudaBackend {
     /// panic) and loads every kernel.
     pub fn open(index: usize, route: Route, kv_dtype: KvFormat) -> Result<Self> {
         ensure!(
-            matches!(kv_dtype, KvFormat::Bf16 | KvFormat::F32 | KvFormat::Fp8),
-            "--kv-dtype {kv_dtype}: this KV format is not implemented on the CUDA backend yet (there: bf16, f32, fp8; \
-             every format runs on --backend cpu)"
+            ops::kv_format_has_kernels(kv_dtype),
+            "--kv-dtype {kv_dtype}: this KV format is not implemented on the CUDA backend yet (there: {}; \
+             every format runs on --backend cpu)",
+            KvFormat::ALL.iter().filter(|f| ops::kv_format_has_kernels(**f)).map(|f| f.name()).collect::<Vec<_>>().join(", ")
         );
         ensure!(
-            !(kv_dtype == KvFormat::Fp8 && route == Route::Fp32),
-            "--kv-dtype fp8 on the CUDA FP32 route: its attention kernel (v1) reads bf16 or f32 caches; \
-             fp8 runs on the default (bf16 tensor-core) route"
+            !(kv_dtype.is_quantized() && route == Route::Fp32),
+            "--kv-dtype {kv_dtype} on the CUDA FP32 route: its attention kernel (v1) reads bf16 or f32 caches; \
+             the quantized formats run on the default (bf16 tensor-core) route"
         );
         let dev = CudaDevice::open(index)?;
         Ok(Self { dev, route, kv_dtype, positions: RefCell::new(None), head_scratch: RefCell::new(None), prof: OpProfile::from_env() })
@@ -313,13 +318,14 @@ impl CudaBackend {
         ops::attention::<KV, O>(&self.dev, self.attention_kernel(), q.f32("attention")?.view(), kc.view(), vc.view(), shape, out.view_mut(), p)
     }
 
-    /// fp8: K and V rows encoded into the cache (non-finite counts into `n_bad`),
-    /// then attention v2 decoding them in its tile loads.
+    /// A quantized format: K and V rows encoded into the cache (non-finite counts
+    /// into `n_bad`), then attention v2 decoding them in its tile loads.
     #[allow(clippy::too_many_arguments)]
-    fn kv_encode_and_attend_fp8<O: ops::OutElem>(
+    fn kv_encode_and_attend<O: ops::OutElem>(
         &self,
         kv: &mut [DeviceBuffer<u8>; 2],
         n_bad: &mut DeviceBuffer<u64>,
+        book: Option<&ops::VqBook>,
         shape: ops::KvShape,
         q: &CudaAct,
         k: &CudaAct,
@@ -328,12 +334,12 @@ impl CudaBackend {
         p: &ops::AttnParams,
     ) -> Result<()> {
         let [kc, vc] = kv;
-        let (n_seqs, n) = (p.n_seqs, p.n_tokens);
-        ops::kv_encode_fp8(&self.dev, k.f32("attention")?.view(), n_seqs, n, k.n_cols, kc.view_mut(), shape, p.pos0, n_bad.view_mut())
-            .context("attention: store K (fp8)")?;
-        ops::kv_encode_fp8(&self.dev, v.f32("attention")?.view(), n_seqs, n, v.n_cols, vc.view_mut(), shape, p.pos0, n_bad.view_mut())
-            .context("attention: store V (fp8)")?;
-        ops::attention_fp8::<O>(&self.dev, q.f32("attention")?.view(), kc.view(), vc.view(), shape, out.view_mut(), p)
+        let (n_seqs, n, f) = (p.n_seqs, p.n_tokens, self.kv_dtype);
+        ops::kv_encode(&self.dev, f.k(), k.f32("attention")?.view(), n_seqs, n, k.n_cols, kc.view_mut(), shape, p.pos0, n_bad.view_mut(), book)
+            .with_context(|| format!("attention: store K ({f})"))?;
+        ops::kv_encode(&self.dev, f.v(), v.f32("attention")?.view(), n_seqs, n, v.n_cols, vc.view_mut(), shape, p.pos0, n_bad.view_mut(), book)
+            .with_context(|| format!("attention: store V ({f})"))?;
+        ops::attention_coded::<O>(&self.dev, f, q.f32("attention")?.view(), kc.view(), vc.view(), shape, out.view_mut(), p, book)
     }
 
     /// Stores k and v in `layer`'s cache and attends q into `out` (f32 or bf16).
@@ -352,17 +358,17 @@ impl CudaBackend {
         match &mut cache.layers {
             KvLayers::Bf16(l) => self.kv_store_and_attend(&mut l[layer], shape, q, k, v, out, p),
             KvLayers::F32(l) => self.kv_store_and_attend(&mut l[layer], shape, q, k, v, out, p),
-            KvLayers::Fp8(l) => self.kv_encode_and_attend_fp8(&mut l[layer], &mut cache.n_bad, shape, q, k, v, out, p),
+            KvLayers::Coded(l) => self.kv_encode_and_attend(&mut l[layer], &mut cache.n_bad, cache.book.as_ref(), shape, q, k, v, out, p),
         }
     }
 
     /// The prefill attention kernel of this backend's route and KV type: the
-    /// tensor-core kernel (v2) on the default route with a bf16 or fp8 cache (fp8
-    /// only runs there, `open` refuses the rest); the f32 CUDA-core kernel (v1) on
-    /// the FP32 route (its exact path) and for an f32 cache.
+    /// tensor-core kernel (v2) on the default route with a bf16 or quantized cache
+    /// (the quantized formats only run there, `open` refuses the rest); the f32
+    /// CUDA-core kernel (v1) on the FP32 route (its exact path) and for an f32 cache.
     pub fn attention_kernel(&self) -> ops::AttnKernel {
-        match (self.route, self.kv_dtype) {
-            (Route::Bf16TensorCore, KvFormat::Bf16 | KvFormat::Fp8) => ops::AttnKernel::V2,
+        match self.route {
+            Route::Bf16TensorCore if self.kv_dtype != KvFormat::F32 => ops::AttnKernel::V2,
             _ => ops::AttnKernel::V1,
         }
     }
@@ -373,13 +379,21 @@ impl CudaBackend {
             ops::AttnKernel::V1 => "attn_prefill_d<D>",
             ops::AttnKernel::V2 => "attn_flash_d<D>",
         };
-        match self.kv_dtype {
-            KvFormat::Fp8 => format!(
-                "stored by kv_encode_fp8 (kernels/kv_codec.cu: src/kv's fp8 rows, bit-identical to the CPU codec); \
-                 read by {reader}_fp8 (E4M3 code * row scale, rounded to bf16 in the K/V tile load)"
-            ),
-            f => format!("stored by kv_store_{f} (round to nearest even); read by {reader}_{f}"),
+        let f = self.kv_dtype;
+        if !f.is_quantized() {
+            return format!("stored by kv_store_{f} (round to nearest even); read by {reader}_{f}");
         }
+        let (k, v) = (f.k(), f.v());
+        let enc = |c: crate::kv::RowCodec| ops::kv_encode_kernel(c.elem).unwrap_or("none");
+        format!(
+            "K ({}) stored by {}, V ({}) stored by {} (kernels/kv_codec.cu: src/kv's rows, bit-identical to the CPU codec); \
+             read by {reader}_{f} (each element decoded as src/kv decodes it, rounded to bf16 in the K/V tile load{})",
+            k.name(),
+            enc(k),
+            v.name(),
+            enc(v),
+            if k.rotate || v.rotate { "; q rotated in the kernel for rotated K, the output rotated back for rotated V" } else { "" }
+        )
     }
 }
 
@@ -419,13 +433,16 @@ impl Backend for CudaBackend {
         let layers = match self.kv_dtype {
             KvFormat::Bf16 => KvLayers::Bf16(self.kv_buffers(g.n_layers, shape.len())?),
             KvFormat::F32 => KvLayers::F32(self.kv_buffers(g.n_layers, shape.len())?),
-            KvFormat::Fp8 => {
-                KvFormat::Fp8.check_dims(g.d_head, g.d_head_v).context("kv cache on CUDA")?;
-                KvLayers::Fp8(self.kv_buffers(g.n_layers, shape.fp8_bytes())?)
+            f if f.is_quantized() && ops::kv_format_has_kernels(f) => {
+                f.check_dims(g.d_head, g.d_head_v).context("kv cache on CUDA")?;
+                let (nk, nv) = (shape.coded_bytes(f.k()), shape.coded_bytes(f.v()));
+                KvLayers::Coded((0..g.n_layers).map(|_| Ok([self.dev.alloc_zeros(nk)?, self.dev.alloc_zeros(nv)?])).collect::<Result<_>>()?)
             }
             other => bail!("kv cache on CUDA: format {other} is not implemented"),
         };
-        Ok(CudaKvCache { geometry: g, layers, n_bad: self.dev.alloc_zeros(1)? })
+        let uses_book = [self.kv_dtype.k(), self.kv_dtype.v()].iter().any(|c| c.elem == crate::kv::ElemCodec::Vq2);
+        let book = if uses_book { Some(ops::VqBook::upload(&self.dev)?) } else { None };
+        Ok(CudaKvCache { geometry: g, layers, n_bad: self.dev.alloc_zeros(1)?, book })
     }
 
     fn embed(&self, table: &CudaMatrix, tokens: &[u32], scale: f64) -> Result<CudaAct> {
@@ -634,8 +651,10 @@ impl Backend for CudaBackend {
                 out_stride: width,
             };
             ensure!(p.window != Some(0), "attention: a sliding window of 0 positions");
-            // The default route's output feeds only the output projection: bf16, as that matmul rounds it.
-            let mut out = if self.bf16_matmul_inputs() { self.new_act_bf16(n, width)? } else { self.new_act(n, width)? };
+            // The default route's output feeds only the output projection: bf16, as that matmul rounds it
+            // (where the cache's attention kernel has a bf16 output: bf16, f32 and fp8 caches).
+            let bf16_out = self.bf16_matmul_inputs() && matches!(self.kv_dtype, KvFormat::Bf16 | KvFormat::F32 | KvFormat::Fp8);
+            let mut out = if bf16_out { self.new_act_bf16(n, width)? } else { self.new_act(n, width)? };
             if n == 0 {
                 return Ok(out);
             }

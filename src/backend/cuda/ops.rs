@@ -15,7 +15,7 @@ use half::bf16;
 use super::buffer::{DevView, DevViewMut, DeviceBuffer, Elem, QuantMatrix};
 use super::device::CudaDevice;
 use crate::artifact::format::TensorFormat;
-use crate::kv::KvFormat;
+use crate::kv::{ElemCodec, KvFormat, RowCodec};
 
 /// Element types a kernel can write as its activation output (f32 or bf16).
 pub trait OutElem: Elem {}
@@ -802,9 +802,9 @@ impl KvShape {
     pub fn rows(&self) -> usize {
         self.n_seqs * self.n_kv_heads * self.n_ctx
     }
-    /// Bytes of an fp8 cache: rows of the fp8 codec's `row_bytes(d_head)`.
-    pub fn fp8_bytes(&self) -> usize {
-        self.rows() * fp8_row_bytes(self.d_head)
+    /// Bytes of a cache of rows coded by `codec` (src/kv): rows * `codec.row_bytes(d_head)`.
+    pub fn coded_bytes(&self, codec: RowCodec) -> usize {
+        self.rows() * codec.row_bytes(self.d_head)
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
@@ -847,12 +847,56 @@ pub fn kv_store<KV: KvElem>(
     Ok(())
 }
 
-/// Bytes of one fp8 cache row of `d` elements: the codec's `row_bytes` (src/kv).
-pub fn fp8_row_bytes(d: usize) -> usize {
-    KvFormat::Fp8.k().row_bytes(d)
+/// Whether the CUDA backend stores and reads `f`: bf16 and f32 through
+/// `kv_store_*`, the quantized formats through `kv_encode_*` and attention v2's
+/// decoders (kernels/kv_codec.cu, attention.cu).
+pub fn kv_format_has_kernels(f: KvFormat) -> bool {
+    match f {
+        KvFormat::F32 | KvFormat::Bf16 => true,
+        KvFormat::Int8 | KvFormat::Fp8 | KvFormat::Nvfp4 | KvFormat::K8v4 | KvFormat::K4v2 | KvFormat::Vq2 => true,
+    }
 }
 
-/// Parameters of `kv_encode_fp8`, mirrored by `struct KvEncodeArgs` in kernels/common.cuh.
+/// The encode kernel of a scaled element codec (kernels/kv_codec.cu).
+pub fn kv_encode_kernel(e: ElemCodec) -> Result<&'static str> {
+    Ok(match e {
+        ElemCodec::Int8 => "kv_encode_int8",
+        ElemCodec::Fp8 => "kv_encode_fp8",
+        ElemCodec::Nvfp4 => "kv_encode_nvfp4",
+        ElemCodec::Int4G32 => "kv_encode_int4g32",
+        ElemCodec::Int2G32 => "kv_encode_int2g32",
+        ElemCodec::Vq2 => "kv_encode_vq2",
+        ElemCodec::F32 | ElemCodec::Bf16 | ElemCodec::Fp16 => bail!("kv_encode: codec {} has no encode kernel (kv_store_* stores it)", e.name()),
+    })
+}
+
+/// The vq2 codebook on the device: `kv::vq::codebook()`, (256, 4) f32 row-major,
+/// uploaded as is (never regenerated in CUDA); kv_encode_vq2 searches it and the
+/// vq2 attention decodes with it.
+#[derive(Debug)]
+pub struct VqBook(DeviceBuffer<f32>);
+
+impl VqBook {
+    pub fn upload(dev: &CudaDevice) -> Result<Self> {
+        let host: Vec<f32> = crate::kv::vq::codebook().iter().flatten().copied().collect();
+        Ok(Self(dev.upload(&host).context("upload the vq2 codebook")?))
+    }
+    fn ptr(&self) -> u64 {
+        self.0.view().ptr()
+    }
+}
+
+/// The codebook pointer a codec's kernel needs (vq2), or 0.
+fn book_ptr(e: ElemCodec, book: Option<&VqBook>, op: &str) -> Result<u64> {
+    if e != ElemCodec::Vq2 {
+        return Ok(0);
+    }
+    let b = book.with_context(|| format!("{op}: the vq2 codec needs the codebook (ops::VqBook)"))?;
+    ensure!(b.0.len() == crate::kv::vq::N_CODES * crate::kv::vq::DIM && b.ptr() % 16 == 0, "{op}: the vq2 codebook has {} values", b.0.len());
+    Ok(b.ptr())
+}
+
+/// Parameters of `kv_encode_<codec>`, mirrored by `struct KvEncodeArgs` in kernels/common.cuh.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct KvEncodeArgs {
@@ -865,19 +909,26 @@ struct KvEncodeArgs {
     n_ctx: i32,
     pos0: i32,
     row_bytes: i32,
-    pad_: i32,
+    rotate: i32,
+    book: u64,
 }
-const _: () = assert!(size_of::<KvEncodeArgs>() == 56, "KvEncodeArgs must match kernels/common.cuh");
+const _: () = assert!(size_of::<KvEncodeArgs>() == 64, "KvEncodeArgs must match kernels/common.cuh");
 // SAFETY: plain data of fixed C layout (asserted above), passed by value as the kernel's parameter.
 unsafe impl cudarc::driver::DeviceRepr for KvEncodeArgs {}
 
-/// Encodes rows into an fp8 cache exactly as `kv::RowCodec::encode_row` (kernels/kv_codec.cu):
-/// cache row (s, h, pos0 + t) = fp8(src[s * n_tokens + t, h*d_head ..]) for the first `n_seqs`
-/// slots; the non-finite count of the rows (the codec's return) is added to `n_bad[0]`.
-/// src: (n_seqs * n_tokens, src_stride) f32; cache: `shape.fp8_bytes()` bytes.
+/// Largest row the encode kernels take (their shared memory holds one row).
+const KV_ENCODE_MAX_D: usize = 4096;
+
+/// Encodes rows into a cache of `codec` rows exactly as `kv::RowCodec::encode_row`
+/// (kernels/kv_codec.cu `kv_encode_<codec>`, rotation included when the codec
+/// rotates): cache row (s, h, pos0 + t) = encode(src[s * n_tokens + t, h*d_head ..])
+/// for the first `n_seqs` slots; the non-finite count of the rows (the codec's
+/// return) is added to `n_bad[0]`. src: (n_seqs * n_tokens, src_stride) f32; cache:
+/// `shape.coded_bytes(codec)` bytes; `book`: the codebook, for vq2.
 #[allow(clippy::too_many_arguments)]
-pub fn kv_encode_fp8(
+pub fn kv_encode(
     dev: &CudaDevice,
+    codec: RowCodec,
     src: DevView<f32>,
     n_seqs: usize,
     n_tokens: usize,
@@ -886,23 +937,24 @@ pub fn kv_encode_fp8(
     shape: KvShape,
     pos0: usize,
     n_bad: DevViewMut<u64>,
+    book: Option<&VqBook>,
 ) -> Result<()> {
     let d = shape.d_head;
-    KvFormat::Fp8.k().check_len(d).context("kv_encode_fp8")?;
-    ensure!(
-        !KvFormat::Fp8.k().rotate && !KvFormat::Fp8.v().rotate,
-        "kv_encode_fp8: the KV table rotates fp8 rows and this kernel does not rotate (src/kv/mod.rs)"
-    );
-    ensure!(n_seqs <= shape.n_seqs, "kv_encode_fp8: {n_seqs} windows, the cache has {} slots", shape.n_seqs);
-    Rows { n_rows: n_seqs * n_tokens, n_cols: shape.n_kv_heads * d, stride: src_stride }.check(src.len(), "kv_encode_fp8", "src")?;
-    ensure!(cache.len() == shape.fp8_bytes(), "kv_encode_fp8: cache has {} bytes, shape {shape:?} needs {}", cache.len(), shape.fp8_bytes());
-    ensure!(cache.ptr() % 16 == 0, "kv_encode_fp8: the cache is not 16-byte aligned");
-    ensure!(n_bad.len() == 1 && n_bad.ptr() % 8 == 0, "kv_encode_fp8: the counter must be one aligned u64");
-    ensure!(pos0 + n_tokens <= shape.n_ctx, "kv_encode_fp8: positions {pos0}..{} past the cache's {} slots", pos0 + n_tokens, shape.n_ctx);
+    let name = kv_encode_kernel(codec.elem)?;
+    codec.check_len(d).with_context(|| name.to_string())?;
+    ensure!(d <= KV_ENCODE_MAX_D, "{name}: rows of {d} elements, at most {KV_ENCODE_MAX_D}");
+    ensure!(n_seqs <= shape.n_seqs, "{name}: {n_seqs} windows, the cache has {} slots", shape.n_seqs);
+    Rows { n_rows: n_seqs * n_tokens, n_cols: shape.n_kv_heads * d, stride: src_stride }.check(src.len(), name, "src")?;
+    let need = shape.coded_bytes(codec);
+    ensure!(cache.len() == need, "{name}: cache has {} bytes, shape {shape:?} needs {need}", cache.len());
+    ensure!(cache.ptr() % 16 == 0, "{name}: the cache is not 16-byte aligned");
+    ensure!(n_bad.len() == 1 && n_bad.ptr() % 8 == 0, "{name}: the counter must be one aligned u64");
+    ensure!(pos0 + n_tokens <= shape.n_ctx, "{name}: positions {pos0}..{} past the cache's {} slots", pos0 + n_tokens, shape.n_ctx);
+    let book = book_ptr(codec.elem, book, name)?;
     if n_tokens == 0 || n_seqs == 0 {
         return Ok(());
     }
-    ensure!(shape.n_kv_heads <= 65535 && n_seqs <= 65535, "kv_encode_fp8: {} KV heads x {n_seqs} windows exceed the grid", shape.n_kv_heads);
+    ensure!(shape.n_kv_heads <= 65535 && n_seqs <= 65535, "{name}: {} KV heads x {n_seqs} windows exceed the grid", shape.n_kv_heads);
     let args = KvEncodeArgs {
         src: src.ptr(),
         cache: cache.ptr(),
@@ -912,16 +964,19 @@ pub fn kv_encode_fp8(
         n_kv_heads: i32_of(shape.n_kv_heads, "n_kv_heads")?,
         n_ctx: i32_of(shape.n_ctx, "n_ctx")?,
         pos0: i32_of(pos0, "pos0")?,
-        row_bytes: i32_of(fp8_row_bytes(d), "row_bytes")?,
-        pad_: 0,
+        row_bytes: i32_of(codec.row_bytes(d), "row_bytes")?,
+        rotate: i32::from(codec.rotate),
+        book,
     };
-    let f = func(dev, "kv_encode_fp8")?;
+    let f = func(dev, name)?;
     let mut b = dev.stream().launch_builder(f);
     b.arg(&args);
-    // SAFETY: the one KvEncodeArgs of `kv_encode_fp8` in kernels/kv_codec.cu; src rows, the cache's
-    // bytes (fp8 rows of row_bytes, 16-byte aligned), the counter and d % 32 == 0 checked above.
+    // SAFETY: the one KvEncodeArgs of `kv_encode_<codec>` in kernels/kv_codec.cu; src rows, the
+    // cache's bytes (rows of the codec's row_bytes, 16-byte aligned), the counter, d % 32 == 0,
+    // the codebook (vq2) and the (d + d/16) f32 of shared memory checked above.
     let grid = (u32::try_from(n_tokens)?, shape.n_kv_heads as u32, n_seqs as u32);
-    unsafe { b.launch(cfg(grid, 32, 0)) }.map_err(|e| launch_err("kv_encode_fp8", e))?;
+    let smem = ((d + d / 16) * 4) as u32;
+    unsafe { b.launch(cfg(grid, 32, smem)) }.map_err(|e| launch_err(name, e))?;
     Ok(())
 }
 
@@ -958,8 +1013,8 @@ pub enum AttnKernel {
     V1,
     /// `attn_flash_*`: FlashAttention-2 style, QKᵀ and PV with mma.sync
     /// m16n8k16 bf16 (q rounded to bf16 in the kernel, P rounded to bf16, f32
-    /// accumulation and f32 online softmax); a bf16 cache, or an fp8 cache
-    /// decoded and rounded to bf16 in its tile loads ([`attention_fp8`]).
+    /// accumulation and f32 online softmax); a bf16 cache, or a quantized one
+    /// decoded and rounded to bf16 in its tile loads ([`attention_coded`]).
     V2,
 }
 
@@ -977,8 +1032,9 @@ impl AttnKernel {
             Self::V2 => {
                 "v2: flash attention on the tensor cores (mma.sync m16n8k16 bf16, ldmatrix, K/V double \
                  buffer); q rounded to bf16 (nearest even) in the kernel, P rounded to bf16, f32 \
-                 accumulation and f32 online softmax; a bf16 cache fetched with cp.async, or an fp8 cache \
-                 decoded in the tile load (E4M3 code * row scale, one f32 multiply, rounded to bf16)"
+                 accumulation and f32 online softmax; a bf16 cache fetched with cp.async, or a quantized cache \
+                 decoded in the tile load (src/kv's decode, code * scale, rounded to bf16); Hadamard-rotated \
+                 K: q rotated (f32) in the kernel before its rounding; rotated V: the output rotated back (f32)"
             }
         }
     }
@@ -1002,11 +1058,16 @@ struct AttnArgs {
     softcap: f32,
     q_stride: i64,
     out_stride: i64,
-    /// Bytes between cache rows (2 * d_head for bf16, the codec's row_bytes for fp8).
-    kv_row_bytes: i32,
+    /// Bytes between K rows and between V rows (2 * d_head for bf16, the codecs' row_bytes).
+    k_row_bytes: i32,
+    v_row_bytes: i32,
+    /// Bit 0: K rows Hadamard-rotated; bit 1: V rows.
+    rot: i32,
     pad_: i32,
+    /// The vq2 codebook, or 0.
+    book: u64,
 }
-const _: () = assert!(size_of::<AttnArgs>() == 88, "AttnArgs must match kernels/common.cuh");
+const _: () = assert!(size_of::<AttnArgs>() == 104, "AttnArgs must match kernels/common.cuh");
 // SAFETY: plain data of fixed C layout (asserted above), passed by value as the kernel's parameter.
 unsafe impl cudarc::driver::DeviceRepr for AttnArgs {}
 
@@ -1044,38 +1105,67 @@ pub fn attention<KV: KvElem, O: OutElem>(
     p: &AttnParams,
 ) -> Result<()> {
     ensure!(k_cache.len() == shape.len() && v_cache.len() == shape.len(), "attention: caches ({}, {}) vs shape {shape:?}", k_cache.len(), v_cache.len());
-    let cache = CacheRef { kv: KV::NAME, k: k_cache.ptr(), v: v_cache.ptr(), row_bytes: shape.d_head * size_of::<KV>() };
+    let row_bytes = shape.d_head * size_of::<KV>();
+    let cache = CacheRef { kv: KV::NAME, k: k_cache.ptr(), v: v_cache.ptr(), k_row_bytes: row_bytes, v_row_bytes: row_bytes, rot: 0, book: 0 };
     attention_launch::<O>(dev, kernel, q, cache, shape, out, p)
 }
 
-/// The same attention over an fp8 cache (rows of `fp8_row_bytes(d_head)` as
-/// `kv_encode_fp8` writes them), with kernel v2: its K/V tile loads decode
-/// `e4m3_value(code) * scale` and round to bf16 in shared memory.
-/// k_cache, v_cache: `shape.fp8_bytes()` bytes each.
-pub fn attention_fp8<O: OutElem>(
+/// The same attention over a cache of a quantized format (K rows of
+/// `format.k()`, V rows of `format.v()`, as `kv_encode` writes them), with
+/// kernel v2 `attn_flash_d<D>_<format>_<out>`: its K/V tile loads decode each
+/// element as src/kv decodes it and round it to bf16; a rotated K is met by
+/// rotating q in the kernel, a rotated V by rotating the output back.
+/// k_cache, v_cache: `shape.coded_bytes(format.k())` / `(format.v())` bytes;
+/// `book`: the codebook, for vq2.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_coded<O: OutElem>(
     dev: &CudaDevice,
+    format: KvFormat,
     q: DevView<f32>,
     k_cache: DevView<u8>,
     v_cache: DevView<u8>,
     shape: KvShape,
     out: DevViewMut<O>,
     p: &AttnParams,
+    book: Option<&VqBook>,
 ) -> Result<()> {
-    let need = shape.fp8_bytes();
-    ensure!(k_cache.len() == need && v_cache.len() == need, "attention fp8: caches of ({}, {}) bytes, shape {shape:?} needs {need}", k_cache.len(), v_cache.len());
-    KvFormat::Fp8.k().check_len(shape.d_head).context("attention fp8")?;
-    let cache = CacheRef { kv: "fp8", k: k_cache.ptr(), v: v_cache.ptr(), row_bytes: fp8_row_bytes(shape.d_head) };
+    let (kc, vc) = (format.k(), format.v());
+    ensure!(format.is_quantized(), "attention {format}: not a quantized format (bf16 and f32 caches run ops::attention)");
+    let (nk, nv) = (shape.coded_bytes(kc), shape.coded_bytes(vc));
+    ensure!(
+        k_cache.len() == nk && v_cache.len() == nv,
+        "attention {format}: caches of ({}, {}) bytes, shape {shape:?} needs ({nk}, {nv})",
+        k_cache.len(),
+        v_cache.len()
+    );
+    format.check_dims(shape.d_head, shape.d_head).with_context(|| format!("attention {format}"))?;
+    let uses_book = kc.elem == ElemCodec::Vq2 || vc.elem == ElemCodec::Vq2;
+    let book = if uses_book { book_ptr(ElemCodec::Vq2, book, "attention")? } else { 0 };
+    let cache = CacheRef {
+        kv: format.name(),
+        k: k_cache.ptr(),
+        v: v_cache.ptr(),
+        k_row_bytes: kc.row_bytes(shape.d_head),
+        v_row_bytes: vc.row_bytes(shape.d_head),
+        rot: i32::from(kc.rotate) | (i32::from(vc.rotate) << 1),
+        book,
+    };
     attention_launch::<O>(dev, AttnKernel::V2, q, cache, shape, out, p)
 }
 
 /// One layer's K and V caches as a kernel sees them (lengths checked by the caller).
 struct CacheRef {
-    /// Kernel-name suffix of the cache type: bf16, f32, fp8.
+    /// Kernel-name suffix of the cache type: bf16, f32, or a quantized format's name.
     kv: &'static str,
     k: u64,
     v: u64,
     /// Bytes between rows.
-    row_bytes: usize,
+    k_row_bytes: usize,
+    v_row_bytes: usize,
+    /// AttnArgs::rot.
+    rot: i32,
+    /// The vq2 codebook, or 0.
+    book: u64,
 }
 
 fn attention_launch<O: OutElem>(
@@ -1106,18 +1196,25 @@ fn attention_launch<O: OutElem>(
     }
     let (name, smem, block_q) = match kernel {
         AttnKernel::V1 => {
-            ensure!(cache.kv != "fp8", "attention kernel v1 reads bf16 or f32 caches; an fp8 cache runs kernel v2");
-            (format!("attn_prefill_d{d}_{}_{}", cache.kv, O::NAME), attn_smem_bytes(d, cache.row_bytes / d), 16u32)
+            ensure!(
+                matches!(cache.kv, "bf16" | "f32"),
+                "attention kernel v1 reads bf16 or f32 caches; a {} cache runs kernel v2",
+                cache.kv
+            );
+            (format!("attn_prefill_d{d}_{}_{}", cache.kv, O::NAME), attn_smem_bytes(d, cache.k_row_bytes / d), 16u32)
         }
         AttnKernel::V2 => {
             ensure!(
                 cache.kv != "f32",
-                "attention kernel v2 (tensor cores) reads a bf16 or fp8 cache; a {} cache runs kernel v1",
+                "attention kernel v2 (tensor cores) reads a bf16 or quantized cache; a {} cache runs kernel v1",
                 cache.kv
             );
             // float4 loads of q, 16-byte loads of cache rows, paired stores of out.
             ensure!(q.ptr() % 16 == 0 && p.q_stride % 4 == 0, "attention v2: q must be 16-byte aligned with a stride that is a multiple of 4");
-            ensure!(cache.k % 16 == 0 && cache.v % 16 == 0 && cache.row_bytes % 16 == 0, "attention v2: the caches must be 16-byte aligned");
+            ensure!(
+                cache.k % 16 == 0 && cache.v % 16 == 0 && cache.k_row_bytes % 16 == 0 && cache.v_row_bytes % 16 == 0,
+                "attention v2: the caches must be 16-byte aligned"
+            );
             ensure!(out.ptr() % 8 == 0 && p.out_stride % 2 == 0, "attention v2: out must be 8-byte aligned with an even stride");
             (format!("attn_flash_d{d}_{}_{}", cache.kv, O::NAME), attn_flash_smem_bytes(d), attn_flash_tiles(d).0 as u32)
         }
@@ -1156,8 +1253,11 @@ fn attention_launch<O: OutElem>(
         softcap: p.softcap,
         q_stride: qs,
         out_stride: os,
-        kv_row_bytes: i32_of(cache.row_bytes, "kv_row_bytes")?,
+        k_row_bytes: i32_of(cache.k_row_bytes, "k_row_bytes")?,
+        v_row_bytes: i32_of(cache.v_row_bytes, "v_row_bytes")?,
+        rot: cache.rot,
         pad_: 0,
+        book: cache.book,
     };
     match kernel {
         AttnKernel::V1 => {
