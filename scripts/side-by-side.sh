@@ -265,12 +265,12 @@ ours() {
 }
 
 llama() {
-    # llama real: both real models; llama twins: both 8B twins (c=512 and c=4096 each).
+    # llama real: the real models; llama twins: the 8B twins (c=512 and c=4096 each).
     local p="bash /tmp/peers/bin/peers.sh" m c
     local -a models
     case "${1:-}" in
     real) models=("${MODELS[@]}") ;;
-    twins) models=("$(twin Q4_0)" "$(twin Q8_0)") ;;
+    twins) for m in "${TWIN_FORMATS[@]}"; do models+=("$(twin "$m")"); done ;;
     *) die "usage: side-by-side.sh llama real|twins" ;;
     esac
     for m in "${models[@]}"; do

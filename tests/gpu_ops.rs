@@ -530,7 +530,14 @@ fn matmul_add_residual_in_the_epilogue() {
     let Some(dev) = device() else { return };
     let mut rng = rng_for("matmul_add");
     // (m, n, k): wgmma shapes on sm_90a (partial tiles, K % 64 = 32), then an mma.sync one (m < 128).
-    for (format, m, n, k) in [(TensorFormat::Q4_0, 300, 576, 1536), (TensorFormat::Q4K, 257, 520, 1056), (TensorFormat::Bf16, 130, 256, 512), (TensorFormat::Q8_0, 70, 200, 512)] {
+    // K-quants need K % 256 == 0; K % 64 = 32 on a 32-element block format.
+    for (format, m, n, k) in [
+        (TensorFormat::Q4_0, 300, 576, 1536),
+        (TensorFormat::Q8_0, 257, 520, 1056),
+        (TensorFormat::Q4K, 200, 384, 1024),
+        (TensorFormat::Bf16, 130, 256, 512),
+        (TensorFormat::Q8_0, 70, 200, 512),
+    ] {
         let bytes = twin::random_matrix(format, n, k, &mut rng);
         let w = QuantMatrix::upload(dev, format, n, k, &bytes).unwrap();
         let wb: Vec<f32> = twin::dequant_matrix(format, &bytes, n, k).iter().map(|&v| twin::round_bf16(v)).collect();
@@ -570,7 +577,8 @@ fn matmul_gated_ffn_every_activation() {
     }
     for (format, act, m, n, k) in [
         (TensorFormat::Q4_0, Activation::Silu, 300, 1000, 576),
-        (TensorFormat::Q4K, Activation::GeluTanh, 257, 640, 1056),
+        (TensorFormat::Q8_0, Activation::GeluTanh, 257, 640, 1056),
+        (TensorFormat::Q4K, Activation::Silu, 200, 384, 1024),
         (TensorFormat::Bf16, Activation::Silu, 128, 256, 512),
         (TensorFormat::Q8_0, Activation::GeluTanh, 70, 200, 512), // below the wgmma M: mma.sync
     ] {
@@ -606,6 +614,76 @@ fn matmul_gated_ffn_every_activation() {
         println!("GATED {act:?} {kernel} {}: {n_diff} of {} outputs differ from matmul x2 + gated_bf16", format.name(), m * n);
         assert!(ops::matmul_gated_bf16(dev, act, xbd.view(), m, &wg, &wu, out.slice_mut(0..n).unwrap()).is_err(), "a short out is an error");
     }
+}
+
+/// The fused default-route ops against their unfused sequences on the 8B shapes
+/// (M = 8192 rows, Q4_0 weights, sm_90a): the residual add in the GEMM epilogue
+/// (o: 4096 x 4096, down: 4096 x 14336) against matmul then add_f32, and the
+/// gated GEMM (gate and up 14336 x 4096) against two matmuls then
+/// gated_silu_bf16. Wall time over 10 launches after a warm-up, synchronized;
+/// `FUSION` lines. Asserts the outputs finite; the times are for the record.
+#[test]
+fn fusion_timing_report() {
+    let Some(dev) = device() else { return };
+    if !dev.has_function(ops::GEMM_WGMMA_KERNEL) {
+        return;
+    }
+    let mut rng = rng_for("fusion_timing");
+    let m = 8192;
+    let time = |f: &mut dyn FnMut()| -> f64 {
+        f();
+        dev.synchronize().unwrap();
+        let t0 = std::time::Instant::now();
+        for _ in 0..10 {
+            f();
+        }
+        dev.synchronize().unwrap();
+        t0.elapsed().as_secs_f64() / 10.0
+    };
+    for (name, n, k) in [("o", 4096, 4096), ("down", 4096, 14336)] {
+        let w = QuantMatrix::upload(dev, TensorFormat::Q4_0, n, k, &twin::random_matrix(TensorFormat::Q4_0, n, k, &mut rng)).unwrap();
+        let xbd = upload_bf16(dev, &randn(&mut rng, m * k, 1.0));
+        let mut y = dev.upload(&randn(&mut rng, m * n, 1.0)).unwrap();
+        let mut t = dev.alloc_zeros::<f32>(m * n).unwrap();
+        let fused = time(&mut || ops::matmul_add_bf16(dev, xbd.view(), m, &w, y.view_mut()).unwrap());
+        let plain = time(&mut || {
+            ops::matmul(dev, xbd.view(), m, &w, t.view_mut(), n).unwrap();
+            ops::add_inplace(dev, y.view_mut(), t.view()).unwrap();
+        });
+        let gemm = time(&mut || ops::matmul(dev, xbd.view(), m, &w, t.view_mut(), n).unwrap());
+        let flop = 2.0 * (m * n * k) as f64;
+        println!(
+            "FUSION residual {name} {m}x{n}x{k} Q4_0: matmul_add {:.3} ms ({:.0} TFLOP/s), matmul + add_f32 {:.3} ms, matmul alone {:.3} ms ({:.0} TFLOP/s)",
+            fused * 1e3,
+            flop / fused / 1e12,
+            plain * 1e3,
+            gemm * 1e3,
+            flop / gemm / 1e12
+        );
+        assert!(dev.download_range(&y, 0..1024).unwrap().iter().all(|v| v.is_finite()), "non-finite output");
+    }
+    let (n, k) = (14336, 4096);
+    let wg = QuantMatrix::upload(dev, TensorFormat::Q4_0, n, k, &twin::random_matrix(TensorFormat::Q4_0, n, k, &mut rng)).unwrap();
+    let wu = QuantMatrix::upload(dev, TensorFormat::Q4_0, n, k, &twin::random_matrix(TensorFormat::Q4_0, n, k, &mut rng)).unwrap();
+    let xbd = upload_bf16(dev, &randn(&mut rng, m * k, 1.0));
+    let mut out = dev.alloc_zeros::<bf16>(m * n).unwrap();
+    let (mut g, mut u) = (dev.alloc_zeros::<f32>(m * n).unwrap(), dev.alloc_zeros::<f32>(m * n).unwrap());
+    let fused = time(&mut || ops::matmul_gated_bf16(dev, Activation::Silu, xbd.view(), m, &wg, &wu, out.view_mut()).unwrap());
+    let plain = time(&mut || {
+        ops::matmul(dev, xbd.view(), m, &wg, g.view_mut(), n).unwrap();
+        ops::matmul(dev, xbd.view(), m, &wu, u.view_mut(), n).unwrap();
+        ops::gated(dev, Activation::Silu, g.view(), Rows::contiguous(m, n), u.view(), n, out.view_mut(), n).unwrap();
+    });
+    let flop = 4.0 * (m * n * k) as f64;
+    println!(
+        "FUSION gated gate/up {m}x{n}x{k} x2 Q4_0: matmul_gated {:.3} ms ({:.0} TFLOP/s), matmul x2 + gated_silu_bf16 {:.3} ms ({:.0} TFLOP/s)",
+        fused * 1e3,
+        flop / fused / 1e12,
+        plain * 1e3,
+        flop / plain / 1e12
+    );
+    let sample = bf16_to_f32(&dev.download_range(&out, 0..1024).unwrap());
+    assert!(sample.iter().all(|v| v.is_finite()), "non-finite gated output");
 }
 
 /// dequant_bf16_<fmt> (the wgmma route's weight scratch) is bit-exact: the CPU

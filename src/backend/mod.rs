@@ -244,14 +244,6 @@ pub trait Backend {
     /// `x (n, n_in) · wᵀ` -> `(n, n_out)`.
     fn matmul(&self, x: &Self::Act, w: &Self::Matrix) -> Result<Self::Act>;
 
-    /// In place, `x += h · wᵀ`: `h (n, n_in)`, `x (n, n_out)`; the numbers of
-    /// [`matmul`](Self::matmul) then [`add_assign`](Self::add_assign), which is
-    /// the default body (the CUDA backend adds in the matmul's epilogue).
-    fn matmul_add(&self, x: &mut Self::Act, h: &Self::Act, w: &Self::Matrix) -> Result<()> {
-        let y = self.matmul(h, w)?;
-        self.add_assign(x, &y)
-    }
-
     /// In place, `x[i, j] += b[j]`.
     fn add_bias(&self, x: &mut Self::Act, b: &Self::Vector) -> Result<()>;
 

@@ -404,26 +404,22 @@ impl<B: Backend> Transformer<B> {
             b.rope(&mut k, hp.n_kv_heads, hp.d_head, rows, &layer.rope).with_context(fail)?;
             // (n, n_heads * d_head_v)
             let a = b.attention(cache, l, &q, &k, &v, rows, &layer.attn).with_context(fail)?;
-            // (n, d_model); the residual add fused into the matmul where no post norm comes between.
-            match &layer.post_norms {
-                Some([post_attn, _]) => {
-                    let o = b.matmul(&a, &layer.wo).with_context(fail)?;
-                    b.add_assign(&mut x, &b.rms_norm(&o, post_attn, hp.rms_eps)?)?;
-                }
-                None => b.matmul_add(&mut x, &a, &layer.wo).with_context(fail)?,
+            // (n, d_model)
+            let mut o = b.matmul(&a, &layer.wo).with_context(fail)?;
+            if let Some([post_attn, _]) = &layer.post_norms {
+                o = b.rms_norm(&o, post_attn, hp.rms_eps)?;
             }
+            b.add_assign(&mut x, &o)?;
 
             let h = b.rms_norm(&x, &layer.ffn_norm, hp.rms_eps).with_context(fail)?;
             // (n, d_ffn)
             let g = b.gated_ffn(&h, &layer.gate, &layer.up, hp.activation).with_context(fail)?;
             // (n, d_model)
-            match &layer.post_norms {
-                Some([_, post_ffn]) => {
-                    let f = b.matmul(&g, &layer.down).with_context(fail)?;
-                    b.add_assign(&mut x, &b.rms_norm(&f, post_ffn, hp.rms_eps)?)?;
-                }
-                None => b.matmul_add(&mut x, &g, &layer.down).with_context(fail)?,
+            let mut f = b.matmul(&g, &layer.down).with_context(fail)?;
+            if let Some([_, post_ffn]) = &layer.post_norms {
+                f = b.rms_norm(&f, post_ffn, hp.rms_eps)?;
             }
+            b.add_assign(&mut x, &f)?;
         }
         Ok(x)
     }

@@ -35,8 +35,12 @@
 //! feeds matmuls is held as its bf16 rounding ([`CudaAct`]): attention writes its
 //! output in bf16, the gated product too, and RMSNorm writes f32 and bf16 in one
 //! pass, so no matmul casts its input (the route rounds every matmul input to
-//! bf16 anyway: no number changes). A residual add after a matmul runs in the
-//! matmul's epilogue ([`Backend::matmul_add`]). The LM head
+//! bf16 anyway: no number changes). The gated FFN's gate and up products run as
+//! one GEMM with the activation in its epilogue ([`Backend::gated_ffn`]). The
+//! residual add after a matmul stays a separate `add_f32`: the GEMM-epilogue add
+//! (`ops::matmul_add_bf16`) measured 5-11 %
+//! slower than the GEMM then the add on the 8B shapes (gpu_ops
+//! `fusion_timing_report`, docs/performance.md). The LM head
 //! multiplies the final-normed rows with the head like any matmul of the
 //! route (bf16 on the tensor cores, or f32 FFMA) into f32 logits, reduced on
 //! the GPU with an f64 sum of exponentials. Weights stay in their stored block format
@@ -446,146 +450,112 @@ impl Backend for CudaBackend {
     }
 
     fn embed(&self, table: &CudaMatrix, tokens: &[u32], scale: f64) -> Result<CudaAct> {
-        self.prof.time(&self.dev, "embed", || {
-            let n_vocab = table.q.n_rows;
-            let ids: Vec<i32> = tokens
-                .iter()
-                .map(|&t| {
-                    ensure!((t as usize) < n_vocab, "embed: token {t} is outside the vocabulary of {n_vocab}");
-                    Ok(t as i32)
-                })
-                .collect::<Result<_>>()?;
-            let mut out = self.new_act(tokens.len(), table.q.n_cols)?;
-            if tokens.is_empty() {
-                return Ok(out);
-            }
-            let ids = self.dev.upload(&ids)?;
-            ops::embed(&self.dev, ids.view(), &table.q, out.f32_mut("embed")?.view_mut(), scale as f32)
-                .with_context(|| format!("embed {}", table.name))?;
-            Ok(out)
-        })
+        let _prof = self.prof.scope(&self.dev, "embed")?;
+        let n_vocab = table.q.n_rows;
+        let ids: Vec<i32> = tokens
+            .iter()
+            .map(|&t| {
+                ensure!((t as usize) < n_vocab, "embed: token {t} is outside the vocabulary of {n_vocab}");
+                Ok(t as i32)
+            })
+            .collect::<Result<_>>()?;
+        let mut out = self.new_act(tokens.len(), table.q.n_cols)?;
+        if tokens.is_empty() {
+            return Ok(out);
+        }
+        let ids = self.dev.upload(&ids)?;
+        ops::embed(&self.dev, ids.view(), &table.q, out.f32_mut("embed")?.view_mut(), scale as f32)
+            .with_context(|| format!("embed {}", table.name))?;
+        Ok(out)
     }
 
     fn rms_norm(&self, x: &CudaAct, w: &DeviceBuffer<f32>, eps: f64) -> Result<CudaAct> {
-        self.prof.time(&self.dev, "rms_norm", || {
-            ensure!(w.len() == x.n_cols, "rms_norm: weight has {} elements, rows have {}", w.len(), x.n_cols);
-            let mut out = self.new_act(x.n_rows, x.n_cols)?;
-            let rows = Rows::contiguous(x.n_rows, x.n_cols);
-            let xf = x.f32("rms_norm")?.view();
-            if self.bf16_matmul_inputs() {
-                // f32 for a residual add after a post norm, bf16 for the matmuls (one pass).
-                let mut ob = self.dev.alloc_uninit::<bf16>(x.n_rows * x.n_cols)?;
-                ops::rmsnorm_dual(&self.dev, xf, rows, w.view(), out.f32_mut("rms_norm")?.view_mut(), ob.view_mut(), eps as f32)?;
-                out.bf16 = Some(ob);
-            } else {
-                ops::rmsnorm::<f32>(&self.dev, xf, rows, w.view(), out.f32_mut("rms_norm")?.view_mut(), x.n_cols, eps as f32)?;
-            }
-            Ok(out)
-        })
+        let _prof = self.prof.scope(&self.dev, "rms_norm")?;
+        ensure!(w.len() == x.n_cols, "rms_norm: weight has {} elements, rows have {}", w.len(), x.n_cols);
+        let mut out = self.new_act(x.n_rows, x.n_cols)?;
+        let rows = Rows::contiguous(x.n_rows, x.n_cols);
+        let xf = x.f32("rms_norm")?.view();
+        if self.bf16_matmul_inputs() {
+            // f32 for a residual add after a post norm, bf16 for the matmuls (one pass).
+            let mut ob = self.dev.alloc_uninit::<bf16>(x.n_rows * x.n_cols)?;
+            ops::rmsnorm_dual(&self.dev, xf, rows, w.view(), out.f32_mut("rms_norm")?.view_mut(), ob.view_mut(), eps as f32)?;
+            out.bf16 = Some(ob);
+        } else {
+            ops::rmsnorm::<f32>(&self.dev, xf, rows, w.view(), out.f32_mut("rms_norm")?.view_mut(), x.n_cols, eps as f32)?;
+        }
+        Ok(out)
     }
 
     fn rms_norm_heads(&self, x: &mut CudaAct, w: &DeviceBuffer<f32>, d_head: usize, eps: f64) -> Result<()> {
-        self.prof.time(&self.dev, "rms_norm", || {
-            ensure!(w.len() == d_head, "rms_norm_heads: weight has {} elements, d_head is {d_head}", w.len());
-            ensure!(d_head > 0 && x.n_cols % d_head == 0, "rms_norm_heads: rows of {} are not whole heads of {d_head}", x.n_cols);
-            let rows = Rows::contiguous(x.n_rows * (x.n_cols / d_head), d_head);
-            ops::rmsnorm_inplace(&self.dev, x.f32_mut("rms_norm_heads")?.view_mut(), rows, w.view(), eps as f32)
-        })
+        let _prof = self.prof.scope(&self.dev, "rms_norm")?;
+        ensure!(w.len() == d_head, "rms_norm_heads: weight has {} elements, d_head is {d_head}", w.len());
+        ensure!(d_head > 0 && x.n_cols % d_head == 0, "rms_norm_heads: rows of {} are not whole heads of {d_head}", x.n_cols);
+        let rows = Rows::contiguous(x.n_rows * (x.n_cols / d_head), d_head);
+        ops::rmsnorm_inplace(&self.dev, x.f32_mut("rms_norm_heads")?.view_mut(), rows, w.view(), eps as f32)
     }
 
     fn matmul(&self, x: &CudaAct, w: &CudaMatrix) -> Result<CudaAct> {
-        self.prof.time(&self.dev, "matmul", || {
-            ensure!(
-                x.n_cols == w.q.n_cols,
-                "matmul {}: x has {} columns, the weight takes {}",
-                w.name,
-                x.n_cols,
-                w.q.n_cols
-            );
-            let mut y = self.new_act(x.n_rows, w.q.n_rows)?;
-            let ldy = y.n_cols;
-            let mut run = || -> Result<()> {
-                let yv = y.f32_mut("matmul")?.view_mut();
-                match self.route {
-                    Route::Bf16TensorCore => {
-                        let mut tmp = None;
-                        let xb = self.bf16_input(x, &mut tmp)?;
-                        ops::matmul::<bf16>(&self.dev, xb, x.n_rows, &w.q, yv, ldy)
-                    }
-                    Route::Fp32 => ops::matmul::<f32>(&self.dev, x.f32("matmul")?.view(), x.n_rows, &w.q, yv, ldy),
-                }
-            };
-            run().with_context(|| format!("matmul {}", w.name))?;
-            Ok(y)
-        })
-    }
-
-    fn matmul_add(&self, x: &mut CudaAct, h: &CudaAct, w: &CudaMatrix) -> Result<()> {
-        self.prof.time(&self.dev, "matmul_add", || {
-            ensure!(
-                h.n_cols == w.q.n_cols && x.n_rows == h.n_rows && x.n_cols == w.q.n_rows,
-                "matmul_add {}: h is {} x {}, the weight {} x {}, x {} x {}",
-                w.name,
-                h.n_rows,
-                h.n_cols,
-                w.q.n_rows,
-                w.q.n_cols,
-                x.n_rows,
-                x.n_cols
-            );
+        let _prof = self.prof.scope(&self.dev, "matmul")?;
+        ensure!(
+            x.n_cols == w.q.n_cols,
+            "matmul {}: x has {} columns, the weight takes {}",
+            w.name,
+            x.n_cols,
+            w.q.n_cols
+        );
+        let mut y = self.new_act(x.n_rows, w.q.n_rows)?;
+        let ldy = y.n_cols;
+        let mut run = || -> Result<()> {
+            let yv = y.f32_mut("matmul")?.view_mut();
             match self.route {
                 Route::Bf16TensorCore => {
                     let mut tmp = None;
-                    let hb = self.bf16_input(h, &mut tmp)?;
-                    let xv = x.f32_mut("matmul_add")?.view_mut();
-                    ops::matmul_add_bf16(&self.dev, hb, h.n_rows, &w.q, xv).with_context(|| format!("matmul_add {}", w.name))
+                    let xb = self.bf16_input(x, &mut tmp)?;
+                    ops::matmul::<bf16>(&self.dev, xb, x.n_rows, &w.q, yv, ldy)
                 }
-                Route::Fp32 => {
-                    let y = self.matmul(h, w)?;
-                    self.add_assign(x, &y)
-                }
+                Route::Fp32 => ops::matmul::<f32>(&self.dev, x.f32("matmul")?.view(), x.n_rows, &w.q, yv, ldy),
             }
-        })
+        };
+        run().with_context(|| format!("matmul {}", w.name))?;
+        Ok(y)
     }
 
     fn add_bias(&self, x: &mut CudaAct, b: &DeviceBuffer<f32>) -> Result<()> {
-        self.prof.time(&self.dev, "elementwise", || {
-            ensure!(b.len() == x.n_cols, "add_bias: bias has {} elements, rows have {}", b.len(), x.n_cols);
-            ops::add_bias(&self.dev, x.f32_mut("add_bias")?.view_mut(), b.view())
-        })
+        let _prof = self.prof.scope(&self.dev, "elementwise")?;
+        ensure!(b.len() == x.n_cols, "add_bias: bias has {} elements, rows have {}", b.len(), x.n_cols);
+        ops::add_bias(&self.dev, x.f32_mut("add_bias")?.view_mut(), b.view())
     }
 
     fn rope(&self, x: &mut CudaAct, n_heads: usize, d_head: usize, rows: PassRows, p: &RopeParams) -> Result<()> {
-        self.prof.time(&self.dev, "rope", || {
-            ensure!(
-                x.n_cols == n_heads * d_head,
-                "rope: rows have {} columns, expected {n_heads} heads x {d_head}",
-                x.n_cols
-            );
-            ensure!(p.rope_dim % 2 == 0 && p.rope_dim <= d_head, "rope: rope_dim {} is odd or exceeds d_head {d_head}", p.rope_dim);
-            ensure!(p.scale > 0.0, "rope: scale {} is not positive", p.scale);
-            ensure!(x.n_rows == rows.n_rows(), "rope: {} rows for a pass of {rows:?}", x.n_rows);
-            if p.rope_dim == 0 || x.n_rows == 0 {
-                return Ok(());
-            }
-            let params = ops::RopeParams {
-                n_heads,
-                d_head,
-                n_rot: p.rope_dim,
-                mode: match p.style {
-                    RopeStyle::Normal => ops::RopeMode::Normal,
-                    RopeStyle::Neox => ops::RopeMode::Neox,
-                },
-                freq_base: p.base,
-                // The seam divides the position by `scale`; the kernel multiplies by freq_scale.
-                freq_scale: 1.0 / p.scale,
-                yarn: p.yarn,
-            };
-            let n_cols = x.n_cols;
-            let n_rows = x.n_rows;
-            let xv = x.f32_mut("rope")?.view_mut();
-            self.with_positions(rows.pos0, rows.n_tokens, |pos| ops::rope(&self.dev, xv, n_cols, n_rows, pos, &params))
-        })
+        let _prof = self.prof.scope(&self.dev, "rope")?;
+        ensure!(
+            x.n_cols == n_heads * d_head,
+            "rope: rows have {} columns, expected {n_heads} heads x {d_head}",
+            x.n_cols
+        );
+        ensure!(p.rope_dim % 2 == 0 && p.rope_dim <= d_head, "rope: rope_dim {} is odd or exceeds d_head {d_head}", p.rope_dim);
+        ensure!(p.scale > 0.0, "rope: scale {} is not positive", p.scale);
+        ensure!(x.n_rows == rows.n_rows(), "rope: {} rows for a pass of {rows:?}", x.n_rows);
+        if p.rope_dim == 0 || x.n_rows == 0 {
+            return Ok(());
+        }
+        let params = ops::RopeParams {
+            n_heads,
+            d_head,
+            n_rot: p.rope_dim,
+            mode: match p.style {
+                RopeStyle::Normal => ops::RopeMode::Normal,
+                RopeStyle::Neox => ops::RopeMode::Neox,
+            },
+            freq_base: p.base,
+            // The seam divides the position by `scale`; the kernel multiplies by freq_scale.
+            freq_scale: 1.0 / p.scale,
+            yarn: p.yarn,
+        };
+        let n_cols = x.n_cols;
+        let n_rows = x.n_rows;
+        let xv = x.f32_mut("rope")?.view_mut();
+        self.with_positions(rows.pos0, rows.n_tokens, |pos| ops::rope(&self.dev, xv, n_cols, n_rows, pos, &params))
     }
 
     fn attention(
@@ -598,240 +568,235 @@ impl Backend for CudaBackend {
         rows: PassRows,
         p: &AttnParams,
     ) -> Result<CudaAct> {
-        self.prof.time(&self.dev, "attention", || {
-            let g = cache.geometry;
-            let (n, pos0) = (rows.n_rows(), rows.pos0);
-            ensure!(layer < g.n_layers, "attention: layer {layer} of a cache for {}", g.n_layers);
-            ensure!(rows.n_seqs <= g.n_seqs, "attention: {} windows in a pass, the KV cache has {} slots", rows.n_seqs, g.n_seqs);
-            ensure!(
-                pos0 + rows.n_tokens <= g.max_pos,
-                "attention: positions {pos0}..{} exceed the KV cache's {}",
-                pos0 + rows.n_tokens,
-                g.max_pos
-            );
-            ensure!(
-                q.n_rows == n && k.n_rows == n && v.n_rows == n,
-                "attention: q, k, v have {}, {}, {} rows for a pass of {rows:?}",
-                q.n_rows,
-                k.n_rows,
-                v.n_rows
-            );
-            ensure!(
-                p.d_head == p.d_head_v && p.d_head == g.d_head && p.n_kv_heads == g.n_kv_heads,
-                "attention on CUDA: d_head {} / d_head_v {} / {} KV heads do not match the cache ({} / {} / {}); \
-                 d_head_v != d_head is not supported by the kernels",
-                p.d_head,
-                p.d_head_v,
-                p.n_kv_heads,
-                g.d_head,
-                g.d_head_v,
-                g.n_kv_heads
-            );
-            let kv_cols = g.n_kv_heads * g.d_head;
-            ensure!(
-                k.n_cols == kv_cols && v.n_cols == kv_cols && q.n_cols == p.n_heads * p.d_head,
-                "attention: k has {} columns, v {} (cache {kv_cols}), q {} ({} heads x {})",
-                k.n_cols,
-                v.n_cols,
-                q.n_cols,
-                p.n_heads,
-                p.d_head
-            );
-            let shape = ops::KvShape { n_seqs: g.n_seqs, n_kv_heads: g.n_kv_heads, n_ctx: g.max_pos, d_head: g.d_head };
-            let width = p.n_heads * p.d_head;
-            let params = ops::AttnParams {
-                n_seqs: rows.n_seqs,
-                n_tokens: rows.n_tokens,
-                n_heads: p.n_heads,
-                pos0,
-                window: p.window.unwrap_or(0),
-                scale: p.scale as f32,
-                softcap: p.softcap.unwrap_or(0.0) as f32,
-                q_stride: width,
-                out_stride: width,
-            };
-            ensure!(p.window != Some(0), "attention: a sliding window of 0 positions");
-            // The default route's output feeds only the output projection: bf16, as that matmul rounds it
-            // (where the cache's attention kernel has a bf16 output: bf16, f32 and fp8 caches).
-            let bf16_out = self.bf16_matmul_inputs() && matches!(self.kv_dtype, KvFormat::Bf16 | KvFormat::F32 | KvFormat::Fp8);
-            let mut out = if bf16_out { self.new_act_bf16(n, width)? } else { self.new_act(n, width)? };
-            if n == 0 {
-                return Ok(out);
-            }
-            match (&mut out.f32, &mut out.bf16) {
-                (Some(o), _) => self.store_and_attend(cache, layer, shape, q, k, v, o, &params)?,
-                (None, Some(o)) => self.store_and_attend(cache, layer, shape, q, k, v, o, &params)?,
-                (None, None) => bail!("attention: output buffer missing"),
-            }
-            Ok(out)
-        })
+        let _prof = self.prof.scope(&self.dev, "attention")?;
+        let g = cache.geometry;
+        let (n, pos0) = (rows.n_rows(), rows.pos0);
+        ensure!(layer < g.n_layers, "attention: layer {layer} of a cache for {}", g.n_layers);
+        ensure!(rows.n_seqs <= g.n_seqs, "attention: {} windows in a pass, the KV cache has {} slots", rows.n_seqs, g.n_seqs);
+        ensure!(
+            pos0 + rows.n_tokens <= g.max_pos,
+            "attention: positions {pos0}..{} exceed the KV cache's {}",
+            pos0 + rows.n_tokens,
+            g.max_pos
+        );
+        ensure!(
+            q.n_rows == n && k.n_rows == n && v.n_rows == n,
+            "attention: q, k, v have {}, {}, {} rows for a pass of {rows:?}",
+            q.n_rows,
+            k.n_rows,
+            v.n_rows
+        );
+        ensure!(
+            p.d_head == p.d_head_v && p.d_head == g.d_head && p.n_kv_heads == g.n_kv_heads,
+            "attention on CUDA: d_head {} / d_head_v {} / {} KV heads do not match the cache ({} / {} / {}); \
+             d_head_v != d_head is not supported by the kernels",
+            p.d_head,
+            p.d_head_v,
+            p.n_kv_heads,
+            g.d_head,
+            g.d_head_v,
+            g.n_kv_heads
+        );
+        let kv_cols = g.n_kv_heads * g.d_head;
+        ensure!(
+            k.n_cols == kv_cols && v.n_cols == kv_cols && q.n_cols == p.n_heads * p.d_head,
+            "attention: k has {} columns, v {} (cache {kv_cols}), q {} ({} heads x {})",
+            k.n_cols,
+            v.n_cols,
+            q.n_cols,
+            p.n_heads,
+            p.d_head
+        );
+        let shape = ops::KvShape { n_seqs: g.n_seqs, n_kv_heads: g.n_kv_heads, n_ctx: g.max_pos, d_head: g.d_head };
+        let width = p.n_heads * p.d_head;
+        let params = ops::AttnParams {
+            n_seqs: rows.n_seqs,
+            n_tokens: rows.n_tokens,
+            n_heads: p.n_heads,
+            pos0,
+            window: p.window.unwrap_or(0),
+            scale: p.scale as f32,
+            softcap: p.softcap.unwrap_or(0.0) as f32,
+            q_stride: width,
+            out_stride: width,
+        };
+        ensure!(p.window != Some(0), "attention: a sliding window of 0 positions");
+        // The default route's output feeds only the output projection: bf16, as that matmul rounds it
+        // (where the cache's attention kernel has a bf16 output: bf16, f32 and fp8 caches).
+        let bf16_out = self.bf16_matmul_inputs() && matches!(self.kv_dtype, KvFormat::Bf16 | KvFormat::F32 | KvFormat::Fp8);
+        let mut out = if bf16_out { self.new_act_bf16(n, width)? } else { self.new_act(n, width)? };
+        if n == 0 {
+            return Ok(out);
+        }
+        match (&mut out.f32, &mut out.bf16) {
+            (Some(o), _) => self.store_and_attend(cache, layer, shape, q, k, v, o, &params)?,
+            (None, Some(o)) => self.store_and_attend(cache, layer, shape, q, k, v, o, &params)?,
+            (None, None) => bail!("attention: output buffer missing"),
+        }
+        Ok(out)
     }
 
     fn gated_act(&self, gate: &CudaAct, up: &CudaAct, act: Activation) -> Result<CudaAct> {
-        self.prof.time(&self.dev, "elementwise", || {
-            same_shape("gated_act", gate, up)?;
-            let a = ops_activation(act);
-            let (rows, c) = (Rows::contiguous(gate.n_rows, gate.n_cols), gate.n_cols);
-            let (g, u) = (gate.f32("gated_act")?.view(), up.f32("gated_act")?.view());
-            // The default route's product feeds only the down projection: bf16, as that matmul rounds it.
-            if self.bf16_matmul_inputs() {
-                let mut out = self.new_act_bf16(gate.n_rows, gate.n_cols)?;
-                let ov = out.bf16.as_mut().context("gated_act: bf16 output")?.view_mut();
-                ops::gated::<bf16>(&self.dev, a, g, rows, u, c, ov, c)?;
-                Ok(out)
-            } else {
-                let mut out = self.new_act(gate.n_rows, gate.n_cols)?;
-                ops::gated::<f32>(&self.dev, a, g, rows, u, c, out.f32_mut("gated_act")?.view_mut(), c)?;
-                Ok(out)
-            }
-        })
+        let _prof = self.prof.scope(&self.dev, "elementwise")?;
+        same_shape("gated_act", gate, up)?;
+        let a = ops_activation(act);
+        let (rows, c) = (Rows::contiguous(gate.n_rows, gate.n_cols), gate.n_cols);
+        let (g, u) = (gate.f32("gated_act")?.view(), up.f32("gated_act")?.view());
+        // The default route's product feeds only the down projection: bf16, as that matmul rounds it.
+        if self.bf16_matmul_inputs() {
+            let mut out = self.new_act_bf16(gate.n_rows, gate.n_cols)?;
+            let ov = out.bf16.as_mut().context("gated_act: bf16 output")?.view_mut();
+            ops::gated::<bf16>(&self.dev, a, g, rows, u, c, ov, c)?;
+            Ok(out)
+        } else {
+            let mut out = self.new_act(gate.n_rows, gate.n_cols)?;
+            ops::gated::<f32>(&self.dev, a, g, rows, u, c, out.f32_mut("gated_act")?.view_mut(), c)?;
+            Ok(out)
+        }
     }
 
     fn gated_ffn(&self, h: &CudaAct, gate: &CudaMatrix, up: &CudaMatrix, act: Activation) -> Result<CudaAct> {
-        self.prof.time(&self.dev, "gated_ffn", || {
-            ensure!(
-                h.n_cols == gate.q.n_cols && gate.q.n_rows == up.q.n_rows && gate.q.n_cols == up.q.n_cols,
-                "gated_ffn {} / {}: h has {} columns, gate is {} x {}, up {} x {}",
-                gate.name,
-                up.name,
-                h.n_cols,
-                gate.q.n_rows,
-                gate.q.n_cols,
-                up.q.n_rows,
-                up.q.n_cols
-            );
-            if !self.bf16_matmul_inputs() {
-                let g = self.matmul(h, gate)?;
-                let u = self.matmul(h, up)?;
-                return self.gated_act(&g, &u, act);
-            }
-            let a = ops_activation(act);
-            let mut tmp = None;
-            let hb = self.bf16_input(h, &mut tmp)?;
-            // bf16 out: it feeds only the down projection, which rounds it so.
-            let mut out = self.new_act_bf16(h.n_rows, gate.q.n_rows)?;
-            let ov = out.bf16.as_mut().context("gated_ffn: bf16 output")?.view_mut();
-            ops::matmul_gated_bf16(&self.dev, a, hb, h.n_rows, &gate.q, &up.q, ov)
-                .with_context(|| format!("gated_ffn {} / {}", gate.name, up.name))?;
-            Ok(out)
-        })
+        let _prof = self.prof.scope(&self.dev, "gated_ffn")?;
+        ensure!(
+            h.n_cols == gate.q.n_cols && gate.q.n_rows == up.q.n_rows && gate.q.n_cols == up.q.n_cols,
+            "gated_ffn {} / {}: h has {} columns, gate is {} x {}, up {} x {}",
+            gate.name,
+            up.name,
+            h.n_cols,
+            gate.q.n_rows,
+            gate.q.n_cols,
+            up.q.n_rows,
+            up.q.n_cols
+        );
+        if !self.bf16_matmul_inputs() {
+            let g = self.matmul(h, gate)?;
+            let u = self.matmul(h, up)?;
+            return self.gated_act(&g, &u, act);
+        }
+        let a = ops_activation(act);
+        let mut tmp = None;
+        let hb = self.bf16_input(h, &mut tmp)?;
+        // bf16 out: it feeds only the down projection, which rounds it so.
+        let mut out = self.new_act_bf16(h.n_rows, gate.q.n_rows)?;
+        let ov = out.bf16.as_mut().context("gated_ffn: bf16 output")?.view_mut();
+        ops::matmul_gated_bf16(&self.dev, a, hb, h.n_rows, &gate.q, &up.q, ov)
+            .with_context(|| format!("gated_ffn {} / {}", gate.name, up.name))?;
+        Ok(out)
     }
 
     fn add_assign(&self, x: &mut CudaAct, y: &CudaAct) -> Result<()> {
-        self.prof.time(&self.dev, "elementwise", || {
-            same_shape("add", x, y)?;
-            let yv = y.f32("add")?.view();
-            ops::add_inplace(&self.dev, x.f32_mut("add")?.view_mut(), yv)
-        })
+        let _prof = self.prof.scope(&self.dev, "elementwise")?;
+        same_shape("add", x, y)?;
+        let yv = y.f32("add")?.view();
+        ops::add_inplace(&self.dev, x.f32_mut("add")?.view_mut(), yv)
     }
 
     fn score_rows(&self, x: &CudaAct, rows: &[usize], head: &CudaMatrix, req: &HeadRequest) -> Result<Vec<RowScore>> {
-        self.prof.time(&self.dev, "lm_head", || {
-            let (d, n_vocab) = (x.n_cols, head.q.n_rows);
-            ensure!(d == head.q.n_cols, "score_rows: rows have {d} columns, the head {} takes {}", head.name, head.q.n_cols);
-            let n = rows.len();
-            check_request(n, n_vocab, req)?;
-            if let Some(&bad) = rows.iter().find(|&&r| r >= x.n_rows) {
-                bail!("score_rows: row {bad} of {}", x.n_rows);
-            }
-            if n == 0 {
-                return Ok(Vec::new());
-            }
-            let dev = &self.dev;
-            // (n, d): a sub-range when the rows are consecutive (the model's case), else gathered.
-            let consecutive = rows.windows(2).all(|w| w[1] == w[0] + 1);
-            let gathered;
-            let h: DevView<f32> = if consecutive {
-                x.f32("score_rows")?.slice(rows[0] * d..(rows[0] + n) * d)?
-            } else {
-                let ids: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
-                let ids = dev.upload(&ids)?;
-                let mut g = dev.alloc_uninit::<f32>(n * d)?;
-                ops::gather_rows(dev, x.f32("score_rows")?.view(), d, ids.view(), g.view_mut())?;
-                gathered = g;
-                gathered.view()
-            };
-            let targets: Vec<i32> = req.targets.iter().map(|&t| t as i32).collect();
-            let targets = dev.upload(&targets)?;
-            let mut out = LmHeadOut::new(dev, n, req.top_k)?;
+        let _prof = self.prof.scope(&self.dev, "lm_head")?;
+        let (d, n_vocab) = (x.n_cols, head.q.n_rows);
+        ensure!(d == head.q.n_cols, "score_rows: rows have {d} columns, the head {} takes {}", head.name, head.q.n_cols);
+        let n = rows.len();
+        check_request(n, n_vocab, req)?;
+        if let Some(&bad) = rows.iter().find(|&&r| r >= x.n_rows) {
+            bail!("score_rows: row {bad} of {}", x.n_rows);
+        }
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let dev = &self.dev;
+        // (n, d): a sub-range when the rows are consecutive (the model's case), else gathered.
+        let consecutive = rows.windows(2).all(|w| w[1] == w[0] + 1);
+        let gathered;
+        let h: DevView<f32> = if consecutive {
+            x.f32("score_rows")?.slice(rows[0] * d..(rows[0] + n) * d)?
+        } else {
+            let ids: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+            let ids = dev.upload(&ids)?;
+            let mut g = dev.alloc_uninit::<f32>(n * d)?;
+            ops::gather_rows(dev, x.f32("score_rows")?.view(), d, ids.view(), g.view_mut())?;
+            gathered = g;
+            gathered.view()
+        };
+        let targets: Vec<i32> = req.targets.iter().map(|&t| t as i32).collect();
+        let targets = dev.upload(&targets)?;
+        let mut out = LmHeadOut::new(dev, n, req.top_k)?;
 
-            // Listed ids: flattened (row, id) pairs, row-major, with each row's offset.
-            let mut offsets = vec![0usize; n + 1];
-            let mut pair_rows = Vec::new();
-            let mut pair_ids = Vec::new();
-            for r in 0..n {
-                if let Some(ids) = req.extra_ids.get(r) {
-                    pair_ids.extend(ids.iter().map(|&i| i as i32));
-                }
-                offsets[r + 1] = pair_ids.len();
+        // Listed ids: flattened (row, id) pairs, row-major, with each row's offset.
+        let mut offsets = vec![0usize; n + 1];
+        let mut pair_rows = Vec::new();
+        let mut pair_ids = Vec::new();
+        for r in 0..n {
+            if let Some(ids) = req.extra_ids.get(r) {
+                pair_ids.extend(ids.iter().map(|&i| i as i32));
             }
-            let mut extra_dev = if pair_ids.is_empty() { None } else { Some(dev.alloc_uninit::<f32>(pair_ids.len())?) };
+            offsets[r + 1] = pair_ids.len();
+        }
+        let mut extra_dev = if pair_ids.is_empty() { None } else { Some(dev.alloc_uninit::<f32>(pair_ids.len())?) };
 
-            let tile_len = LM_HEAD_TILE_ROWS * n_vocab;
-            let mut scratch_cell = self.head_scratch.borrow_mut();
-            if scratch_cell.as_ref().is_none_or(|s| s.len() < tile_len) {
-                *scratch_cell = None;
-                *scratch_cell = Some(dev.alloc_uninit::<f32>(tile_len)?);
+        let tile_len = LM_HEAD_TILE_ROWS * n_vocab;
+        let mut scratch_cell = self.head_scratch.borrow_mut();
+        if scratch_cell.as_ref().is_none_or(|s| s.len() < tile_len) {
+            *scratch_cell = None;
+            *scratch_cell = Some(dev.alloc_uninit::<f32>(tile_len)?);
+        }
+        let scratch = scratch_cell.as_mut().context("score_rows: LM-head scratch")?;
+        let h_cast;
+        // The default route rounds the rows to bf16 once, for the tensor cores (the
+        // norm's bf16 copy when the rows are consecutive).
+        let h_bf16: Option<DevView<bf16>> = match (self.route, x.bf16()) {
+            (Route::Bf16TensorCore, Some(xb)) if consecutive => Some(xb.slice(rows[0] * d..(rows[0] + n) * d)?),
+            (Route::Bf16TensorCore, _) => {
+                let mut hb = dev.alloc_uninit::<bf16>(n * d)?;
+                ops::cast_bf16(dev, h, hb.view_mut())?;
+                h_cast = hb;
+                Some(h_cast.view())
             }
-            let scratch = scratch_cell.as_mut().context("score_rows: LM-head scratch")?;
-            let h_cast;
-            // The default route rounds the rows to bf16 once, for the tensor cores (the
-            // norm's bf16 copy when the rows are consecutive).
-            let h_bf16: Option<DevView<bf16>> = match (self.route, x.bf16()) {
-                (Route::Bf16TensorCore, Some(xb)) if consecutive => Some(xb.slice(rows[0] * d..(rows[0] + n) * d)?),
-                (Route::Bf16TensorCore, _) => {
-                    let mut hb = dev.alloc_uninit::<bf16>(n * d)?;
-                    ops::cast_bf16(dev, h, hb.view_mut())?;
-                    h_cast = hb;
-                    Some(h_cast.view())
+            (Route::Fp32, _) => None,
+        };
+        // Listed ids' logits, gathered from each tile before the next overwrites it.
+        let gather = |row0: usize, n_tile: usize, logits: DevView<f32>| -> Result<()> {
+            let Some(extra) = extra_dev.as_mut() else { return Ok(()) };
+            let (p0, p1) = (offsets[row0], offsets[row0 + n_tile]);
+            if p1 > p0 {
+                pair_rows.clear();
+                for r in row0..row0 + n_tile {
+                    pair_rows.extend(std::iter::repeat_n((r - row0) as i32, offsets[r + 1] - offsets[r]));
                 }
-                (Route::Fp32, _) => None,
-            };
-            // Listed ids' logits, gathered from each tile before the next overwrites it.
-            let gather = |row0: usize, n_tile: usize, logits: DevView<f32>| -> Result<()> {
-                let Some(extra) = extra_dev.as_mut() else { return Ok(()) };
-                let (p0, p1) = (offsets[row0], offsets[row0 + n_tile]);
-                if p1 > p0 {
-                    pair_rows.clear();
-                    for r in row0..row0 + n_tile {
-                        pair_rows.extend(std::iter::repeat_n((r - row0) as i32, offsets[r + 1] - offsets[r]));
-                    }
-                    let rows_d = dev.upload(&pair_rows)?;
-                    let ids_d = dev.upload(&pair_ids[p0..p1])?;
-                    ops::gather_pairs(dev, logits, n_vocab, rows_d.view(), ids_d.view(), extra.slice_mut(p0..p1)?)?;
-                    // The uploads are freed in stream order after the gather.
-                }
-                Ok(())
-            };
-            // (n_tile, n_vocab) f32 logits a tile: bf16 rows on the tensor cores (default
-            // route) or f32 rows with FFMA (FP32 route), f32 accumulation either way.
-            let softcap = req.softcap.map(|c| c as f32);
-            match h_bf16 {
-                Some(hb) => ops::lm_head::<bf16>(dev, hb, n, &head.q, targets.view(), softcap, scratch, &mut out, gather),
-                None => ops::lm_head::<f32>(dev, h, n, &head.q, targets.view(), softcap, scratch, &mut out, gather),
+                let rows_d = dev.upload(&pair_rows)?;
+                let ids_d = dev.upload(&pair_ids[p0..p1])?;
+                ops::gather_pairs(dev, logits, n_vocab, rows_d.view(), ids_d.view(), extra.slice_mut(p0..p1)?)?;
+                // The uploads are freed in stream order after the gather.
             }
-            .with_context(|| format!("LM head {}", head.name))?;
-            drop(scratch_cell);
-            self.prof.note_memory(dev)?;
-        let host = out.download(dev)?;
-            let extra_host = match &extra_dev {
-                Some(e) => dev.download(e)?,
-                None => Vec::new(),
-            };
-            let k = req.top_k;
-            Ok((0..n)
-                .map(|r| {
-                    let max_logit = host.row_max[r] as f64;
-                    RowScore {
-                        max_logit,
-                        lse: max_logit + host.row_sumexp[r].ln(),
-                        target_logit: host.target_logit[r] as f64,
-                        top: (0..k).map(|i| (host.topk_ids[r * k + i] as u32, host.topk_logits[r * k + i])).collect(),
-                        extra: extra_host.get(offsets[r]..offsets[r + 1]).map_or_else(Vec::new, <[f32]>::to_vec),
-                    }
-                })
-                .collect())
-        })
+            Ok(())
+        };
+        // (n_tile, n_vocab) f32 logits a tile: bf16 rows on the tensor cores (default
+        // route) or f32 rows with FFMA (FP32 route), f32 accumulation either way.
+        let softcap = req.softcap.map(|c| c as f32);
+        match h_bf16 {
+            Some(hb) => ops::lm_head::<bf16>(dev, hb, n, &head.q, targets.view(), softcap, scratch, &mut out, gather),
+            None => ops::lm_head::<f32>(dev, h, n, &head.q, targets.view(), softcap, scratch, &mut out, gather),
+        }
+        .with_context(|| format!("LM head {}", head.name))?;
+        drop(scratch_cell);
+        self.prof.note_memory(dev)?;
+    let host = out.download(dev)?;
+        let extra_host = match &extra_dev {
+            Some(e) => dev.download(e)?,
+            None => Vec::new(),
+        };
+        let k = req.top_k;
+        Ok((0..n)
+            .map(|r| {
+                let max_logit = host.row_max[r] as f64;
+                RowScore {
+                    max_logit,
+                    lse: max_logit + host.row_sumexp[r].ln(),
+                    target_logit: host.target_logit[r] as f64,
+                    top: (0..k).map(|i| (host.topk_ids[r * k + i] as u32, host.topk_logits[r * k + i])).collect(),
+                    extra: extra_host.get(offsets[r]..offsets[r + 1]).map_or_else(Vec::new, <[f32]>::to_vec),
+                }
+            })
+            .collect())
     }
 
     fn execution(&self) -> ExecutionInfo {
@@ -866,8 +831,7 @@ impl Backend for CudaBackend {
                         "numbers unchanged (the route rounds every matmul input to bf16 anyway): RMSNorm writes f32 and its bf16 \
                          rounding in one pass (rmsnorm_dual); attention and the gated product are written in bf16 (matmul inputs only); \
                          M >= {} and d_ffn >= {}: gate and up in one wgmma GEMM with act(gate) * up in its epilogue \
-                         (gemm_bf16_wgmma_gated_<act>); the residual add in the epilogue of the attention-output and down GEMMs \
-                         (layers without post norms)",
+                         (gemm_bf16_wgmma_gated_<act>); the residual add a separate add_f32",
                         ops::GEMM_WGMMA_MIN_M,
                         ops::GEMM_WGMMA_MIN_N
                     ),

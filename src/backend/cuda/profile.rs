@@ -1,7 +1,8 @@
 //! Where the GPU time of a run goes, per op family of the backend seam, with
 //! `INFERNIX_CUDA_PROFILE=1`: CUDA events (timing enabled) recorded on the
 //! backend's one stream before and after each op, summed per family. Nothing
-//! waits on the host per op; the events are folded into the totals every
+//! waits on the host per op (a [`Scope`] guard records the end event when the
+//! op returns); the events are folded into the totals every
 //! [`FOLD_EVERY`] ops (one wait on the last event then) and when the backend
 //! is dropped, which logs one `PROFILE` line per family (milliseconds, calls,
 //! share of the profiled time) and the device-memory peak seen at the
@@ -31,6 +32,21 @@ struct State {
     totals: BTreeMap<&'static str, (f64, usize)>,
     /// Smallest free device memory seen (bytes), and the total.
     min_free: Option<(usize, usize)>,
+    /// Ops whose time was lost (an event that could not be recorded or timed).
+    n_lost: usize,
+}
+
+/// The guard of one timed op: records its end event when dropped.
+pub struct Scope<'a> {
+    open: Option<(&'a OpProfile, &'a CudaDevice, &'static str, CudaEvent)>,
+}
+
+impl Drop for Scope<'_> {
+    fn drop(&mut self) {
+        if let Some((prof, dev, family, start)) = self.open.take() {
+            prof.close(dev, family, start);
+        }
+    }
 }
 
 /// Per-family GPU time of the ops a backend ran (empty unless enabled).
@@ -51,23 +67,29 @@ impl OpProfile {
         self.enabled
     }
 
-    /// Runs `f`, timing its GPU work as `family` when enabled (and not inside another timed op).
-    pub fn time<R>(&self, dev: &CudaDevice, family: &'static str, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    /// Times the GPU work queued until the returned guard drops as `family`
+    /// (nothing when disabled, or inside another timed op).
+    pub fn scope<'a>(&'a self, dev: &'a CudaDevice, family: &'static str) -> Result<Scope<'a>> {
         if !self.enabled || self.depth.get() > 0 {
-            return f();
+            return Ok(Scope { open: None });
         }
         let start = record(dev)?;
         self.depth.set(1);
-        let r = f();
+        Ok(Scope { open: Some((self, dev, family, start)) })
+    }
+
+    /// Folds the events of one finished op (the guard's drop).
+    fn close(&self, dev: &CudaDevice, family: &'static str, start: CudaEvent) {
         self.depth.set(0);
-        let r = r?;
-        let end = record(dev)?;
         let mut st = self.state.borrow_mut();
-        st.pending.push((family, start, end));
-        if st.pending.len() >= FOLD_EVERY {
-            fold(&mut st)?;
+        // An event that cannot be recorded or timed loses this op's time only; counted and reported.
+        match record(dev) {
+            Ok(end) => st.pending.push((family, start, end)),
+            Err(_) => st.n_lost += 1,
         }
-        Ok(r)
+        if st.pending.len() >= FOLD_EVERY && fold(&mut st).is_err() {
+            st.n_lost += 1;
+        }
     }
 
     /// Notes the device's free memory now (the peak use is total minus the least free seen).
@@ -93,6 +115,9 @@ impl OpProfile {
             })
             .collect();
         lines.push(format!("PROFILE {:<12} {sum:>12.3} ms (sum of the families)", "total"));
+        if st.n_lost > 0 {
+            lines.push(format!("PROFILE {} ops not timed (a CUDA event failed)", st.n_lost));
+        }
         if let Some((free, total)) = st.min_free {
             lines.push(format!(
                 "PROFILE device memory peak {:.3} GiB used of {:.3} GiB (least free at an LM-head call)",
