@@ -215,10 +215,12 @@ ATTN_D(256)
 // Output = O / l. Q and both K/V stages live in shared memory with rows padded
 // by 8 elements (16 B), which makes every ldmatrix phase conflict-free; K and V
 // tiles are fetched with cp.async (16 B, zero-filled past the cached
-// positions) one tile ahead of the math (two stages). Quantized cache: the same
-// tiles, loaded synchronously (one tile ahead, no cp.async) through one decoder
-// per codec (flash::Dec*, the template's K and V parameters, so K and V may
-// differ: k8v4, k4v2): each 8-element chunk of a row is decoded as kv::codec
+// positions) one tile ahead of the math (two stages). Quantized cache: the
+// tile's rows as stored (codes and scales) are fetched the same way with cp.async
+// into two raw stages one tile ahead, so the global loads overlap the MMAs; each
+// tile is then decoded from shared memory into one bf16 K and V stage through one
+// decoder per codec (flash::Dec*, the template's K and V parameters, so K and V
+// may differ: k8v4, k4v2): each 8-element chunk of a row is decoded as kv::codec
 // decodes it (code value * scale, one f32 multiply) and rounded to bf16 (nearest
 // even) into shared memory: the operand rounding a bf16 cache gets when it is
 // stored, applied here to the decoded value. No dequantized copy of the cache
@@ -230,7 +232,9 @@ ATTN_D(256)
 // with O' = Σ p y / l (f32, through the same scratch after the last tile). Query
 // tiles run in reverse order (the longest causal rows start first).
 // Launch: grid (ceil(n_tokens/BQ), n_heads, n_seqs), block 128, dynamic shared
-// memory (BQ + 4*BK) * (D + 8) * 2 bytes (BQ = 64 * MT; 168960 for D = 256).
+// memory (BQ + 4*BK) * (D + 8) * 2 bytes for bf16 (BQ = 64 * MT; 168960 for D =
+// 256), (BQ + 2*BK) * (D + 8) * 2 + 2 * BK * (k_row_bytes + v_row_bytes) for a
+// quantized cache (171008 for fp8 at D = 256).
 // The launcher (ops::attention, ops::attn_flash_tiles) mirrors m_tiles and key_tile.
 // CPU twin: backend::cpu::attention::attention on the same bf16-rounded q, k, v
 // (a quantized format: on the CPU backend's cache of that format, kv::codec
@@ -402,9 +406,15 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
     static_assert(D % 16 == 0 && DT % 2 == 0, "head dims are multiples of 16");
     static_assert(2 * BK * LDS * 2 >= BQ * D * 4, "the K stages hold a (BQ, D) f32 scratch");
     extern __shared__ __align__(16) unsigned char smem[];
+    // bf16 rows: Q, then 2 stages of K and 2 of V, each (BK, LDS), filled by cp.async.
+    // Coded rows: Q, one bf16 stage of K and one of V (the decoded operands), then 2
+    // stages of the raw K rows (BK * k_row_bytes) and 2 of the raw V rows, filled by
+    // cp.async one tile ahead and decoded from shared memory tile by tile.
+    constexpr int NSTAGE = RAW ? 2 : 1;
     bf16* sq = reinterpret_cast<bf16*>(smem);  // (BQ, LDS)
-    bf16* sk = sq + BQ * LDS;                  // 2 stages of (BK, LDS)
-    bf16* sv = sk + 2 * BK * LDS;              // 2 stages of (BK, LDS)
+    bf16* sk = sq + BQ * LDS;                  // NSTAGE stages of (BK, LDS)
+    bf16* sv = sk + NSTAGE * BK * LDS;         // NSTAGE stages of (BK, LDS)
+    unsigned char* raw = reinterpret_cast<unsigned char*>(sv + NSTAGE * BK * LDS);
     float* scratch = reinterpret_cast<float*>(sk);  // (BQ, D) f32 while no K tile lives there
     auto block_sync = [] { __syncthreads(); };
 
@@ -429,28 +439,50 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
     const float* qb = a.q + (long long)seq * n_tokens * a.q_stride + (long long)h * D;
     OUT* ob = reinterpret_cast<OUT*>(a.out) + (long long)seq * n_tokens * a.out_stride + (long long)h * D;
 
+    // Coded rows: raw stage `st` of K at raw + st * BK * krb, of V after both K stages.
+    unsigned char* raw_k = raw;
+    unsigned char* raw_v = raw + 2 * BK * krb;
     auto load_kv = [&](int tile, int stage) {
         const int kbase = tile * BK;
-        bf16* dk = sk + stage * BK * LDS;
-        bf16* dv = sv + stage * BK * LDS;
-        for (int i = tid; i < BK * CH; i += THREADS) {
-            const int r = i / CH, c = i % CH;
-            const int kp = kbase + r;
-            const bool ok = kp < kv_len;
-            if constexpr (!RAW) {
-                // Synchronous: the chunk's codes and scales, decoded (kv::codec's decode,
-                // still in the rotated basis) and rounded to bf16 (nearest even).
-                uint4 kq = make_uint4(0, 0, 0, 0), vq = kq;
-                if (ok) {
-                    kq = KD::load8(kh + kp * krb, c, a.book);
-                    vq = VD::load8(vh + kp * vrb, c, a.book);
-                }
-                *reinterpret_cast<uint4*>(dk + r * LDS + c * 8) = kq;
-                *reinterpret_cast<uint4*>(dv + r * LDS + c * 8) = vq;
-            } else {
+        if constexpr (RAW) {
+            bf16* dk = sk + stage * BK * LDS;
+            bf16* dv = sv + stage * BK * LDS;
+            for (int i = tid; i < BK * CH; i += THREADS) {
+                const int r = i / CH, c = i % CH;
+                const int kp = kbase + r;
+                const bool ok = kp < kv_len;
                 const long long row = ok ? kp : 0;
                 cp_async16(smem_addr(dk + r * LDS + c * 8), kh + row * krb + c * 16, ok ? 16 : 0);
                 cp_async16(smem_addr(dv + r * LDS + c * 8), vh + row * vrb + c * 16, ok ? 16 : 0);
+            }
+        } else {
+            // The tile's rows as stored, 16 bytes per cp.async (rows are multiples of 16
+            // bytes); rows at or past kv_len are zero-filled (they decode to zeros).
+            const int kch = (int)(krb / 16), vch = (int)(vrb / 16);
+            unsigned char* dk = raw_k + stage * BK * krb;
+            unsigned char* dv = raw_v + stage * BK * vrb;
+            for (int i = tid; i < BK * kch; i += THREADS) {
+                const int r = i / kch, c = i % kch;
+                const bool ok = kbase + r < kv_len;
+                cp_async16(smem_addr(dk + r * krb + c * 16), kh + (ok ? kbase + r : 0) * krb + c * 16, ok ? 16 : 0);
+            }
+            for (int i = tid; i < BK * vch; i += THREADS) {
+                const int r = i / vch, c = i % vch;
+                const bool ok = kbase + r < kv_len;
+                cp_async16(smem_addr(dv + r * vrb + c * 16), vh + (ok ? kbase + r : 0) * vrb + c * 16, ok ? 16 : 0);
+            }
+        }
+    };
+    // Coded rows: raw stage `stage` -> the bf16 operand tiles, 8 elements per chunk
+    // (kv::codec's decode, still in the rotated basis, rounded to bf16 nearest even).
+    auto decode_kv = [&](int stage) {
+        if constexpr (!RAW) {
+            const unsigned char* rk = raw_k + stage * BK * krb;
+            const unsigned char* rv = raw_v + stage * BK * vrb;
+            for (int i = tid; i < BK * CH; i += THREADS) {
+                const int r = i / CH, c = i % CH;
+                *reinterpret_cast<uint4*>(sk + r * LDS + c * 8) = KD::load8(rk + r * krb, c, a.book);
+                *reinterpret_cast<uint4*>(sv + r * LDS + c * 8) = VD::load8(rv + r * vrb, c, a.book);
             }
         }
     };
@@ -510,9 +542,13 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();  // tile `tile` (and Q, the first time) visible to every warp
+        if constexpr (!RAW) {
+            decode_kv(stage);
+            __syncthreads();  // the decoded tile visible; its raw stage free for the load after next
+        }
 
-        const bf16* kb = sk + stage * BK * LDS;
-        const bf16* vb = sv + stage * BK * LDS;
+        const bf16* kb = sk + (RAW ? stage : 0) * BK * LDS;
+        const bf16* vb = sv + (RAW ? stage : 0) * BK * LDS;
         float s[MT][NT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -611,7 +647,7 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
                 }
             }
         }
-        __syncthreads();  // both stages' readers done before the next load overwrites one
+        __syncthreads();  // this tile's readers done before the next load or decode overwrites it
         stage ^= 1;
     }
     cp_async_wait<0>();

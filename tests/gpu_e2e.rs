@@ -268,14 +268,20 @@ fn tiny_models_match_the_cpu_emulation_of_each_route() {
         // codes. Measured worst on the H200 (2026-12-01, Llama): 0.274 / mean 0.129 /
         // listed logits 0.446 (Gemma3 0.055 / 0.011 / 0.065); about twice that here.
         (Route::Bf16TensorCore, KvDtype::Fp8, 0.55, 0.26, 0.9),
-        // The other quantized formats (rows through the same src/kv codecs; v2 rotates q and
-        // the output where the format rotates K and V, which the CPU does not emulate):
-        // not yet measured on the device when written; fp8's bounds, widened with fewer bits.
-        (Route::Bf16TensorCore, KvDtype::Int8, 0.55, 0.26, 0.9),
-        (Route::Bf16TensorCore, KvDtype::K8v4, 0.8, 0.35, 1.2),
-        (Route::Bf16TensorCore, KvDtype::Nvfp4, 0.8, 0.35, 1.2),
-        (Route::Bf16TensorCore, KvDtype::K4v2, 1.0, 0.5, 1.5),
-        (Route::Bf16TensorCore, KvDtype::Vq2, 1.0, 0.5, 1.5),
+        // The other quantized formats (rows through the same src/kv codecs; v2 keeps rotated K
+        // and V in the rotated basis and rotates q and the output, which the CPU emulation
+        // does not, so K/V values that differ by the matmuls' accumulation order land on other
+        // codes more often the fewer bits a format has). Measured worst over the four models on
+        // the H200 (2026-12-01, kvgpu 5b07306; max / mean / listed logits, Llama each time):
+        // int8 0.192 / 0.066 / 0.371; k8v4 0.492 / 0.212 / 0.646; nvfp4 1.46 / 0.328 / 1.68;
+        // k4v2 1.53 / 0.533 / 1.67; vq2 1.36 / 0.467 / 1.95. About twice that here; the means
+        // stay below the unrounded CPU's (1.4 .. 3.3 nats for the 4- and 2-bit formats on
+        // Llama), which the check below requires, so a wiring mistake still fails.
+        (Route::Bf16TensorCore, KvDtype::Int8, 0.4, 0.14, 0.75),
+        (Route::Bf16TensorCore, KvDtype::K8v4, 1.0, 0.43, 1.3),
+        (Route::Bf16TensorCore, KvDtype::Nvfp4, 3.0, 0.66, 3.4),
+        (Route::Bf16TensorCore, KvDtype::K4v2, 3.1, 1.07, 3.4),
+        (Route::Bf16TensorCore, KvDtype::Vq2, 2.8, 0.94, 3.9),
     ];
     let archs = [Architecture::Llama, Architecture::Gemma3, Architecture::Qwen2, Architecture::Qwen3];
     let mut failures = Vec::new();

@@ -1426,6 +1426,17 @@ fn quantized_formats() -> Vec<KvFormat> {
 }
 
 #[test]
+fn prefill_wave_holds_whole_v2_query_tiles() {
+    // CPU only: a pass of whole prompt-attention waves (the quantized formats'
+    // effective --prefill-chunk) fills every query tile of kernel v2 at every head size.
+    use infernix_perplexity::backend::PROMPT_ATTENTION_WAVE_TOKENS as W;
+    for d in [64, 96, 128, 256] {
+        let (bq, _) = ops::attn_flash_tiles(d);
+        assert_eq!(W % bq, 0, "wave of {W} tokens, v2 query tile of {bq} rows at d_head {d}");
+    }
+}
+
+#[test]
 fn v2_operand_rounding_stays_within_its_budget() {
     // CPU only (no device needed): the CPU backend's op against v2's exact operands.
     use infernix_perplexity::backend::cpu::{CpuBackend, CpuTensor};

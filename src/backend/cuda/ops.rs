@@ -1034,8 +1034,9 @@ impl AttnKernel {
             Self::V2 => {
                 "v2: flash attention on the tensor cores (mma.sync m16n8k16 bf16, ldmatrix, K/V double \
                  buffer); q rounded to bf16 (nearest even) in the kernel, P rounded to bf16, f32 \
-                 accumulation and f32 online softmax; a bf16 cache fetched with cp.async, or a quantized cache \
-                 decoded in the tile load (src/kv's decode, code * scale, rounded to bf16); Hadamard-rotated \
+                 accumulation and f32 online softmax; a bf16 cache fetched with cp.async, or a quantized cache's \
+                 stored rows fetched with cp.async one tile ahead and decoded from shared memory (src/kv's \
+                 decode, code * scale, rounded to bf16); Hadamard-rotated \
                  K: q rotated (f32) in the kernel before its rounding; rotated V: the output rotated back (f32)"
             }
         }
@@ -1086,10 +1087,15 @@ fn attn_smem_bytes(d_head: usize, kv_bytes: usize) -> usize {
     16 * d_head * 4 + 32 * (d_head + kpad) * kv_bytes + 32 * d_head * kv_bytes
 }
 
-/// Dynamic shared memory of attn_flash (v2): Q and two stages of K and V, bf16 rows padded by 8.
-fn attn_flash_smem_bytes(d_head: usize) -> usize {
+/// Dynamic shared memory of attn_flash (v2), bf16 rows padded by 8: for a bf16 cache
+/// Q and two stages of K and V; for a quantized one (`raw_row_bytes` = K's and V's
+/// row bytes) Q, one decoded stage of K and V, and two raw stages of the stored rows.
+fn attn_flash_smem_bytes(d_head: usize, raw_row_bytes: Option<(usize, usize)>) -> usize {
     let (bq, bk) = attn_flash_tiles(d_head);
-    (bq + 4 * bk) * (d_head + 8) * 2
+    match raw_row_bytes {
+        None => (bq + 4 * bk) * (d_head + 8) * 2,
+        Some((krb, vrb)) => (bq + 2 * bk) * (d_head + 8) * 2 + 2 * bk * (krb + vrb),
+    }
 }
 
 /// out[t, h*d_head ..] = softmax(q·Kᵀ * scale, causal/window mask) · V, per head with GQA,
@@ -1218,7 +1224,8 @@ fn attention_launch<O: OutElem>(
                 "attention v2: the caches must be 16-byte aligned"
             );
             ensure!(out.ptr() % 8 == 0 && p.out_stride % 2 == 0, "attention v2: out must be 8-byte aligned with an even stride");
-            (format!("attn_flash_d{d}_{}_{}", cache.kv, O::NAME), attn_flash_smem_bytes(d), attn_flash_tiles(d).0 as u32)
+            let raw = (!matches!(cache.kv, "bf16")).then_some((cache.k_row_bytes, cache.v_row_bytes));
+            (format!("attn_flash_d{d}_{}_{}", cache.kv, O::NAME), attn_flash_smem_bytes(d, raw), attn_flash_tiles(d).0 as u32)
         }
     };
     let f = func(dev, &name)?;
