@@ -76,6 +76,23 @@ __device__ __forceinline__ float fmul(float a, float b) { return __fmul_rn(a, b)
 __device__ __forceinline__ float fadd(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ float fsub(float a, float b) { return __fsub_rn(a, b); }
 
+// The gate nonlinearities of a gated FFN (elementwise.cu's gated_* and the
+// gated epilogue of gemm_sm90a.cu, one definition): silu(x) = x / (1 + exp(-x));
+// gelu is the tanh approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+// (gemma's gelu_pytorch_tanh, ggml's gelu). f32 with expf/tanhf (no fast math).
+#define ACT_SILU 0
+#define ACT_GELU 1
+
+template <int ACT>
+__device__ __forceinline__ float act(float x) {
+    if constexpr (ACT == ACT_SILU) {
+        return x / (1.0f + expf(-x));
+    } else {
+        const float k = 0.7978845608028654f;  // sqrt(2/pi)
+        return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+    }
+}
+
 // Q4_K / Q5_K 6-bit scale and min of sub-block j (ggml's get_scale_min_k4).
 __device__ __forceinline__ void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
     if (j < 4) {
@@ -268,15 +285,33 @@ struct alignas(128) TmaDesc {
 // gemm_bf16_wgmma's one parameter (a __grid_constant__, so the tensor maps stay in
 // parameter space). a: x (M, K) bf16, box (64 K, 128 rows); b: W (N, K) bf16, box
 // (64 K, 256 rows); y: (M, ldy) f32; y_pairs: 1 when ldy is even and y 8-byte
-// aligned (column pairs stored as float2). Rust twin: ops::GemmParams.
+// aligned (column pairs stored as float2); accumulate: 1 for y += x · Wᵀ (the
+// residual add in the epilogue: y read, the f32 product added with one
+// correctly rounded add, as add_f32 does), 0 for y = x · Wᵀ. Rust twin: ops::GemmParams.
 struct GemmParams {
     TmaDesc a;
     TmaDesc b;
     float* y;
     long long ldy;
     int m, n, k, y_pairs;
+    int accumulate;
 };
 static_assert(sizeof(GemmParams) == 384 && alignof(GemmParams) == 128, "GemmParams layout (ops::GemmParams)");
+
+// gemm_bf16_wgmma_gated_{silu,gelu}'s one parameter: out = act(x · Wgᵀ) * (x · Wuᵀ)
+// rounded to bf16. a: x (M, K) bf16, box (64 K, 128 rows); b_gate, b_up: Wg and Wu
+// (n_ffn, K) bf16, box (64 K, 128 rows) each (the two halves of one 256-row B
+// stage); out: (M, ldo) bf16, ldo even and out 4-byte aligned (pairs stored as
+// bf16x2); n_ffn even. Rust twin: ops::GemmGatedParams.
+struct GemmGatedParams {
+    TmaDesc a;
+    TmaDesc b_gate;
+    TmaDesc b_up;
+    bf16* out;
+    long long ldo;
+    int m, n_ffn, k, pad_;
+};
+static_assert(sizeof(GemmGatedParams) == 512 && alignof(GemmGatedParams) == 128, "GemmGatedParams layout (ops::GemmGatedParams)");
 
 // ---------------------------------------------------------------- bf16 packing
 

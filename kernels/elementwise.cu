@@ -2,9 +2,8 @@
 //
 // gated_{silu,gelu}_{f32,bf16}: out[i] = act(gate[i]) * up[i] over n rows of
 // n_cols (gate and up with their own row strides, so a fused gate|up matmul
-// output can be read in place). silu(x) = x / (1 + exp(-x)); gelu is the tanh
-// approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (gemma's
-// gelu_pytorch_tanh, ggml's gelu). Math in f32 with expf/tanhf (no fast math).
+// output can be read in place); `act` is common.cuh's (silu, tanh gelu, f32
+// with expf/tanhf), the one the gated GEMM epilogue (gemm_sm90a.cu) uses too.
 // add_f32: y[i] += x[i] (the residual stream stays f32).
 // cast_bf16: out[i] = bf16(x[i]) (round to nearest even).
 // add_bias_f32: x[r, c] += b[c] over rows of n_cols (qwen2's Q/K/V biases).
@@ -16,19 +15,6 @@
 //
 // Launch: 1-D grid over elements, block 256 (gated: grid (ceil(n_cols/256), n_rows)).
 #include "common.cuh"
-
-#define ACT_SILU 0
-#define ACT_GELU 1
-
-template <int ACT>
-__device__ __forceinline__ float act(float x) {
-    if constexpr (ACT == ACT_SILU) {
-        return x / (1.0f + expf(-x));
-    } else {
-        const float k = 0.7978845608028654f;  // sqrt(2/pi)
-        return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
-    }
-}
 
 template <int ACT, typename OUT>
 __device__ void gated(const float* __restrict__ gate, const float* __restrict__ up, OUT* __restrict__ out,

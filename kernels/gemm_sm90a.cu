@@ -20,7 +20,8 @@
 // swizzled shared tiles (4 per K tile), keeping one wgmma group in flight
 // and releasing a stage once the group that read it has retired. setmaxnreg
 // moves registers from the producer to the consumers. The epilogue stores
-// the accumulators straight to y with bounds checks (pairs as float2 when
+// the accumulators straight to y (or adds them to y, `accumulate`: the
+// residual add fused) with bounds checks (pairs as float2 when
 // y_pairs: ldy even and y 8-byte aligned) (the m64nNk16 layout: warp
 // w of the warpgroup holds rows 16w..16w+15; lane (g = lane/4, t = lane%4)
 // holds rows g and g+8, columns 8j+2t, 8j+2t+1 for j < 32).
@@ -31,7 +32,17 @@
 // layout type 1 (128B swizzle) in bits 62-63; every tile starts 1024-byte
 // aligned; the k-th 16-element slice of a 64-element row starts 32 k bytes in.
 //
-// Launch: persistent, grid min(tiles, SMs) with tiles = ceil(M/128) * ceil(N/256),
+// Gated variants (gemm_bf16_wgmma_gated_{silu,gelu}): the FFN's gate and up
+// products in one GEMM with act(gate) * up in the epilogue, written as bf16
+// (the down projection's input): each 256-row B stage is 128 rows of Wg and
+// the same 128 rows of Wu (two TMA loads), so the tile covers 128 output
+// columns and each consumer thread holds gate and up of the same columns; the
+// epilogue computes exactly what gated_<act>_bf16 computes from the two f32
+// products (common.cuh's act, fmul, round to nearest even). CPU twin:
+// tests/gpu_ops/twin.rs matmul_f64 twice, then silu_f64 / gelu_tanh_f64.
+//
+// Launch: persistent, grid min(tiles, SMs) with tiles = ceil(M/128) * ceil(N/256)
+// (gated: ceil(M/128) * ceil(n_ffn/128)),
 // block 384, dynamic shared memory GEMM_SMEM_BYTES (one block per SM); block b
 // takes tiles b, b + grid, ... in an order of groups of GEMM_GROUP_M row tiles,
 // so that the tiles in flight share their A and B tiles through L2; the
@@ -147,17 +158,24 @@ __device__ __forceinline__ void fence_acc(float d[128]) {
     for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// Tile `tile` of the grouped order: groups of GEMM_GROUP_M row tiles, column tiles within a group.
-__device__ __forceinline__ void tile_origin(int tile, int m_tiles, int n_tiles, int& m0, int& n0) {
+// Tile `tile` of the grouped order: groups of GEMM_GROUP_M row tiles, column tiles
+// (of tile_n output columns) within a group.
+__device__ __forceinline__ void tile_origin(int tile, int m_tiles, int n_tiles, int tile_n, int& m0, int& n0) {
     const int per_group = GEMM_GROUP_M * n_tiles;
     const int group = tile / per_group, first_m = group * GEMM_GROUP_M;
     const int group_rows = min(m_tiles - first_m, GEMM_GROUP_M);
     const int in_group = tile % per_group;
     m0 = (first_m + in_group % group_rows) * GEMM_BM;
-    n0 = (in_group / group_rows) * GEMM_BN;
+    n0 = (in_group / group_rows) * tile_n;
 }
 
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_bf16_wgmma(const __grid_constant__ GemmParams p) {
+// The tile loop, shared by the plain GEMM (GATED false: y = x · Wᵀ or y += it,
+// P = GemmParams) and the gated one (GATED true, P = GemmGatedParams: each B
+// stage is 128 rows of Wg then the same 128 rows of Wu, so a consumer holds
+// gate columns in d[0..64) and the matching up columns in d[64..128), and the
+// epilogue writes bf16(act(gate) * up) for 128 output columns a tile).
+template <bool GATED, int ACT, typename P>
+__device__ __forceinline__ void gemm_tiles(const P& p) {
     extern __shared__ uint8_t gemm_smem_raw[];
     // 1024-byte alignment for the 128-byte swizzle (the launcher adds 1 KiB of slack).
     const uint32_t raw = smem_addr(gemm_smem_raw);
@@ -167,7 +185,15 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_bf16_wgmma(co
     const uint32_t bar_base = base + GEMM_STAGES * GEMM_STAGE_BYTES;  // full[s] then empty[s], 8 bytes each
     const int warpgroup = threadIdx.x / 128;
     const int tid_wg = threadIdx.x % 128;
-    const int m_tiles = (p.m + GEMM_BM - 1) / GEMM_BM, n_tiles = (p.n + GEMM_BN - 1) / GEMM_BN;
+    // Output columns a tile covers: 256, or 128 when gated (256 B rows: gate and up halves).
+    constexpr int TILE_N = GATED ? GEMM_BN / 2 : GEMM_BN;
+    int n_out;
+    if constexpr (GATED) {
+        n_out = p.n_ffn;
+    } else {
+        n_out = p.n;
+    }
+    const int m_tiles = (p.m + GEMM_BM - 1) / GEMM_BM, n_tiles = (n_out + TILE_N - 1) / TILE_N;
     const int n_tiles_total = m_tiles * n_tiles;
     const int k_tiles = (p.k + GEMM_BK - 1) / GEMM_BK;
 
@@ -190,14 +216,20 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_bf16_wgmma(co
             uint32_t it = 0;
             for (int tile = blockIdx.x; tile < n_tiles_total; tile += gridDim.x) {
                 int m0, n0;
-                tile_origin(tile, m_tiles, n_tiles, m0, n0);
+                tile_origin(tile, m_tiles, n_tiles, TILE_N, m0, n0);
                 for (int kt = 0; kt < k_tiles; ++kt, ++it) {
                     const uint32_t s = it % GEMM_STAGES;
                     mbar_wait(bar_base + 8 * (GEMM_STAGES + s), ((it / GEMM_STAGES) & 1) ^ 1);
                     const uint32_t full = bar_base + 8 * s;
                     mbar_arrive_expect_tx(full, GEMM_STAGE_BYTES);
                     tma_load_2d(a_base + s * GEMM_A_STAGE_BYTES, &p.a, full, kt * GEMM_BK, m0);
-                    tma_load_2d(b_base + s * GEMM_B_STAGE_BYTES, &p.b, full, kt * GEMM_BK, n0);
+                    if constexpr (GATED) {
+                        const uint32_t b_stage = b_base + s * GEMM_B_STAGE_BYTES;
+                        tma_load_2d(b_stage, &p.b_gate, full, kt * GEMM_BK, n0);
+                        tma_load_2d(b_stage + GEMM_B_STAGE_BYTES / 2, &p.b_up, full, kt * GEMM_BK, n0);
+                    } else {
+                        tma_load_2d(b_base + s * GEMM_B_STAGE_BYTES, &p.b, full, kt * GEMM_BK, n0);
+                    }
                 }
             }
         }
@@ -208,7 +240,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_bf16_wgmma(co
         uint32_t it = 0;
         for (int tile = blockIdx.x; tile < n_tiles_total; tile += gridDim.x) {
             int m0, n0;
-            tile_origin(tile, m_tiles, n_tiles, m0, n0);
+            tile_origin(tile, m_tiles, n_tiles, TILE_N, m0, n0);
             float d[128];
 #pragma unroll
             for (int i = 0; i < 128; ++i) d[i] = 0.0f;
@@ -232,6 +264,23 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_bf16_wgmma(co
 
             const int row = m0 + c * 64 + warp * 16 + lane / 4;
             const int col = n0 + 2 * (lane % 4);
+            if constexpr (GATED) {
+                // Column block j < 16 of the accumulators is gate, j + 16 the same columns of up.
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int r = row + 8 * h;
+                        const int n = col + 8 * j;
+                        if (r < p.m && n < p.n_ffn) {
+                            const float o0 = fmul(act<ACT>(d[4 * j + 2 * h]), d[4 * (j + 16) + 2 * h]);
+                            const float o1 = fmul(act<ACT>(d[4 * j + 2 * h + 1]), d[4 * (j + 16) + 2 * h + 1]);
+                            // n_ffn even: n + 1 < n_ffn whenever n < n_ffn.
+                            *reinterpret_cast<__nv_bfloat162*>(p.out + (long long)r * p.ldo + n) = __floats2bfloat162_rn(o0, o1);
+                        }
+                    }
+                }
+            } else {
 #pragma unroll
             for (int j = 0; j < 32; ++j) {
 #pragma unroll
@@ -240,15 +289,36 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_bf16_wgmma(co
                     const int n = col + 8 * j;
                     if (r < p.m && n < p.n) {
                         float* yr = p.y + (long long)r * p.ldy + n;
+                        float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
                         if (p.y_pairs && n + 1 < p.n) {
-                            *reinterpret_cast<float2*>(yr) = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+                            if (p.accumulate) {
+                                const float2 old = *reinterpret_cast<const float2*>(yr);
+                                v0 = __fadd_rn(old.x, v0);
+                                v1 = __fadd_rn(old.y, v1);
+                            }
+                            *reinterpret_cast<float2*>(yr) = make_float2(v0, v1);
                         } else {
-                            yr[0] = d[4 * j + 2 * h];
-                            if (n + 1 < p.n) yr[1] = d[4 * j + 2 * h + 1];
+                            yr[0] = p.accumulate ? __fadd_rn(yr[0], v0) : v0;
+                            if (n + 1 < p.n) yr[1] = p.accumulate ? __fadd_rn(yr[1], v1) : v1;
                         }
                     }
                 }
             }
+            }
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_bf16_wgmma(const __grid_constant__ GemmParams p) {
+    gemm_tiles<false, 0>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+    gemm_bf16_wgmma_gated_silu(const __grid_constant__ GemmGatedParams p) {
+    gemm_tiles<true, ACT_SILU>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+    gemm_bf16_wgmma_gated_gelu(const __grid_constant__ GemmGatedParams p) {
+    gemm_tiles<true, ACT_GELU>(p);
 }

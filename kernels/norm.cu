@@ -10,7 +10,9 @@
 //
 // Launch: grid (n_rows), block 128. Strides are in elements between rows.
 // Variants: rmsnorm_f32 writes f32, rmsnorm_bf16 writes bf16 (the default
-// route's matmul input).
+// route's matmul input), rmsnorm_dual writes both from the same f32 value (the
+// default route: f32 for a residual add after a post norm, its bf16 rounding
+// for the matmuls that read the row, so no separate cast pass).
 #include "common.cuh"
 
 template <typename OUT>
@@ -27,6 +29,24 @@ __device__ void rmsnorm_rows(const float* __restrict__ x, const float* __restric
     for (int i = threadIdx.x; i < n_cols; i += blockDim.x) yr[i] = from_f32<OUT>(fmul(fmul(xr[i], scale), w[i]));
 }
 
+// out and out_bf16 share out_stride; out_bf16[i] = bf16(out[i]) (round to nearest even).
+__device__ void rmsnorm_rows_dual(const float* __restrict__ x, const float* __restrict__ w, float* out, bf16* out_bf16,
+                                  int n_cols, long long x_stride, long long out_stride, float eps) {
+    __shared__ float scratch[32];
+    const float* xr = x + blockIdx.x * x_stride;
+    float* yr = out + blockIdx.x * out_stride;
+    bf16* br = out_bf16 + blockIdx.x * out_stride;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n_cols; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
+    ss = block_sum(ss, scratch);
+    const float scale = 1.0f / sqrtf(ss / (float)n_cols + eps);
+    for (int i = threadIdx.x; i < n_cols; i += blockDim.x) {
+        const float v = fmul(fmul(xr[i], scale), w[i]);
+        yr[i] = v;
+        br[i] = __float2bfloat16_rn(v);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(128)
     rmsnorm_f32(const float* x, const float* w, float* out, int n_cols, long long x_stride,
                 long long out_stride, float eps) {
@@ -37,4 +57,10 @@ extern "C" __global__ void __launch_bounds__(128)
     rmsnorm_bf16(const float* x, const float* w, bf16* out, int n_cols, long long x_stride,
                  long long out_stride, float eps) {
     rmsnorm_rows<bf16>(x, w, out, n_cols, x_stride, out_stride, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    rmsnorm_dual(const float* x, const float* w, float* out, bf16* out_bf16, int n_cols, long long x_stride,
+                 long long out_stride, float eps) {
+    rmsnorm_rows_dual(x, w, out, out_bf16, n_cols, x_stride, out_stride, eps);
 }

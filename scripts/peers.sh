@@ -45,7 +45,8 @@
 #       tools/transformers_peer.py on the windows of --save-tokens files (bf16, cuda;
 #       several files: one model load, one summary each); log next to the first OUTJSON.
 #       PEERS_TORCH_DEVICE (default cuda) and PEERS_TRANSFORMERS_ARGS (e.g. "--dtype float32")
-#       pass through.
+#       pass through; PEERS_TRANSFORMERS_RANDOM=llama-8b scores with random weights of that
+#       body instead of MODEL's (speed only).
 #   peers.sh gguf-site [DIR]
 #       Installs the carried gguf wheel into DIR (default $PEERS_SITE or /tmp/site).
 #   peers.sh summary DIR...
@@ -683,7 +684,11 @@ run_transformers() {
     log="${outjson%.json}.log"
     set +e
     # shellcheck disable=SC2086  # PEERS_TRANSFORMERS_ARGS: extra options, split on spaces
-    python3 "$py" --gguf "$model" "${pairs[@]}" --device "${PEERS_TORCH_DEVICE:-cuda}" \
+    # PEERS_TRANSFORMERS_RANDOM=BODY: random weights of that body in place of MODEL's (speed only;
+    # MODEL then only names the tokenizer the token files were written with).
+    local -a src=(--gguf "$model")
+    [[ -n "${PEERS_TRANSFORMERS_RANDOM:-}" ]] && src=(--random-body "$PEERS_TRANSFORMERS_RANDOM")
+    python3 "$py" "${src[@]}" "${pairs[@]}" --device "${PEERS_TORCH_DEVICE:-cuda}" \
         ${batch:+--batch "$batch"} ${PEERS_TRANSFORMERS_ARGS:-} 2>&1 | tee "$log"
     status=${PIPESTATUS[0]}
     set -e

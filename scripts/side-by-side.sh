@@ -11,7 +11,9 @@
 #       .devcarry/sbs/ with this script, tools/fp64_reference.py, the
 #       --save-tokens files of the KL slices (both models: the first 40 chunks
 #       c=512 and the first 4 sliding windows 4096/2048 of wiki.test.raw) and
-#       the SHA-256 of the .ninfer files converted here.
+#       the SHA-256 of the .ninfer files converted here. SBS_TESTS=1 also builds the
+#       release executables of tests/gpu_ops.rs and tests/gpu_e2e.rs (stripped, xz)
+#       into .devcarry/sbs/tests/ for `parity`.
 # On the GPU machine (repository root; /tmp/peers is scripts/peers.sh's folder):
 #   bash .devcarry/sbs/side-by-side.sh stash   (later: bash /tmp/sbs/bin/side-by-side.sh stash)
 #       peers.sh stash, then our files into /tmp/sbs; converts each newly
@@ -21,15 +23,28 @@
 #   side-by-side.sh synth
 #       Generates the 8B-class synthetic twins (llama-8b geometry, SmolLM2's
 #       tokenizer, Q4_0 and Q8_0: .ninfer for us, .gguf for the peers) in the background.
-#   side-by-side.sh ours real | ours twin FORMAT
+#   side-by-side.sh ours real | ours twin FORMAT | ours speed STEM
 #       Evaluator runs over all of wiki.test.raw, timed, one at a time, default
 #       route. real: waits for the float64 references, runs both real models
 #       (chunks c=512, chunks c=4096, sliding 4096/2048), then the KL runs (four
 #       route/KV settings per slice). twin: waits for that twin, chunks c=512
-#       and c=4096. Reports into $OUT/ours-*.json.
-#   side-by-side.sh llama real|twins | transformers
+#       and c=4096. speed: one real model's three window sets, no KL runs.
+#       Reports into $OUT/ours-*.json. SBS_PROFILE=1 adds, after each timed run,
+#       one more with INFERNIX_CUDA_PROFILE=1 (GPU time per op family, CUDA
+#       events; its PROFILE lines into $OUT/profile-NAME.txt; not the timed run).
+#   side-by-side.sh llama real|twins | transformers | transformers-twin
 #       The peers' runs over the same models (peers.sh llama / transformers;
-#       transformers on the real models only).
+#       transformers on the real models; transformers-twin: a random-weight bf16
+#       Llama-3-8B body with SmolLM2's vocabulary, tools/transformers_peer.py
+#       --random-body llama-8b, on SmolLM2's c=512 and c=4096 windows, the dense
+#       speed peer of the twins). SBS_MODELS and SBS_TWIN_FORMATS (space-separated)
+#       narrow the models and twin formats of every subcommand; SBS_NO_FP64=1 makes
+#       stash start no float64 references (speed-only sessions).
+#   side-by-side.sh parity [E2E_FILTER...]
+#       The carried parity executables: every gpu_ops test, then the gpu_e2e tests
+#       matching the filters (the real-model ones read /tmp/sbs/models); logs
+#       $OUT/gpu_ops.log and $OUT/gpu_e2e.log, PARITY/E2E/GATED lines printed
+#       (SBS_SKIP_OPS=1: the gpu_e2e tests only).
 #   side-by-side.sh summary
 #       One line per report and peer summary in $OUT.
 set -euo pipefail
@@ -40,8 +55,8 @@ carry="$root/.devcarry/sbs"
 sbs=/tmp/sbs
 peers=/tmp/peers
 out="${OUT:-$sbs/out}"
-MODELS=(SmolLM2-135M-Instruct.Q4_1 gemma-3-270m-q4_k_m)
-TWIN_FORMATS=(Q4_0 Q8_0)
+read -r -a MODELS <<<"${SBS_MODELS:-SmolLM2-135M-Instruct.Q4_1 gemma-3-270m-q4_k_m}"
+read -r -a TWIN_FORMATS <<<"${SBS_TWIN_FORMATS:-Q4_0 Q8_0}"
 TWIN_TOKENIZER=SmolLM2-135M-Instruct.Q4_1
 # KL slices: name, window arguments (the same for --save-tokens here and --kl-reference there).
 SLICES=("kl-chunks512:--method chunks --context 512 --chunks 40"
@@ -93,12 +108,26 @@ prepare() {
     [[ -n "${NVCC:-}${CUDA_HOME:-}${CUDA_PATH:-}" ]] || command -v nvcc >/dev/null || die "no nvcc: the binary would carry no kernels"
     cargo build --release --bins
     target="${CARGO_TARGET_DIR:-$root/target}/release"
+    local exe t
     rm -rf "$carry"
     mkdir -p "$carry/tokens"
     for b in infernix-perplexity ninfer-convert; do
         strip -o "$carry/$b" "$target/$b"
         xz -9 -T2 "$carry/$b"
     done
+    if [[ "${SBS_TESTS:-0}" == 1 ]]; then
+        mkdir -p "$carry/tests"
+        for t in gpu_ops gpu_e2e; do
+            exe="$(cargo test --release --no-run --test "$t" --message-format=json 2>/dev/null | python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("target", {}).get("name") == sys.argv[1] and m.get("executable"):
+        print(m["executable"])' "$t")"
+            [[ -n "$exe" ]] || die "building tests/$t.rs failed (cargo test --release --no-run --test $t)"
+            strip -o "$carry/tests/$t" "$exe"
+            xz -9 -T2 "$carry/tests/$t"
+        done
+    fi
     cp "${BASH_SOURCE[0]}" "$carry/side-by-side.sh"
     cp "$root/tools/fp64_reference.py" "$carry/"
     : >"$carry/ninfer.sha256"
@@ -135,6 +164,10 @@ stash() {
         done
         cp "$carry/ninfer.sha256" "$sbs/"
         cp "$carry"/tokens/* "$sbs/tokens/"
+        for b in "$carry"/tests/*.xz; do
+            [[ -f "$b" ]] || continue
+            xz -dc "$b" >"$sbs/bin/$(basename "$b" .xz)" && chmod +x "$sbs/bin/$(basename "$b" .xz)"
+        done
     fi
     [[ -x "$sbs/bin/infernix-perplexity" ]] || die "nothing stashed yet: the first call must carry .devcarry/sbs"
     for stem in "${MODELS[@]}"; do
@@ -143,6 +176,7 @@ stash() {
         (cd "$sbs/models" && mv "$stem.ninfer.tmp" "$stem.ninfer" && grep " $stem.ninfer\$" "$sbs/ninfer.sha256" | sha256sum -c --quiet) ||
             die "$stem.ninfer converted on this machine differs from the one converted where it was prepared"
         note "$stem.ninfer converted, sha256 equal to the prepared one"
+        [[ "${SBS_NO_FP64:-0}" == 1 ]] && continue
         bash /tmp/peers/bin/peers.sh gguf-site /tmp/site
         bg_job "fp64-$stem" bash "$sbs/bin/side-by-side.sh" fp64 "$stem"
     done
@@ -177,6 +211,16 @@ run_ours() {
     "$sbs/bin/infernix-perplexity" "$sbs/models/$stem.ninfer" --text "$(text)" --backend cuda "$@" \
         --output "$dir" >"$dir.stdout" 2>"$dir.log" || { tail -n 20 "$dir.log" >&2; die "evaluator run $name failed"; }
     cp "$dir/report.json" "$out/ours-$name.json"
+    if [[ "${SBS_PROFILE:-0}" == 1 ]]; then
+        rm -rf "$dir.prof"
+        # The child's peak resident set (VmHWM, ru_maxrss) too, from the parent's rusage.
+        INFERNIX_CUDA_PROFILE=1 python3 -c 'import resource, subprocess, sys
+r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL)
+print(f"PROFILE host peak RSS {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20:.3f} GiB (ru_maxrss)", file=sys.stderr)
+sys.exit(r.returncode)' "$sbs/bin/infernix-perplexity" "$sbs/models/$stem.ninfer" --text "$(text)" --backend cuda "$@" \
+            --output "$dir.prof" 2>"$dir.prof.log" || { tail -n 20 "$dir.prof.log" >&2; die "profiled run $name failed"; }
+        grep '^PROFILE' "$dir.prof.log" >"$out/profile-$name.txt" || die "profiled run $name printed no PROFILE lines"
+    fi
 }
 
 ours() {
@@ -209,18 +253,24 @@ ours() {
         run_ours "$(twin "$f").chunks512" "$(twin "$f")" --method chunks --context 512
         run_ours "$(twin "$f").chunks4096" "$(twin "$f")" --method chunks --context 4096
         ;;
-    *) die "usage: side-by-side.sh ours real | ours twin FORMAT" ;;
+    speed)
+        stem="${2:?usage: side-by-side.sh ours speed STEM}"
+        run_ours "$stem.chunks512" "$stem" --method chunks --context 512
+        run_ours "$stem.chunks4096" "$stem" --method chunks --context 4096
+        run_ours "$stem.sliding4096" "$stem" --method sliding --context 4096 --stride 2048
+        ;;
+    *) die "usage: side-by-side.sh ours real | ours twin FORMAT | ours speed STEM" ;;
     esac
     summary
 }
 
 llama() {
-    # llama real: both real models; llama twins: both 8B twins (c=512 and c=4096 each).
+    # llama real: the real models; llama twins: the 8B twins (c=512 and c=4096 each).
     local p="bash /tmp/peers/bin/peers.sh" m c
     local -a models
     case "${1:-}" in
     real) models=("${MODELS[@]}") ;;
-    twins) models=("$(twin Q4_0)" "$(twin Q8_0)") ;;
+    twins) for m in "${TWIN_FORMATS[@]}"; do models+=("$(twin "$m")"); done ;;
     *) die "usage: side-by-side.sh llama real|twins" ;;
     esac
     for m in "${models[@]}"; do
@@ -241,6 +291,32 @@ transformers() {
             "$out/tf-$m-chunks512.json,$out/tf-$m-chunks4096.json,$out/tf-$m-sliding4096.json"
     done
     summary
+}
+
+transformers_twin() {
+    # A random-weight bf16 8B body (speed only) on SmolLM2's c=512 and c=4096 windows.
+    local m=$TWIN_TOKENIZER
+    PEERS_TRANSFORMERS_RANDOM=llama-8b bash /tmp/peers/bin/peers.sh transformers "$m" "$m.chunks512,$m.chunks4096" \
+        "$out/tf-random-llama-8b-chunks512.json,$out/tf-random-llama-8b-chunks4096.json"
+    summary
+}
+
+parity() {
+    # Every gpu_ops test, then the gpu_e2e tests matching "$@" (none: all of them).
+    local status=0 f
+    [[ -x "$sbs/bin/gpu_ops" && -x "$sbs/bin/gpu_e2e" ]] || die "no parity executables stashed (prepare with SBS_TESTS=1)"
+    if [[ "${SBS_SKIP_OPS:-0}" != 1 ]]; then
+        nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv >"$out/gpu_ops.log" 2>&1 || true
+        "$sbs/bin/gpu_ops" --test-threads=1 --nocapture >>"$out/gpu_ops.log" 2>&1 || status=1
+    fi
+    INFERNIX_MODELS="$sbs/models" INFERNIX_DATA="$root/eval/corpora/ppl-v1" INFERNIX_REFERENCE="$root/tests/data/reference" \
+        INFERNIX_E2E_GOLDEN="$root/tests/data/gpu_e2e_cpu_golden.json" \
+        "$sbs/bin/gpu_e2e" --test-threads=1 --nocapture "$@" >"$out/gpu_e2e.log" 2>&1 || status=1
+    for f in gpu_ops gpu_e2e; do
+        [[ -f "$out/$f.log" ]] || continue
+        grep -E '^(DEVICE|KERNEL_FILE|PARITY|TIMING|GATED|E2E|test result|test .* FAILED|failures:|thread .* panicked)' "$out/$f.log" || true
+    done
+    return "$status"
 }
 
 summary() {
@@ -272,6 +348,8 @@ case "$cmd" in
     ours) ours "${@:2}" ;;
     llama) llama "${@:2}" ;;
     transformers) transformers ;;
+    transformers-twin) transformers_twin ;;
+    parity) parity "${@:2}" ;;
     summary) summary ;;
     *)
         sed -n '2,/^set -euo pipefail/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'

@@ -219,7 +219,7 @@ fn device_opens_and_every_kernel_is_loaded() {
             assert!(dev.function(&k).is_ok(), "kernel {k} missing");
         }
     }
-    for k in ["rmsnorm_f32", "rmsnorm_bf16", "rope_f32", "gated_silu_bf16", "gated_gelu_f32", "add_f32", "cast_bf16", "kv_store_bf16", "kv_store_f32", "lmhead_reduce", "attn_prefill_d64_bf16_f32", "attn_prefill_d256_f32_bf16", "attn_flash_d64_bf16_f32", "attn_flash_d96_bf16_bf16", "attn_flash_d128_bf16_f32", "attn_flash_d256_bf16_bf16", "kv_encode_fp8", "kv_encode_int8", "kv_encode_nvfp4", "kv_encode_int4g32", "kv_encode_int2g32", "kv_encode_vq2", "attn_flash_d64_fp8_f32", "attn_flash_d96_fp8_bf16", "attn_flash_d256_fp8_bf16", "attn_flash_d64_int8_f32", "attn_flash_d96_nvfp4_f32", "attn_flash_d128_k8v4_f32", "attn_flash_d256_k4v2_f32", "attn_flash_d128_vq2_f32"] {
+    for k in ["rmsnorm_f32", "rmsnorm_bf16", "rmsnorm_dual", "rope_f32", "gated_silu_bf16", "gated_gelu_f32", "add_f32", "cast_bf16", "kv_store_bf16", "kv_store_f32", "lmhead_reduce", "attn_prefill_d64_bf16_f32", "attn_prefill_d256_f32_bf16", "attn_flash_d64_bf16_f32", "attn_flash_d96_bf16_bf16", "attn_flash_d128_bf16_f32", "attn_flash_d256_bf16_bf16", "kv_encode_fp8", "kv_encode_int8", "kv_encode_nvfp4", "kv_encode_int4g32", "kv_encode_int2g32", "kv_encode_vq2", "attn_flash_d64_fp8_f32", "attn_flash_d96_fp8_bf16", "attn_flash_d256_fp8_bf16", "attn_flash_d64_int8_f32", "attn_flash_d96_nvfp4_f32", "attn_flash_d128_k8v4_f32", "attn_flash_d256_k4v2_f32", "attn_flash_d128_vq2_f32"] {
         assert!(dev.function(k).is_ok(), "kernel {k} missing");
     }
     assert!(dev.function("no_such_kernel").is_err());
@@ -271,6 +271,17 @@ fn rmsnorm_rows_and_per_head() {
     let mut outb = poisoned::<bf16>(dev, n_rows * n_cols);
     ops::rmsnorm(dev, xd.view(), rows, wd.view(), outb.view_mut(), n_cols, eps).unwrap();
     check("rmsnorm_bf16 (37 x 576)", &bf16_to_f32(&dev.download(&outb).unwrap()), &cpu, TOL_BF16_OUT);
+    // Both at once (the default route's norm): the f32 output bit-identical to
+    // rmsnorm_f32's, the bf16 one to its rounding (and so to rmsnorm_bf16's).
+    let single = dev.download(&out).unwrap();
+    let (mut df, mut db) = (poisoned::<f32>(dev, n_rows * n_cols), poisoned::<bf16>(dev, n_rows * n_cols));
+    ops::rmsnorm_dual(dev, xd.view(), rows, wd.view(), df.view_mut(), db.view_mut(), eps).unwrap();
+    let dual = dev.download(&df).unwrap();
+    check("rmsnorm_dual f32 (37 x 576)", &dual, &cpu, TOL_F32);
+    check("rmsnorm_dual f32 = rmsnorm_f32", &dual, &to_f64(&single), TOL_EXACT);
+    let rounded: Vec<f64> = single.iter().map(|&v| twin::round_bf16(v) as f64).collect();
+    check("rmsnorm_dual bf16 = bf16(rmsnorm_f32)", &bf16_to_f32(&dev.download(&db).unwrap()), &rounded, TOL_EXACT);
+    assert!(ops::rmsnorm_dual(dev, xd.view(), rows, wd.view(), df.view_mut(), outb.slice_mut(0..10).unwrap(), eps).is_err());
 
     // QK norm: 23 tokens x 4 heads of 256, in place.
     let (n_tok, n_heads, d_head) = (23, 4, 256);
@@ -509,6 +520,170 @@ fn matmul_wgmma_every_format_and_edges() {
     }
     // The same operands on both kernels: the mma.sync route still holds on a wgmma shape.
     matmul_bf16_case(dev, &mut rng, MmaSync, TensorFormat::Q4K, 300, 1000, 4096);
+}
+
+/// y += x · Wᵀ (the residual add in the matmul epilogue) on both kernels: within
+/// the matmul tolerance of y0 + the f64 product of the bf16 operands, and
+/// bit-identical to the unfused matmul followed by add_f32.
+#[test]
+fn matmul_add_residual_in_the_epilogue() {
+    let Some(dev) = device() else { return };
+    let mut rng = rng_for("matmul_add");
+    // (m, n, k): wgmma shapes on sm_90a (partial tiles, K % 64 = 32), then an mma.sync one (m < 128).
+    // K-quants need K % 256 == 0; K % 64 = 32 on a 32-element block format.
+    for (format, m, n, k) in [
+        (TensorFormat::Q4_0, 300, 576, 1536),
+        (TensorFormat::Q8_0, 257, 520, 1056),
+        (TensorFormat::Q4K, 200, 384, 1024),
+        (TensorFormat::Bf16, 130, 256, 512),
+        (TensorFormat::Q8_0, 70, 200, 512),
+    ] {
+        let bytes = twin::random_matrix(format, n, k, &mut rng);
+        let w = QuantMatrix::upload(dev, format, n, k, &bytes).unwrap();
+        let wb: Vec<f32> = twin::dequant_matrix(format, &bytes, n, k).iter().map(|&v| twin::round_bf16(v)).collect();
+        let x = randn(&mut rng, m * k, 1.0);
+        let xb: Vec<f32> = x.iter().map(|&v| twin::round_bf16(v)).collect();
+        let y0 = randn(&mut rng, m * n, 4.0);
+        let xbd = upload_bf16(dev, &x);
+        let mut yd = dev.upload(&y0).unwrap();
+        ops::matmul_add_bf16(dev, xbd.view(), m, &w, yd.view_mut()).unwrap();
+        let fused = dev.download(&yd).unwrap();
+        let kernel = ops::bf16_kernel_for(dev, m, n).name();
+        let cpu: Vec<f64> = twin::matmul_f64(&xb, &wb, m, n, k).iter().zip(&y0).map(|(&p, &y)| p + y as f64).collect();
+        check(&format!("matmul_add {kernel} {} ({m}x{n}x{k})", format.name()), &fused, &cpu, TOL_F32_ACC);
+        let mut p = poisoned::<f32>(dev, m * n);
+        ops::matmul(dev, xbd.view(), m, &w, p.view_mut(), n).unwrap();
+        let mut y2 = dev.upload(&y0).unwrap();
+        ops::add_inplace(dev, y2.view_mut(), p.view()).unwrap();
+        check(&format!("matmul_add {kernel} = matmul + add_f32"), &fused, &to_f64(&dev.download(&y2).unwrap()), TOL_EXACT);
+        assert!(ops::matmul_add_bf16(dev, xbd.view(), m, &w, yd.slice_mut(0..n).unwrap()).is_err(), "a short y is an error");
+    }
+}
+
+/// The gated FFN input in one pass (ops::matmul_gated_bf16: on sm_90a one wgmma
+/// GEMM over gate and up with act(gate) * up in the epilogue, else two mma.sync
+/// matmuls and gated_<act>_bf16) against act(f64 product) * f64 product of the
+/// bf16 operands, with one bf16 rounding of the output; n_ffn not a multiple of
+/// the 128-column tile, M with a partial row tile. Also prints how many outputs
+/// differ from the unfused route (two matmuls into f32, then gated_<act>_bf16).
+#[test]
+fn matmul_gated_ffn_every_activation() {
+    let Some(dev) = device() else { return };
+    let mut rng = rng_for("matmul_gated");
+    if dev.has_function(ops::GEMM_WGMMA_KERNEL) {
+        for act in [Activation::Silu, Activation::GeluTanh] {
+            assert!(dev.has_function(ops::gemm_gated_kernel(act)), "{} missing beside {}", ops::gemm_gated_kernel(act), ops::GEMM_WGMMA_KERNEL);
+        }
+    }
+    for (format, act, m, n, k) in [
+        (TensorFormat::Q4_0, Activation::Silu, 300, 1000, 576),
+        (TensorFormat::Q8_0, Activation::GeluTanh, 257, 640, 1056),
+        (TensorFormat::Q4K, Activation::Silu, 200, 384, 1024),
+        (TensorFormat::Bf16, Activation::Silu, 128, 256, 512),
+        (TensorFormat::Q8_0, Activation::GeluTanh, 70, 200, 512), // below the wgmma M: mma.sync
+    ] {
+        let f = match act {
+            Activation::Silu => twin::silu_f64,
+            Activation::GeluTanh => twin::gelu_tanh_f64,
+        };
+        let (bg, bu) = (twin::random_matrix(format, n, k, &mut rng), twin::random_matrix(format, n, k, &mut rng));
+        let (wg, wu) = (QuantMatrix::upload(dev, format, n, k, &bg).unwrap(), QuantMatrix::upload(dev, format, n, k, &bu).unwrap());
+        let round = |b: &[u8]| -> Vec<f32> { twin::dequant_matrix(format, b, n, k).iter().map(|&v| twin::round_bf16(v)).collect() };
+        let x = randn(&mut rng, m * k, 1.0);
+        let xb: Vec<f32> = x.iter().map(|&v| twin::round_bf16(v)).collect();
+        let (g, u) = (twin::matmul_f64(&xb, &round(&bg), m, n, k), twin::matmul_f64(&xb, &round(&bu), m, n, k));
+        let cpu: Vec<f64> = g.iter().zip(&u).map(|(&g, &u)| f(g) * u).collect();
+        let xbd = upload_bf16(dev, &x);
+        let mut out = poisoned::<bf16>(dev, m * n);
+        ops::matmul_gated_bf16(dev, act, xbd.view(), m, &wg, &wu, out.view_mut()).unwrap();
+        let fused = bf16_to_f32(&dev.download(&out).unwrap());
+        let kernel = if ops::bf16_kernel_for(dev, m, n) == ops::MatmulKernel::Wgmma && dev.has_function(ops::gemm_gated_kernel(act)) {
+            ops::gemm_gated_kernel(act)
+        } else {
+            "mma.sync + gated"
+        };
+        check(&format!("matmul_gated {act:?} {kernel} {} ({m}x{n}x{k})", format.name()), &fused, &cpu, TOL_BF16_OUT);
+        // The unfused route on the same device, for the record.
+        let (mut gd, mut ud) = (poisoned::<f32>(dev, m * n), poisoned::<f32>(dev, m * n));
+        ops::matmul(dev, xbd.view(), m, &wg, gd.view_mut(), n).unwrap();
+        ops::matmul(dev, xbd.view(), m, &wu, ud.view_mut(), n).unwrap();
+        let mut ob = poisoned::<bf16>(dev, m * n);
+        ops::gated(dev, act, gd.view(), Rows::contiguous(m, n), ud.view(), n, ob.view_mut(), n).unwrap();
+        let unfused = bf16_to_f32(&dev.download(&ob).unwrap());
+        let n_diff = fused.iter().zip(&unfused).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        println!("GATED {act:?} {kernel} {}: {n_diff} of {} outputs differ from matmul x2 + gated_bf16", format.name(), m * n);
+        assert!(ops::matmul_gated_bf16(dev, act, xbd.view(), m, &wg, &wu, out.slice_mut(0..n).unwrap()).is_err(), "a short out is an error");
+    }
+}
+
+/// The fused default-route ops against their unfused sequences on the 8B shapes
+/// (M = 8192 rows, Q4_0 weights, sm_90a): the residual add in the GEMM epilogue
+/// (o: 4096 x 4096, down: 4096 x 14336) against matmul then add_f32, and the
+/// gated GEMM (gate and up 14336 x 4096) against two matmuls then
+/// gated_silu_bf16. Wall time over 10 launches after a warm-up, synchronized;
+/// `FUSION` lines. Asserts the outputs finite; the times are for the record.
+#[test]
+fn fusion_timing_report() {
+    let Some(dev) = device() else { return };
+    if !dev.has_function(ops::GEMM_WGMMA_KERNEL) {
+        return;
+    }
+    let mut rng = rng_for("fusion_timing");
+    let m = 8192;
+    let time = |f: &mut dyn FnMut()| -> f64 {
+        f();
+        dev.synchronize().unwrap();
+        let t0 = std::time::Instant::now();
+        for _ in 0..10 {
+            f();
+        }
+        dev.synchronize().unwrap();
+        t0.elapsed().as_secs_f64() / 10.0
+    };
+    for (name, n, k) in [("o", 4096, 4096), ("down", 4096, 14336)] {
+        let w = QuantMatrix::upload(dev, TensorFormat::Q4_0, n, k, &twin::random_matrix(TensorFormat::Q4_0, n, k, &mut rng)).unwrap();
+        let xbd = upload_bf16(dev, &randn(&mut rng, m * k, 1.0));
+        let mut y = dev.upload(&randn(&mut rng, m * n, 1.0)).unwrap();
+        let mut t = dev.alloc_zeros::<f32>(m * n).unwrap();
+        let fused = time(&mut || ops::matmul_add_bf16(dev, xbd.view(), m, &w, y.view_mut()).unwrap());
+        let plain = time(&mut || {
+            ops::matmul(dev, xbd.view(), m, &w, t.view_mut(), n).unwrap();
+            ops::add_inplace(dev, y.view_mut(), t.view()).unwrap();
+        });
+        let gemm = time(&mut || ops::matmul(dev, xbd.view(), m, &w, t.view_mut(), n).unwrap());
+        let flop = 2.0 * (m * n * k) as f64;
+        println!(
+            "FUSION residual {name} {m}x{n}x{k} Q4_0: matmul_add {:.3} ms ({:.0} TFLOP/s), matmul + add_f32 {:.3} ms, matmul alone {:.3} ms ({:.0} TFLOP/s)",
+            fused * 1e3,
+            flop / fused / 1e12,
+            plain * 1e3,
+            gemm * 1e3,
+            flop / gemm / 1e12
+        );
+        assert!(dev.download_range(&y, 0..1024).unwrap().iter().all(|v| v.is_finite()), "non-finite output");
+    }
+    let (n, k) = (14336, 4096);
+    let wg = QuantMatrix::upload(dev, TensorFormat::Q4_0, n, k, &twin::random_matrix(TensorFormat::Q4_0, n, k, &mut rng)).unwrap();
+    let wu = QuantMatrix::upload(dev, TensorFormat::Q4_0, n, k, &twin::random_matrix(TensorFormat::Q4_0, n, k, &mut rng)).unwrap();
+    let xbd = upload_bf16(dev, &randn(&mut rng, m * k, 1.0));
+    let mut out = dev.alloc_zeros::<bf16>(m * n).unwrap();
+    let (mut g, mut u) = (dev.alloc_zeros::<f32>(m * n).unwrap(), dev.alloc_zeros::<f32>(m * n).unwrap());
+    let fused = time(&mut || ops::matmul_gated_bf16(dev, Activation::Silu, xbd.view(), m, &wg, &wu, out.view_mut()).unwrap());
+    let plain = time(&mut || {
+        ops::matmul(dev, xbd.view(), m, &wg, g.view_mut(), n).unwrap();
+        ops::matmul(dev, xbd.view(), m, &wu, u.view_mut(), n).unwrap();
+        ops::gated(dev, Activation::Silu, g.view(), Rows::contiguous(m, n), u.view(), n, out.view_mut(), n).unwrap();
+    });
+    let flop = 4.0 * (m * n * k) as f64;
+    println!(
+        "FUSION gated gate/up {m}x{n}x{k} x2 Q4_0: matmul_gated {:.3} ms ({:.0} TFLOP/s), matmul x2 + gated_silu_bf16 {:.3} ms ({:.0} TFLOP/s)",
+        fused * 1e3,
+        flop / fused / 1e12,
+        plain * 1e3,
+        flop / plain / 1e12
+    );
+    let sample = bf16_to_f32(&dev.download_range(&out, 0..1024).unwrap());
+    assert!(sample.iter().all(|v| v.is_finite()), "non-finite gated output");
 }
 
 /// dequant_bf16_<fmt> (the wgmma route's weight scratch) is bit-exact: the CPU

@@ -20,6 +20,13 @@ between two CUDA synchronizations, model load excluded) with tokens/s.
 --tokens/--output pairs may repeat: the model loads once and scores each file
 in turn (each with its own warm-up batch and timing).
 
+`--random-body llama-8b --vocab N` (in place of --gguf) builds a random-weight
+LlamaForCausalLM of Llama-3-8B's body (d_model 4096, 32 layers, 32/8 heads of
+128, ffn 14336; RoPE base left at transformers' default) and a vocabulary of N in --dtype, directly on
+the device: the dense-speed peer of our 8B-class synthetic twins (dense speed
+does not depend on weight values; its perplexity means nothing and is marked
+so; transformers' GGUF loader would take a quarter of an hour per twin).
+
 A window of L tokens with targets from `first_target` on: the logits at rows
 first_target-begin-1 .. L-2 predict ids first_target-begin .. L-1 of the window.
 The model's own forward makes the logits (with `logits_to_keep` when the model
@@ -196,6 +203,31 @@ def load_model(gguf: Path, dtype_name: str, device: str, torch):
     return model
 
 
+RANDOM_BODIES = {
+    "llama-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=14336, max_position_embeddings=8192, rms_norm_eps=1e-5),
+}
+
+
+def random_model(body: str, n_vocab: int, dtype_name: str, device, torch):
+    """A random-weight LlamaForCausalLM of `body`'s geometry in `dtype_name`, built on `device` (seed 0)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dtype = getattr(torch, dtype_name)
+    cfg = LlamaConfig(vocab_size=n_vocab, tie_word_embeddings=False, attn_implementation="sdpa", **RANDOM_BODIES[body])
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    model.eval()
+    model.params_not_in_dtype = {}
+    return model
+
+
 def check_fits(model, fp: dict, windows: list[Window], gguf: Path, tokens: Path) -> None:
     """Refuses windows this model cannot score: vocabulary or length mismatch."""
     n_out = model.get_output_embeddings().weight.shape[0]
@@ -301,7 +333,9 @@ def score_file(model, torch, transformers, gguf_version, args, tokens: Path, out
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "gguf": gguf_version, "python": platform.python_version()},
         "device": str(device),
         "device_name": device_name,
-        "model": {"path": str(args.gguf), "file": args.gguf.name, "sha256": args.gguf_sha256, "class": type(model).__name__},
+        "model": {"path": str(args.gguf), "file": args.model_name, "sha256": args.gguf_sha256, "class": type(model).__name__,
+                  "random_body": args.random_body},
+        "perplexity_meaning": "none: random weights (speed only)" if args.random_body else "the model's",
         "dtype": args.dtype,
         "logits": f"the model's own forward in {args.dtype} ({'logits_to_keep' if takes_keep else 'full logits'}), "
                   "log-softmax in float32, sums in float64",
@@ -343,7 +377,7 @@ def score_file(model, torch, transformers, gguf_version, args, tokens: Path, out
         f.write("\n")
     os.replace(tmp, output)
     print(
-        f"PEER transformers {args.gguf.name} {fp.get('method')} ctx {fp.get('context')}"
+        f"PEER transformers {args.model_name} {fp.get('method')} ctx {fp.get('context')}"
         f"{'' if fp.get('method') != 'sliding' else ' stride ' + str(fp.get('stride'))}: PPL {ppl:.4f} "
         f"over {n_scored} targets ({len(windows)} windows); {n_processed / score_s:,.0f} tok/s processed, "
         f"{n_scored / score_s:,.0f} scored ({score_s:.2f} s, load {load_s:.1f} s); {args.dtype} on {device_name}",
@@ -355,7 +389,9 @@ def score_file(model, torch, transformers, gguf_version, args, tokens: Path, out
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gguf", required=True, type=Path, help="GGUF model file")
+    ap.add_argument("--gguf", type=Path, help="GGUF model file")
+    ap.add_argument("--random-body", choices=sorted(RANDOM_BODIES), help="instead of --gguf: random weights of this body (speed only)")
+    ap.add_argument("--vocab", type=int, default=None, help="vocabulary of --random-body (default: the token files')")
     ap.add_argument("--tokens", required=True, type=Path, action="append",
                     help="a --save-tokens file (.json, .json.gz, .json.xz); repeat to score several with one model load")
     ap.add_argument("--output", required=True, type=Path, action="append", help="JSON summary to write, one per --tokens, same order")
@@ -374,8 +410,11 @@ def main() -> None:
         fail("--batch must be at least 1")
     if args.batch_tokens < 1:
         fail("--batch-tokens must be at least 1")
-    if not args.gguf.is_file():
+    if (args.gguf is None) == (args.random_body is None):
+        fail("give exactly one of --gguf and --random-body")
+    if args.gguf is not None and not args.gguf.is_file():
         fail(f"{args.gguf}: no such file")
+    args.model_name = args.gguf.name if args.gguf else f"random-{args.random_body}"
 
     import torch
     import transformers
@@ -405,14 +444,19 @@ def main() -> None:
 
     # Every token file is read and checked before the (slow) model load.
     loaded = [read_windows(t) for t in args.tokens]
-    args.gguf_sha256 = sha256_of(args.gguf)
+    args.gguf_sha256 = sha256_of(args.gguf) if args.gguf else None
 
-    log(f"loading {args.gguf} with transformers {transformers.__version__}, torch {torch.__version__} ({args.dtype}, {args.device})")
+    log(f"loading {args.model_name} with transformers {transformers.__version__}, torch {torch.__version__} ({args.dtype}, {args.device})")
     t0 = time.perf_counter()
-    try:
-        model = load_model(args.gguf.resolve(), args.dtype, device, torch)
-    except (ValueError, KeyError, NotImplementedError, OSError, RuntimeError) as e:
-        fail(f"{args.gguf}: transformers {transformers.__version__} cannot load this GGUF file: {type(e).__name__}: {e}")
+    if args.random_body:
+        vocabs = {int(fp["n_vocab"]) for fp, _ in loaded}
+        n_vocab = args.vocab or (vocabs.pop() if len(vocabs) == 1 else fail(f"token files of vocabularies {sorted(vocabs)}: give --vocab"))
+        model = random_model(args.random_body, n_vocab, args.dtype, device, torch)
+    else:
+        try:
+            model = load_model(args.gguf.resolve(), args.dtype, device, torch)
+        except (ValueError, KeyError, NotImplementedError, OSError, RuntimeError) as e:
+            fail(f"{args.gguf}: transformers {transformers.__version__} cannot load this GGUF file: {type(e).__name__}: {e}")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     load_s = time.perf_counter() - t0
@@ -420,7 +464,7 @@ def main() -> None:
     log(f"model loaded in {load_s:.1f} s: {type(model).__name__}, {args.dtype}, sdpa, "
         f"logits_to_keep {'yes' if takes_keep else 'no (full logits)'}")
     for (fp, windows), tokens in zip(loaded, args.tokens):
-        check_fits(model, fp, windows, args.gguf, tokens)
+        check_fits(model, fp, windows, args.gguf or args.model_name, tokens)
     for tokens, output, one in zip(args.tokens, args.output, loaded):
         score_file(model, torch, transformers, gguf_version, args, tokens, output, one, load_s)
 

@@ -298,6 +298,18 @@ pub trait Backend {
     /// `act(gate) * up`, both `(n, d_ffn)`.
     fn gated_act(&self, gate: &Self::Act, up: &Self::Act, act: Activation) -> Result<Self::Act>;
 
+    /// The gated FFN's input to its down projection: `act(h · gateᵀ) * (h ·
+    /// upᵀ)`, `h (n, d_model)`, `gate` and `up` `(d_ffn, d_model)` -> `(n,
+    /// d_ffn)`; the numbers of two [`matmul`](Self::matmul)s then
+    /// [`gated_act`](Self::gated_act), which is the default body (the CUDA
+    /// backend computes both products in one GEMM with the activation in its
+    /// epilogue).
+    fn gated_ffn(&self, h: &Self::Act, gate: &Self::Matrix, up: &Self::Matrix, act: Activation) -> Result<Self::Act> {
+        let g = self.matmul(h, gate)?;
+        let u = self.matmul(h, up)?;
+        self.gated_act(&g, &u, act)
+    }
+
     /// In place, `x += y`.
     fn add_assign(&self, x: &mut Self::Act, y: &Self::Act) -> Result<()>;
 

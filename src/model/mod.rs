@@ -458,9 +458,7 @@ impl<B: Backend> Transformer<B> {
             let mut f = match &layer.ffn {
                 Ffn::Dense { gate, up, down } => {
                     // (n, d_ffn)
-                    let gate = b.matmul(&h, gate).with_context(fail)?;
-                    let up = b.matmul(&h, up).with_context(fail)?;
-                    let g = b.gated_act(&gate, &up, hp.activation)?;
+                    let g = b.gated_ffn(&h, gate, up, hp.activation).with_context(fail)?;
                     b.matmul(&g, down).with_context(fail)?
                 }
                 Ffn::Moe { router, experts, routing } => {

@@ -30,8 +30,17 @@
 //! CUDA-core kernel (v1). The report names the one that ran and the cache's
 //! store and read kernels.
 //!
-//! Common to both: activations and the residual stream are f32 device
-//! matrices; norms, RoPE and activations are f32. The LM head
+//! Common to both: the residual stream is an f32 device matrix; norms, RoPE
+//! and activations compute in f32. On the default route an activation that only
+//! feeds matmuls is held as its bf16 rounding ([`CudaAct`]): attention writes its
+//! output in bf16, the gated product too, and RMSNorm writes f32 and bf16 in one
+//! pass, so no matmul casts its input (the route rounds every matmul input to
+//! bf16 anyway: no number changes). The gated FFN's gate and up products run as
+//! one GEMM with the activation in its epilogue ([`Backend::gated_ffn`]). The
+//! residual add after a matmul stays a separate `add_f32`: the GEMM-epilogue add
+//! (`ops::matmul_add_bf16`) measured 5-11 %
+//! slower than the GEMM then the add on the 8B shapes (gpu_ops
+//! `fusion_timing_report`, docs/performance.md). The LM head
 //! multiplies the final-normed rows with the head like any matmul of the
 //! route (bf16 on the tensor cores, or f32 FFMA) into f32 logits, reduced on
 //! the GPU with an f64 sum of exponentials. Weights stay in their stored block format
@@ -52,6 +61,7 @@ use half::bf16;
 use super::buffer::{DevView, DeviceBuffer, QuantMatrix};
 use super::device::CudaDevice;
 use super::ops::{self, LmHeadOut, Rows, LM_HEAD_TILE_ROWS};
+use super::profile::OpProfile;
 use crate::artifact::meta::{Activation, RopeStyle};
 use crate::artifact::TensorView;
 use crate::backend::cpu::{dequant, head::check_request};
@@ -83,12 +93,44 @@ impl Route {
     }
 }
 
-/// Row-major `(n_rows, n_cols)` f32 activations on the device.
+/// Row-major `(n_rows, n_cols)` activations on the device: f32 values, their
+/// bf16 rounding (round to nearest even), or both. The default route's
+/// attention output and gated product are bf16 alone (only matmuls read them),
+/// its norms write both; every other op writes f32. An op that changes the f32
+/// values in place drops the bf16 copy, so a bf16 copy always equals the
+/// rounding of the current f32 values.
 #[derive(Debug)]
 pub struct CudaAct {
     pub n_rows: usize,
     pub n_cols: usize,
-    pub buf: DeviceBuffer<f32>,
+    /// (n_rows, n_cols) f32; `None` when the activation is a matmul input held in bf16 only.
+    f32: Option<DeviceBuffer<f32>>,
+    /// (n_rows, n_cols) bf16, the rounding of the f32 values (or the op's bf16 output).
+    bf16: Option<DeviceBuffer<bf16>>,
+}
+
+impl CudaAct {
+    /// The f32 values; an error naming `op` for a bf16-only activation (an op's
+    /// result that the model may only pass to a matmul).
+    pub fn f32(&self, op: &str) -> Result<&DeviceBuffer<f32>> {
+        self.f32.as_ref().with_context(|| {
+            format!("{op}: this ({} x {}) activation is held in bf16 only (a matmul input of the default route)", self.n_rows, self.n_cols)
+        })
+    }
+
+    /// The f32 values for writing in place; drops the bf16 copy, which would be stale.
+    fn f32_mut(&mut self, op: &str) -> Result<&mut DeviceBuffer<f32>> {
+        self.bf16 = None;
+        let (r, c) = (self.n_rows, self.n_cols);
+        self.f32
+            .as_mut()
+            .with_context(|| format!("{op}: this ({r} x {c}) activation is held in bf16 only (a matmul input of the default route)"))
+    }
+
+    /// The bf16 copy, when the op that wrote this activation made one.
+    pub fn bf16(&self) -> Option<&DeviceBuffer<bf16>> {
+        self.bf16.as_ref()
+    }
 }
 
 /// A weight `(n_out, n_in)` in its stored format on the device.
@@ -138,6 +180,21 @@ pub struct CudaBackend {
     positions: RefCell<Option<DeviceBuffer<i32>>>,
     /// The LM head's logits tile `(LM_HEAD_TILE_ROWS, n_vocab)`, kept between calls.
     head_scratch: RefCell<Option<DeviceBuffer<f32>>>,
+    /// GPU time per op family (`INFERNIX_CUDA_PROFILE=1`), logged when the backend is dropped.
+    prof: OpProfile,
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        if !self.prof.enabled() {
+            return;
+        }
+        // stderr: the profile was asked for explicitly; an error only loses the profile.
+        match self.prof.report() {
+            Ok(lines) => lines.iter().for_each(|l| eprintln!("{l}")),
+            Err(e) => eprintln!("PROFILE unavailable: {e:#}"),
+        }
+    }
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -166,6 +223,13 @@ fn same_shape(op: &str, a: &CudaAct, b: &CudaAct) -> Result<()> {
     Ok(())
 }
 
+fn ops_activation(act: Activation) -> ops::Activation {
+    match act {
+        Activation::Silu => ops::Activation::Silu,
+        Activation::GeluTanh => ops::Activation::GeluTanh,
+    }
+}
+
 fn gib(bytes: usize) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
@@ -186,7 +250,7 @@ impl CudaBackend {
              the quantized formats run on the default (bf16 tensor-core) route"
         );
         let dev = CudaDevice::open(index)?;
-        Ok(Self { dev, route, kv_dtype, positions: RefCell::new(None), head_scratch: RefCell::new(None) })
+        Ok(Self { dev, route, kv_dtype, positions: RefCell::new(None), head_scratch: RefCell::new(None), prof: OpProfile::from_env() })
     }
 
     pub fn device(&self) -> &CudaDevice {
@@ -198,7 +262,28 @@ impl CudaBackend {
     }
 
     fn new_act(&self, n_rows: usize, n_cols: usize) -> Result<CudaAct> {
-        Ok(CudaAct { n_rows, n_cols, buf: self.dev.alloc_uninit(n_rows * n_cols)? })
+        Ok(CudaAct { n_rows, n_cols, f32: Some(self.dev.alloc_uninit(n_rows * n_cols)?), bf16: None })
+    }
+
+    fn new_act_bf16(&self, n_rows: usize, n_cols: usize) -> Result<CudaAct> {
+        Ok(CudaAct { n_rows, n_cols, f32: None, bf16: Some(self.dev.alloc_uninit(n_rows * n_cols)?) })
+    }
+
+    /// The default route: results that only feed matmuls are written in bf16.
+    fn bf16_matmul_inputs(&self) -> bool {
+        self.route == Route::Bf16TensorCore
+    }
+
+    /// x as the default route's bf16 matmul input: its bf16 copy, or a rounding of
+    /// its f32 values into `tmp`.
+    fn bf16_input<'a>(&self, x: &'a CudaAct, tmp: &'a mut Option<DeviceBuffer<bf16>>) -> Result<DevView<'a, bf16>> {
+        if let Some(b) = x.bf16() {
+            return Ok(b.view());
+        }
+        let src = x.f32("matmul")?;
+        let mut xb = self.dev.alloc_uninit::<bf16>(src.len())?;
+        ops::cast_bf16(&self.dev, src.view(), xb.view_mut())?;
+        Ok(tmp.insert(xb).view())
     }
 
     /// Runs `f` on positions `pos0..pos0 + n` as a device view.
@@ -219,27 +304,28 @@ impl CudaBackend {
         (0..n_layers).map(|_| Ok([self.dev.alloc_zeros(len)?, self.dev.alloc_zeros(len)?])).collect()
     }
 
-    fn kv_store_and_attend<KV: ops::KvElem>(
+    #[allow(clippy::too_many_arguments)]
+    fn kv_store_and_attend<KV: ops::KvElem, O: ops::OutElem>(
         &self,
         kv: &mut [DeviceBuffer<KV>; 2],
         shape: ops::KvShape,
         q: &CudaAct,
         k: &CudaAct,
         v: &CudaAct,
-        out: &mut CudaAct,
+        out: &mut DeviceBuffer<O>,
         p: &ops::AttnParams,
     ) -> Result<()> {
         let [kc, vc] = kv;
         let (n_seqs, n) = (p.n_seqs, p.n_tokens);
-        ops::kv_store(&self.dev, k.buf.view(), n_seqs, n, k.n_cols, kc.view_mut(), shape, p.pos0)?;
-        ops::kv_store(&self.dev, v.buf.view(), n_seqs, n, v.n_cols, vc.view_mut(), shape, p.pos0)?;
-        ops::attention::<KV, f32>(&self.dev, self.attention_kernel(), q.buf.view(), kc.view(), vc.view(), shape, out.buf.view_mut(), p)
+        ops::kv_store(&self.dev, k.f32("attention")?.view(), n_seqs, n, k.n_cols, kc.view_mut(), shape, p.pos0)?;
+        ops::kv_store(&self.dev, v.f32("attention")?.view(), n_seqs, n, v.n_cols, vc.view_mut(), shape, p.pos0)?;
+        ops::attention::<KV, O>(&self.dev, self.attention_kernel(), q.f32("attention")?.view(), kc.view(), vc.view(), shape, out.view_mut(), p)
     }
 
     /// A quantized format: K and V rows encoded into the cache (non-finite counts
     /// into `n_bad`), then attention v2 decoding them in its tile loads.
     #[allow(clippy::too_many_arguments)]
-    fn kv_encode_and_attend(
+    fn kv_encode_and_attend<O: ops::OutElem>(
         &self,
         kv: &mut [DeviceBuffer<u8>; 2],
         n_bad: &mut DeviceBuffer<u64>,
@@ -248,16 +334,36 @@ impl CudaBackend {
         q: &CudaAct,
         k: &CudaAct,
         v: &CudaAct,
-        out: &mut CudaAct,
+        out: &mut DeviceBuffer<O>,
         p: &ops::AttnParams,
     ) -> Result<()> {
         let [kc, vc] = kv;
         let (n_seqs, n, f) = (p.n_seqs, p.n_tokens, self.kv_dtype);
-        ops::kv_encode(&self.dev, f.k(), k.buf.view(), n_seqs, n, k.n_cols, kc.view_mut(), shape, p.pos0, n_bad.view_mut(), book)
+        ops::kv_encode(&self.dev, f.k(), k.f32("attention")?.view(), n_seqs, n, k.n_cols, kc.view_mut(), shape, p.pos0, n_bad.view_mut(), book)
             .with_context(|| format!("attention: store K ({f})"))?;
-        ops::kv_encode(&self.dev, f.v(), v.buf.view(), n_seqs, n, v.n_cols, vc.view_mut(), shape, p.pos0, n_bad.view_mut(), book)
+        ops::kv_encode(&self.dev, f.v(), v.f32("attention")?.view(), n_seqs, n, v.n_cols, vc.view_mut(), shape, p.pos0, n_bad.view_mut(), book)
             .with_context(|| format!("attention: store V ({f})"))?;
-        ops::attention_coded::<f32>(&self.dev, f, q.buf.view(), kc.view(), vc.view(), shape, out.buf.view_mut(), p, book)
+        ops::attention_coded::<O>(&self.dev, f, q.f32("attention")?.view(), kc.view(), vc.view(), shape, out.view_mut(), p, book)
+    }
+
+    /// Stores k and v in `layer`'s cache and attends q into `out` (f32 or bf16).
+    #[allow(clippy::too_many_arguments)]
+    fn store_and_attend<O: ops::OutElem>(
+        &self,
+        cache: &mut CudaKvCache,
+        layer: usize,
+        shape: ops::KvShape,
+        q: &CudaAct,
+        k: &CudaAct,
+        v: &CudaAct,
+        out: &mut DeviceBuffer<O>,
+        p: &ops::AttnParams,
+    ) -> Result<()> {
+        match &mut cache.layers {
+            KvLayers::Bf16(l) => self.kv_store_and_attend(&mut l[layer], shape, q, k, v, out, p),
+            KvLayers::F32(l) => self.kv_store_and_attend(&mut l[layer], shape, q, k, v, out, p),
+            KvLayers::Coded(l) => self.kv_encode_and_attend(&mut l[layer], &mut cache.n_bad, cache.book.as_ref(), shape, q, k, v, out, p),
+        }
     }
 
     /// The prefill attention kernel of this backend's route and KV type: the
@@ -344,6 +450,7 @@ impl Backend for CudaBackend {
     }
 
     fn embed(&self, table: &CudaMatrix, tokens: &[u32], scale: f64) -> Result<CudaAct> {
+        let _prof = self.prof.scope(&self.dev, "embed")?;
         let n_vocab = table.q.n_rows;
         let ids: Vec<i32> = tokens
             .iter()
@@ -357,26 +464,38 @@ impl Backend for CudaBackend {
             return Ok(out);
         }
         let ids = self.dev.upload(&ids)?;
-        ops::embed(&self.dev, ids.view(), &table.q, out.buf.view_mut(), scale as f32).with_context(|| format!("embed {}", table.name))?;
+        ops::embed(&self.dev, ids.view(), &table.q, out.f32_mut("embed")?.view_mut(), scale as f32)
+            .with_context(|| format!("embed {}", table.name))?;
         Ok(out)
     }
 
     fn rms_norm(&self, x: &CudaAct, w: &DeviceBuffer<f32>, eps: f64) -> Result<CudaAct> {
+        let _prof = self.prof.scope(&self.dev, "rms_norm")?;
         ensure!(w.len() == x.n_cols, "rms_norm: weight has {} elements, rows have {}", w.len(), x.n_cols);
         let mut out = self.new_act(x.n_rows, x.n_cols)?;
         let rows = Rows::contiguous(x.n_rows, x.n_cols);
-        ops::rmsnorm::<f32>(&self.dev, x.buf.view(), rows, w.view(), out.buf.view_mut(), x.n_cols, eps as f32)?;
+        let xf = x.f32("rms_norm")?.view();
+        if self.bf16_matmul_inputs() {
+            // f32 for a residual add after a post norm, bf16 for the matmuls (one pass).
+            let mut ob = self.dev.alloc_uninit::<bf16>(x.n_rows * x.n_cols)?;
+            ops::rmsnorm_dual(&self.dev, xf, rows, w.view(), out.f32_mut("rms_norm")?.view_mut(), ob.view_mut(), eps as f32)?;
+            out.bf16 = Some(ob);
+        } else {
+            ops::rmsnorm::<f32>(&self.dev, xf, rows, w.view(), out.f32_mut("rms_norm")?.view_mut(), x.n_cols, eps as f32)?;
+        }
         Ok(out)
     }
 
     fn rms_norm_heads(&self, x: &mut CudaAct, w: &DeviceBuffer<f32>, d_head: usize, eps: f64) -> Result<()> {
+        let _prof = self.prof.scope(&self.dev, "rms_norm")?;
         ensure!(w.len() == d_head, "rms_norm_heads: weight has {} elements, d_head is {d_head}", w.len());
         ensure!(d_head > 0 && x.n_cols % d_head == 0, "rms_norm_heads: rows of {} are not whole heads of {d_head}", x.n_cols);
         let rows = Rows::contiguous(x.n_rows * (x.n_cols / d_head), d_head);
-        ops::rmsnorm_inplace(&self.dev, x.buf.view_mut(), rows, w.view(), eps as f32)
+        ops::rmsnorm_inplace(&self.dev, x.f32_mut("rms_norm_heads")?.view_mut(), rows, w.view(), eps as f32)
     }
 
     fn matmul(&self, x: &CudaAct, w: &CudaMatrix) -> Result<CudaAct> {
+        let _prof = self.prof.scope(&self.dev, "matmul")?;
         ensure!(
             x.n_cols == w.q.n_cols,
             "matmul {}: x has {} columns, the weight takes {}",
@@ -387,13 +506,14 @@ impl Backend for CudaBackend {
         let mut y = self.new_act(x.n_rows, w.q.n_rows)?;
         let ldy = y.n_cols;
         let mut run = || -> Result<()> {
+            let yv = y.f32_mut("matmul")?.view_mut();
             match self.route {
                 Route::Bf16TensorCore => {
-                    let mut xb = self.dev.alloc_uninit::<bf16>(x.buf.len())?;
-                    ops::cast_bf16(&self.dev, x.buf.view(), xb.view_mut())?;
-                    ops::matmul::<bf16>(&self.dev, xb.view(), x.n_rows, &w.q, y.buf.view_mut(), ldy)
+                    let mut tmp = None;
+                    let xb = self.bf16_input(x, &mut tmp)?;
+                    ops::matmul::<bf16>(&self.dev, xb, x.n_rows, &w.q, yv, ldy)
                 }
-                Route::Fp32 => ops::matmul::<f32>(&self.dev, x.buf.view(), x.n_rows, &w.q, y.buf.view_mut(), ldy),
+                Route::Fp32 => ops::matmul::<f32>(&self.dev, x.f32("matmul")?.view(), x.n_rows, &w.q, yv, ldy),
             }
         };
         run().with_context(|| format!("matmul {}", w.name))?;
@@ -401,11 +521,13 @@ impl Backend for CudaBackend {
     }
 
     fn add_bias(&self, x: &mut CudaAct, b: &DeviceBuffer<f32>) -> Result<()> {
+        let _prof = self.prof.scope(&self.dev, "elementwise")?;
         ensure!(b.len() == x.n_cols, "add_bias: bias has {} elements, rows have {}", b.len(), x.n_cols);
-        ops::add_bias(&self.dev, x.buf.view_mut(), b.view())
+        ops::add_bias(&self.dev, x.f32_mut("add_bias")?.view_mut(), b.view())
     }
 
     fn rope(&self, x: &mut CudaAct, n_heads: usize, d_head: usize, rows: PassRows, p: &RopeParams) -> Result<()> {
+        let _prof = self.prof.scope(&self.dev, "rope")?;
         ensure!(
             x.n_cols == n_heads * d_head,
             "rope: rows have {} columns, expected {n_heads} heads x {d_head}",
@@ -432,7 +554,8 @@ impl Backend for CudaBackend {
         };
         let n_cols = x.n_cols;
         let n_rows = x.n_rows;
-        self.with_positions(rows.pos0, rows.n_tokens, |pos| ops::rope(&self.dev, x.buf.view_mut(), n_cols, n_rows, pos, &params))
+        let xv = x.f32_mut("rope")?.view_mut();
+        self.with_positions(rows.pos0, rows.n_tokens, |pos| ops::rope(&self.dev, xv, n_cols, n_rows, pos, &params))
     }
 
     fn attention(
@@ -445,6 +568,7 @@ impl Backend for CudaBackend {
         rows: PassRows,
         p: &AttnParams,
     ) -> Result<CudaAct> {
+        let _prof = self.prof.scope(&self.dev, "attention")?;
         let g = cache.geometry;
         let (n, pos0) = (rows.n_rows(), rows.pos0);
         ensure!(layer < g.n_layers, "attention: layer {layer} of a cache for {}", g.n_layers);
@@ -497,38 +621,78 @@ impl Backend for CudaBackend {
             out_stride: width,
         };
         ensure!(p.window != Some(0), "attention: a sliding window of 0 positions");
-        let mut out = self.new_act(n, width)?;
+        // The default route's output feeds only the output projection: bf16, as that matmul rounds it
+        // (where the cache's attention kernel has a bf16 output: bf16, f32 and fp8 caches).
+        let bf16_out = self.bf16_matmul_inputs() && matches!(self.kv_dtype, KvFormat::Bf16 | KvFormat::F32 | KvFormat::Fp8);
+        let mut out = if bf16_out { self.new_act_bf16(n, width)? } else { self.new_act(n, width)? };
         if n == 0 {
             return Ok(out);
         }
-        match &mut cache.layers {
-            KvLayers::Bf16(l) => self.kv_store_and_attend(&mut l[layer], shape, q, k, v, &mut out, &params)?,
-            KvLayers::F32(l) => self.kv_store_and_attend(&mut l[layer], shape, q, k, v, &mut out, &params)?,
-            KvLayers::Coded(l) => {
-                self.kv_encode_and_attend(&mut l[layer], &mut cache.n_bad, cache.book.as_ref(), shape, q, k, v, &mut out, &params)?
-            }
+        match (&mut out.f32, &mut out.bf16) {
+            (Some(o), _) => self.store_and_attend(cache, layer, shape, q, k, v, o, &params)?,
+            (None, Some(o)) => self.store_and_attend(cache, layer, shape, q, k, v, o, &params)?,
+            (None, None) => bail!("attention: output buffer missing"),
         }
         Ok(out)
     }
 
     fn gated_act(&self, gate: &CudaAct, up: &CudaAct, act: Activation) -> Result<CudaAct> {
+        let _prof = self.prof.scope(&self.dev, "elementwise")?;
         same_shape("gated_act", gate, up)?;
-        let mut out = self.new_act(gate.n_rows, gate.n_cols)?;
-        let a = match act {
-            Activation::Silu => ops::Activation::Silu,
-            Activation::GeluTanh => ops::Activation::GeluTanh,
-        };
+        let a = ops_activation(act);
         let (rows, c) = (Rows::contiguous(gate.n_rows, gate.n_cols), gate.n_cols);
-        ops::gated::<f32>(&self.dev, a, gate.buf.view(), rows, up.buf.view(), c, out.buf.view_mut(), c)?;
+        let (g, u) = (gate.f32("gated_act")?.view(), up.f32("gated_act")?.view());
+        // The default route's product feeds only the down projection: bf16, as that matmul rounds it.
+        if self.bf16_matmul_inputs() {
+            let mut out = self.new_act_bf16(gate.n_rows, gate.n_cols)?;
+            let ov = out.bf16.as_mut().context("gated_act: bf16 output")?.view_mut();
+            ops::gated::<bf16>(&self.dev, a, g, rows, u, c, ov, c)?;
+            Ok(out)
+        } else {
+            let mut out = self.new_act(gate.n_rows, gate.n_cols)?;
+            ops::gated::<f32>(&self.dev, a, g, rows, u, c, out.f32_mut("gated_act")?.view_mut(), c)?;
+            Ok(out)
+        }
+    }
+
+    fn gated_ffn(&self, h: &CudaAct, gate: &CudaMatrix, up: &CudaMatrix, act: Activation) -> Result<CudaAct> {
+        let _prof = self.prof.scope(&self.dev, "gated_ffn")?;
+        ensure!(
+            h.n_cols == gate.q.n_cols && gate.q.n_rows == up.q.n_rows && gate.q.n_cols == up.q.n_cols,
+            "gated_ffn {} / {}: h has {} columns, gate is {} x {}, up {} x {}",
+            gate.name,
+            up.name,
+            h.n_cols,
+            gate.q.n_rows,
+            gate.q.n_cols,
+            up.q.n_rows,
+            up.q.n_cols
+        );
+        if !self.bf16_matmul_inputs() {
+            let g = self.matmul(h, gate)?;
+            let u = self.matmul(h, up)?;
+            return self.gated_act(&g, &u, act);
+        }
+        let a = ops_activation(act);
+        let mut tmp = None;
+        let hb = self.bf16_input(h, &mut tmp)?;
+        // bf16 out: it feeds only the down projection, which rounds it so.
+        let mut out = self.new_act_bf16(h.n_rows, gate.q.n_rows)?;
+        let ov = out.bf16.as_mut().context("gated_ffn: bf16 output")?.view_mut();
+        ops::matmul_gated_bf16(&self.dev, a, hb, h.n_rows, &gate.q, &up.q, ov)
+            .with_context(|| format!("gated_ffn {} / {}", gate.name, up.name))?;
         Ok(out)
     }
 
     fn add_assign(&self, x: &mut CudaAct, y: &CudaAct) -> Result<()> {
+        let _prof = self.prof.scope(&self.dev, "elementwise")?;
         same_shape("add", x, y)?;
-        ops::add_inplace(&self.dev, x.buf.view_mut(), y.buf.view())
+        let yv = y.f32("add")?.view();
+        ops::add_inplace(&self.dev, x.f32_mut("add")?.view_mut(), yv)
     }
 
     fn score_rows(&self, x: &CudaAct, rows: &[usize], head: &CudaMatrix, req: &HeadRequest) -> Result<Vec<RowScore>> {
+        let _prof = self.prof.scope(&self.dev, "lm_head")?;
         let (d, n_vocab) = (x.n_cols, head.q.n_rows);
         ensure!(d == head.q.n_cols, "score_rows: rows have {d} columns, the head {} takes {}", head.name, head.q.n_cols);
         let n = rows.len();
@@ -541,14 +705,15 @@ impl Backend for CudaBackend {
         }
         let dev = &self.dev;
         // (n, d): a sub-range when the rows are consecutive (the model's case), else gathered.
+        let consecutive = rows.windows(2).all(|w| w[1] == w[0] + 1);
         let gathered;
-        let h: DevView<f32> = if rows.windows(2).all(|w| w[1] == w[0] + 1) {
-            x.buf.slice(rows[0] * d..(rows[0] + n) * d)?
+        let h: DevView<f32> = if consecutive {
+            x.f32("score_rows")?.slice(rows[0] * d..(rows[0] + n) * d)?
         } else {
             let ids: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
             let ids = dev.upload(&ids)?;
             let mut g = dev.alloc_uninit::<f32>(n * d)?;
-            ops::gather_rows(dev, x.buf.view(), d, ids.view(), g.view_mut())?;
+            ops::gather_rows(dev, x.f32("score_rows")?.view(), d, ids.view(), g.view_mut())?;
             gathered = g;
             gathered.view()
         };
@@ -575,14 +740,18 @@ impl Backend for CudaBackend {
             *scratch_cell = Some(dev.alloc_uninit::<f32>(tile_len)?);
         }
         let scratch = scratch_cell.as_mut().context("score_rows: LM-head scratch")?;
-        // The default route rounds the rows to bf16 once, for the tensor cores.
-        let h_bf16 = match self.route {
-            Route::Bf16TensorCore => {
+        let h_cast;
+        // The default route rounds the rows to bf16 once, for the tensor cores (the
+        // norm's bf16 copy when the rows are consecutive).
+        let h_bf16: Option<DevView<bf16>> = match (self.route, x.bf16()) {
+            (Route::Bf16TensorCore, Some(xb)) if consecutive => Some(xb.slice(rows[0] * d..(rows[0] + n) * d)?),
+            (Route::Bf16TensorCore, _) => {
                 let mut hb = dev.alloc_uninit::<bf16>(n * d)?;
                 ops::cast_bf16(dev, h, hb.view_mut())?;
-                Some(hb)
+                h_cast = hb;
+                Some(h_cast.view())
             }
-            Route::Fp32 => None,
+            (Route::Fp32, _) => None,
         };
         // Listed ids' logits, gathered from each tile before the next overwrites it.
         let gather = |row0: usize, n_tile: usize, logits: DevView<f32>| -> Result<()> {
@@ -603,13 +772,14 @@ impl Backend for CudaBackend {
         // (n_tile, n_vocab) f32 logits a tile: bf16 rows on the tensor cores (default
         // route) or f32 rows with FFMA (FP32 route), f32 accumulation either way.
         let softcap = req.softcap.map(|c| c as f32);
-        match &h_bf16 {
-            Some(hb) => ops::lm_head::<bf16>(dev, hb.view(), n, &head.q, targets.view(), softcap, scratch, &mut out, gather),
+        match h_bf16 {
+            Some(hb) => ops::lm_head::<bf16>(dev, hb, n, &head.q, targets.view(), softcap, scratch, &mut out, gather),
             None => ops::lm_head::<f32>(dev, h, n, &head.q, targets.view(), softcap, scratch, &mut out, gather),
         }
         .with_context(|| format!("LM head {}", head.name))?;
         drop(scratch_cell);
-        let host = out.download(dev)?;
+        self.prof.note_memory(dev)?;
+    let host = out.download(dev)?;
         let extra_host = match &extra_dev {
             Some(e) => dev.download(e)?,
             None => Vec::new(),
@@ -655,6 +825,17 @@ impl Backend for CudaBackend {
                     Route::Bf16TensorCore => "bf16 inputs (weights dequantized to bf16 in shared memory), mma.sync tensor cores, \
                          f32 accumulation (no sm_90a wgmma kernel on this GPU)".to_string(),
                     Route::Fp32 => "f32 inputs, weights dequantized to f32 in shared memory, FFMA, f32 accumulation".to_string(),
+                },
+                "fusions": match self.route {
+                    Route::Bf16TensorCore => format!(
+                        "numbers unchanged (the route rounds every matmul input to bf16 anyway): RMSNorm writes f32 and its bf16 \
+                         rounding in one pass (rmsnorm_dual); attention and the gated product are written in bf16 (matmul inputs only); \
+                         M >= {} and d_ffn >= {}: gate and up in one wgmma GEMM with act(gate) * up in its epilogue \
+                         (gemm_bf16_wgmma_gated_<act>); the residual add a separate add_f32",
+                        ops::GEMM_WGMMA_MIN_M,
+                        ops::GEMM_WGMMA_MIN_N
+                    ),
+                    Route::Fp32 => "none (f32 everywhere)".to_string(),
                 },
                 "attention_kernel": self.attention_kernel().name(),
                 "attention": self.attention_kernel().describe(),

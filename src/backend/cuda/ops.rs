@@ -130,6 +130,37 @@ pub fn rmsnorm<O: OutElem>(
     rmsnorm_raw::<O>(dev, x.ptr(), x.len(), x_rows, w, out.ptr(), out.len(), out_stride, eps)
 }
 
+/// The same norm of contiguous rows written twice: `out` f32 and `out_bf16` its
+/// bf16 rounding (round to nearest even), both (rows.n_rows, rows.n_cols)
+/// contiguous: the default route's norm, read by a residual add (f32) or by
+/// matmuls (bf16) without a separate cast.
+pub fn rmsnorm_dual(dev: &CudaDevice, x: DevView<f32>, rows: Rows, w: DevView<f32>, out: DevViewMut<f32>, out_bf16: DevViewMut<bf16>, eps: f32) -> Result<()> {
+    rows.check(x.len(), "rmsnorm_dual", "x")?;
+    let n = rows.n_rows * rows.n_cols;
+    ensure!(
+        out.len() == n && out_bf16.len() == n,
+        "rmsnorm_dual: outputs of {} and {} elements for {} rows of {}",
+        out.len(),
+        out_bf16.len(),
+        rows.n_rows,
+        rows.n_cols
+    );
+    ensure!(w.len() == rows.n_cols, "rmsnorm_dual: weight has {} elements, rows have {}", w.len(), rows.n_cols);
+    if rows.n_rows == 0 {
+        return Ok(());
+    }
+    let f = func(dev, "rmsnorm_dual")?;
+    let (xp, wp, op, bp) = (x.ptr(), w.ptr(), out.ptr(), out_bf16.ptr());
+    let (n_cols, xs, os) = (i32_of(rows.n_cols, "n_cols")?, rows.stride as i64, rows.n_cols as i64);
+    let grid = u32::try_from(rows.n_rows).map_err(|_| anyhow!("rmsnorm_dual: {} rows", rows.n_rows))?;
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&xp).arg(&wp).arg(&op).arg(&bp).arg(&n_cols).arg(&xs).arg(&os).arg(&eps);
+    // SAFETY: arguments match `rmsnorm_dual` in kernels/norm.cu; x's layout and both outputs'
+    // lengths (contiguous rows) checked.
+    unsafe { b.launch(cfg((grid, 1, 1), 128, 0)) }.map_err(|e| launch_err("rmsnorm_dual", e))?;
+    Ok(())
+}
+
 /// RMSNorm in place on f32 rows.
 pub fn rmsnorm_inplace(dev: &CudaDevice, x: DevViewMut<f32>, rows: Rows, w: DevView<f32>, eps: f32) -> Result<()> {
     rmsnorm_raw::<f32>(dev, x.ptr(), x.len(), rows, w, x.ptr(), x.len(), rows.stride, eps)
@@ -422,10 +453,42 @@ struct GemmParams {
     k: i32,
     /// 1 when ldy is even and y 8-byte aligned: column pairs stored as float2.
     y_pairs: i32,
+    /// 1: y += x · Wᵀ (the residual add in the epilogue); 0: y = x · Wᵀ.
+    accumulate: i32,
 }
 const _: () = assert!(size_of::<GemmParams>() == 384 && align_of::<GemmParams>() == 128);
 // SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
 unsafe impl cudarc::driver::DeviceRepr for GemmParams {}
+
+/// `GemmGatedParams` of kernels/common.cuh (gemm_bf16_wgmma_gated_<act>'s one parameter).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GemmGatedParams {
+    /// x: (M, K) bf16, box (64, 128).
+    a: cudarc::driver::sys::CUtensorMap,
+    /// Wg: (n_ffn, K) bf16, box (64, 128).
+    b_gate: cudarc::driver::sys::CUtensorMap,
+    /// Wu: (n_ffn, K) bf16, box (64, 128).
+    b_up: cudarc::driver::sys::CUtensorMap,
+    /// (M, ldo) bf16.
+    out: u64,
+    ldo: i64,
+    m: i32,
+    n_ffn: i32,
+    k: i32,
+    pad_: i32,
+}
+const _: () = assert!(size_of::<GemmGatedParams>() == 512 && align_of::<GemmGatedParams>() == 128);
+// SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
+unsafe impl cudarc::driver::DeviceRepr for GemmGatedParams {}
+
+/// Names of the gated wgmma GEMMs (kernels/gemm_sm90a.cu), one per activation.
+pub fn gemm_gated_kernel(act: Activation) -> &'static str {
+    match act {
+        Activation::Silu => "gemm_bf16_wgmma_gated_silu",
+        Activation::GeluTanh => "gemm_bf16_wgmma_gated_gelu",
+    }
+}
 
 /// The kernel `matmul::<bf16>` uses for an (m, n) product on this device.
 pub fn bf16_kernel_for(dev: &CudaDevice, m: usize, n: usize) -> MatmulKernel {
@@ -480,18 +543,117 @@ pub fn matmul_bf16_with(
 fn matmul_bf16_raw(dev: &CudaDevice, kernel: MatmulKernel, xp: u64, x_len: usize, m: usize, w: &QuantMatrix, y: DevViewMut<f32>, ldy: usize) -> Result<()> {
     match kernel {
         MatmulKernel::MmaSync => matmul_portable(dev, "bf16", xp, x_len, m, w, y, ldy),
-        MatmulKernel::Wgmma => {
-            check_matmul_shapes("matmul (wgmma)", x_len, xp, m, w, &y, ldy)?;
-            if m == 0 || w.n_rows == 0 {
-                return Ok(());
-            }
-            if w.format == TensorFormat::Bf16 {
-                return gemm_wgmma(dev, xp, m, w.data.view().ptr(), w.n_rows, w.n_cols, y, ldy);
-            }
-            let mut scratch = dev.alloc_uninit::<bf16>(w.n_rows * w.n_cols)?;
-            dequant_bf16(dev, w, scratch.view_mut())?;
-            gemm_wgmma(dev, xp, m, scratch.view().ptr(), w.n_rows, w.n_cols, y, ldy)
-            // `scratch` is freed in stream order, after the GEMM that reads it.
+        MatmulKernel::Wgmma => wgmma_with_scratch(dev, xp, x_len, m, w, y, ldy, false),
+    }
+}
+
+/// The wgmma GEMM of x (m, K) bf16 at `xp` with W, a block-quantized W first
+/// dequantized to a bf16 scratch; `accumulate`: y += the product.
+#[allow(clippy::too_many_arguments)]
+fn wgmma_with_scratch(dev: &CudaDevice, xp: u64, x_len: usize, m: usize, w: &QuantMatrix, y: DevViewMut<f32>, ldy: usize, accumulate: bool) -> Result<()> {
+    check_matmul_shapes("matmul (wgmma)", x_len, xp, m, w, &y, ldy)?;
+    if m == 0 || w.n_rows == 0 {
+        return Ok(());
+    }
+    if w.format == TensorFormat::Bf16 {
+        return gemm_wgmma(dev, xp, m, w.data.view().ptr(), w.n_rows, w.n_cols, y, ldy, accumulate);
+    }
+    let mut scratch = dev.alloc_uninit::<bf16>(w.n_rows * w.n_cols)?;
+    dequant_bf16(dev, w, scratch.view_mut())?;
+    gemm_wgmma(dev, xp, m, scratch.view().ptr(), w.n_rows, w.n_cols, y, ldy, accumulate)
+    // `scratch` is freed in stream order, after the GEMM that reads it.
+}
+
+/// out = bf16(act(x · Wgᵀ) * (x · Wuᵀ)), (m, n_ffn) contiguous: the gated FFN's
+/// two products and its activation in one pass (the default route; x (m, K)
+/// bf16). On the wgmma kernel (M and n_ffn large enough) one GEMM computes both
+/// products per tile and applies the activation in its epilogue, a block-
+/// quantized Wg and Wu first dequantized to bf16 scratches; otherwise two
+/// mma.sync matmuls into f32 temporaries, then gated_<act>_bf16. The same numbers
+/// either way: the f32 products, then act(gate) * up in f32, rounded once.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_gated_bf16(
+    dev: &CudaDevice,
+    act: Activation,
+    x: DevView<bf16>,
+    m: usize,
+    gate: &QuantMatrix,
+    up: &QuantMatrix,
+    out: DevViewMut<bf16>,
+) -> Result<()> {
+    let (n, k) = (gate.n_rows, gate.n_cols);
+    ensure!(
+        up.n_rows == n && up.n_cols == k,
+        "matmul_gated: gate is {n} x {k}, up {} x {}",
+        up.n_rows,
+        up.n_cols
+    );
+    ensure!(x.len() == m * k, "matmul_gated: x has {} elements, m * K = {m} * {k}", x.len());
+    ensure!(out.len() == m * n, "matmul_gated: out has {} elements, m * n_ffn = {m} * {n}", out.len());
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let name = gemm_gated_kernel(act);
+    let wgmma = bf16_kernel_for(dev, m, n) == MatmulKernel::Wgmma && dev.has_function(name) && n % 2 == 0;
+    if !wgmma {
+        let (mut g, mut u) = (dev.alloc_uninit::<f32>(m * n)?, dev.alloc_uninit::<f32>(m * n)?);
+        matmul::<bf16>(dev, x, m, gate, g.view_mut(), n)?;
+        matmul::<bf16>(dev, x, m, up, u.view_mut(), n)?;
+        return gated::<bf16>(dev, act, g.view(), Rows::contiguous(m, n), u.view(), n, out, n);
+    }
+    ensure!(k % 32 == 0 && x.ptr() % 16 == 0 && out.ptr() % 4 == 0, "matmul_gated: K = {k}, or x / out unaligned");
+    // bf16 operands: stored BF16 as is, else a dequantized scratch (freed in stream order after the GEMM).
+    let scratch = |w: &QuantMatrix| -> Result<Option<DeviceBuffer<bf16>>> {
+        if w.format == TensorFormat::Bf16 {
+            return Ok(None);
+        }
+        let mut s = dev.alloc_uninit::<bf16>(w.n_rows * w.n_cols)?;
+        dequant_bf16(dev, w, s.view_mut())?;
+        Ok(Some(s))
+    };
+    let (sg, su) = (scratch(gate)?, scratch(up)?);
+    let gp = sg.as_ref().map_or(gate.data.view().ptr(), |s| s.view().ptr());
+    let upp = su.as_ref().map_or(up.data.view().ptr(), |s| s.view().ptr());
+    let half_rows = (GEMM_BN / 2) as u32;
+    let params = GemmGatedParams {
+        a: tensor_map_bf16(x.ptr(), m, k, GEMM_BM as u32)?,
+        b_gate: tensor_map_bf16(gp, n, k, half_rows)?,
+        b_up: tensor_map_bf16(upp, n, k, half_rows)?,
+        out: out.ptr(),
+        ldo: n as i64,
+        m: i32_of(m, "M")?,
+        n_ffn: i32_of(n, "n_ffn")?,
+        k: i32_of(k, "K")?,
+        pad_: 0,
+    };
+    let f = wgmma_func(dev, name)?;
+    let grid = wgmma_grid(dev, name, m.div_ceil(GEMM_BM) * n.div_ceil(GEMM_BN / 2))?;
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&params);
+    // SAFETY: `params` mirrors GemmGatedParams of kernels/common.cuh (size asserted); the tensor
+    // maps cover x (m, k), Wg and Wu (n, k) (shapes checked above); out holds (m, n) bf16,
+    // 4-byte aligned with n even (checked), as the epilogue's paired stores need.
+    unsafe { b.launch(cfg((grid, 1, 1), GEMM_THREADS, GEMM_SMEM_BYTES as u32)) }.map_err(|e| launch_err(name, e))?;
+    drop((sg, su));
+    Ok(())
+}
+
+/// y += x · Wᵀ (the residual add fused into the matmul; not used by the backend:
+/// measured 5-11 % slower than `matmul` then `add_inplace` on the 8B shapes, gpu_ops
+/// `fusion_timing_report`; kept, parity-tested, for an epilogue that prefetches y):
+/// x (m, w.n_cols) bf16, y (m, w.n_rows) f32 contiguous. On the wgmma kernel the
+/// epilogue adds the f32 product to y (one correctly rounded add per element,
+/// the numbers of `matmul` then `add_inplace`); on mma.sync the product goes
+/// to a temporary first, then `add_inplace`.
+pub fn matmul_add_bf16(dev: &CudaDevice, x: DevView<bf16>, m: usize, w: &QuantMatrix, y: DevViewMut<f32>) -> Result<()> {
+    let n = w.n_rows;
+    ensure!(y.len() == m * n, "matmul_add: y has {} elements, m * N = {m} * {n}", y.len());
+    match bf16_kernel_for(dev, m, n) {
+        MatmulKernel::Wgmma => wgmma_with_scratch(dev, x.ptr(), x.len(), m, w, y, n, true),
+        MatmulKernel::MmaSync => {
+            let mut t = dev.alloc_uninit::<f32>(m * n)?;
+            matmul_portable(dev, "bf16", x.ptr(), x.len(), m, w, t.view_mut(), n)?;
+            add_inplace(dev, y, t.view())
         }
     }
 }
@@ -575,18 +737,31 @@ fn tensor_map_bf16(ptr: u64, rows: usize, k: usize, box_rows: u32) -> Result<cud
     Ok(unsafe { map.assume_init() })
 }
 
-/// y = x · Wᵀ on gemm_bf16_wgmma: x (m, k) bf16 at `xp`, W (n, k) bf16 at `wp`.
-#[allow(clippy::too_many_arguments)]
-fn gemm_wgmma(dev: &CudaDevice, xp: u64, m: usize, wp: u64, n: usize, k: usize, y: DevViewMut<f32>, ldy: usize) -> Result<()> {
-    let f = func(dev, GEMM_WGMMA_KERNEL)?;
+/// A wgmma GEMM kernel with its dynamic shared memory raised to GEMM_SMEM_BYTES.
+fn wgmma_func<'a>(dev: &'a CudaDevice, name: &str) -> Result<&'a CudaFunction> {
+    let f = func(dev, name)?;
     let smem = GEMM_SMEM_BYTES;
     ensure!(
         smem <= dev.info().max_smem_per_block_bytes as usize,
-        "{GEMM_WGMMA_KERNEL}: needs {smem} bytes of shared memory, the device allows {}",
+        "{name}: needs {smem} bytes of shared memory, the device allows {}",
         dev.info().max_smem_per_block_bytes
     );
     f.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-        .map_err(|e| anyhow!("{GEMM_WGMMA_KERNEL}: raising dynamic shared memory to {smem} bytes: {e}"))?;
+        .map_err(|e| anyhow!("{name}: raising dynamic shared memory to {smem} bytes: {e}"))?;
+    Ok(f)
+}
+
+/// The persistent grid of a wgmma GEMM of `n_tiles` tiles: one block per SM at most.
+fn wgmma_grid(dev: &CudaDevice, name: &str, n_tiles: usize) -> Result<u32> {
+    ensure!(n_tiles <= i32::MAX as usize, "{name}: {n_tiles} tiles exceed the kernel's 32-bit tile index");
+    Ok(n_tiles.min(dev.info().n_sms.max(1) as usize) as u32)
+}
+
+/// y = x · Wᵀ on gemm_bf16_wgmma: x (m, k) bf16 at `xp`, W (n, k) bf16 at `wp`.
+#[allow(clippy::too_many_arguments)]
+fn gemm_wgmma(dev: &CudaDevice, xp: u64, m: usize, wp: u64, n: usize, k: usize, y: DevViewMut<f32>, ldy: usize, accumulate: bool) -> Result<()> {
+    let f = wgmma_func(dev, GEMM_WGMMA_KERNEL)?;
+    let smem = GEMM_SMEM_BYTES;
     let params = GemmParams {
         a: tensor_map_bf16(xp, m, k, GEMM_BM as u32)?,
         b: tensor_map_bf16(wp, n, k, GEMM_BN as u32)?,
@@ -596,11 +771,10 @@ fn gemm_wgmma(dev: &CudaDevice, xp: u64, m: usize, wp: u64, n: usize, k: usize, 
         n: i32_of(n, "N")?,
         k: i32_of(k, "K")?,
         y_pairs: i32::from(ldy % 2 == 0 && y.ptr() % 8 == 0),
+        accumulate: i32::from(accumulate),
     };
     // Persistent: one block per SM (its shared memory allows no second), each looping over tiles.
-    let n_tiles = m.div_ceil(GEMM_BM) * n.div_ceil(GEMM_BN);
-    ensure!(n_tiles <= i32::MAX as usize, "{GEMM_WGMMA_KERNEL}: {n_tiles} tiles exceed the kernel's 32-bit tile index");
-    let grid = n_tiles.min(dev.info().n_sms.max(1) as usize) as u32;
+    let grid = wgmma_grid(dev, GEMM_WGMMA_KERNEL, m.div_ceil(GEMM_BM) * n.div_ceil(GEMM_BN))?;
     let mut b = dev.stream().launch_builder(f);
     b.arg(&params);
     // SAFETY: `params` mirrors GemmParams of kernels/common.cuh (size asserted); the tensor maps
@@ -1255,7 +1429,7 @@ pub fn lm_head<X: MatmulInput>(
             Some(wb) if wgmma_tile(rows) => {
                 let y = scratch.slice_mut(0..rows * n_vocab)?;
                 check_matmul_shapes("lm_head (wgmma)", h_tile.len(), h_tile.ptr(), rows, emb, &y, n_vocab)?;
-                gemm_wgmma(dev, h_tile.ptr(), rows, wb.view().ptr(), n_vocab, d_model, y, n_vocab)?;
+                gemm_wgmma(dev, h_tile.ptr(), rows, wb.view().ptr(), n_vocab, d_model, y, n_vocab, false)?;
             }
             _ => matmul::<X>(dev, h_tile, rows, emb, scratch.slice_mut(0..rows * n_vocab)?, n_vocab)?,
         }
