@@ -22,9 +22,11 @@ use crate::config::{BackendChoice, Input, RunConfig};
 use crate::model::{load_model, ScoreOptions, WindowInput, WindowScorer};
 use crate::plan::{plan_windows, Window};
 use crate::report::{
-    self, ArtifactInfo, BosPolicy, CorpusInfo, DomainResult, Execution, Report, Results, StreamResult, Timing,
-    ToolInfo, WindowResult, Workload,
+    self, ArtifactInfo, BosPolicy, CorpusInfo, DomainResult, Execution, Overall, Report, Results, StreamResult,
+    Timing, ToolInfo, WindowResult, Workload,
 };
+use crate::score::bytes::{ByteSummary, TokenBytes, WindowBytes};
+use crate::score::position::PositionAccumulator;
 use crate::score::kl::KlSummary;
 use crate::score::{domain_summaries, overall_summary, StreamStats, Summary, WindowScores, WindowStats};
 use crate::text::corpus;
@@ -48,6 +50,11 @@ pub struct Stream {
     pub tokens: Vec<u32>,
     pub token_ids_sha256: String,
     pub windows: Vec<Window>,
+    /// (n_tokens) the UTF-8 bytes each token covers (`score::bytes`); `None`
+    /// when the tokenizer has no byte rule.
+    pub byte_counts: Option<Vec<u32>>,
+    /// Bytes of the stream's text (absent for `--tokens`).
+    pub text_bytes: Option<usize>,
 }
 
 pub fn run(cfg: &RunConfig) -> Result<Outcome> {
@@ -116,6 +123,14 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         .with_context(|| format!("{}", artifact.path.display()))?;
     let tokenizer = TextTokenizer::from_json(artifact.tokenizer_json(), &meta.tokenizer)
         .with_context(|| format!("{}: tokenizer", artifact.path.display()))?;
+    let control_ids: Vec<u32> = [meta.tokenizer.bos_id, meta.tokenizer.eos_id].into_iter().flatten().collect();
+    let token_bytes = match TokenBytes::from_tokenizer_json(artifact.tokenizer_json(), &control_ids) {
+        Ok(t) => Some(t),
+        Err(e) => {
+            tracing::warn!("{}: no byte figures (scored_bytes, bits_per_byte): {e:#}", artifact.path.display());
+            None
+        }
+    };
     let load_seconds = started.elapsed().as_secs_f64();
 
     let t_tok = Instant::now();
@@ -124,9 +139,9 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
     let mut streams = Vec::with_capacity(texts.len());
     for input in texts {
         signal::check().context("stopped while tokenizing; nothing written")?;
-        let tokens = match input.content {
-            Content::Text(t) => tokenizer.encode(&t).with_context(|| format!("stream {}: tokenize", input.name))?,
-            Content::Tokens(t) => t,
+        let (tokens, text_bytes) = match input.content {
+            Content::Text(t) => (tokenizer.encode(&t).with_context(|| format!("stream {}: tokenize", input.name))?, Some(t.len())),
+            Content::Tokens(t) => (t, None),
         };
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= meta.hparams.n_vocab) {
             bail!("stream {}: token id {bad} is outside the vocabulary ({} tokens)", input.name, meta.hparams.n_vocab);
@@ -136,7 +151,22 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         let sha = token_ids_sha256(&tokens);
         info!("stream {}: {} tokens, {} windows", input.name, tokens.len(), windows.len());
         tracing::debug!("stream {}: token ids sha256 {sha}", input.name);
-        streams.push(Stream { name: input.name, domain: input.domain, tokens, token_ids_sha256: sha, windows });
+        let byte_counts = token_bytes.as_ref().map(|t| t.stream_counts(&tokens));
+        if let (Some(c), Some(n_text)) = (&byte_counts, text_bytes) {
+            let n_tokens_bytes: u64 = c.iter().map(|&b| u64::from(b)).sum();
+            if n_tokens_bytes != n_text as u64 {
+                tracing::warn!("stream {}: its tokens cover {n_tokens_bytes} bytes, its text has {n_text} (see docs/byte-figures.md)", input.name);
+            }
+        }
+        streams.push(Stream {
+            name: input.name,
+            domain: input.domain,
+            tokens,
+            token_ids_sha256: sha,
+            windows,
+            byte_counts,
+            text_bytes,
+        });
     }
     let tokenize_seconds = t_tok.elapsed().as_secs_f64();
 
@@ -165,7 +195,7 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         artifact: ArtifactInfo::of(&artifact, cfg.verify),
         workload,
         execution: None,
-        results: Results { overall: None, domains: Vec::new(), streams: Vec::new(), kl_divergence: None },
+        results: Results { overall: None, domains: Vec::new(), streams: Vec::new(), by_position: Vec::new(), kl_divergence: None },
         timing: Timing { load_seconds, tokenize_seconds, ..Default::default() },
         noise_floor: None,
     };
@@ -233,7 +263,7 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
     }
 
     let t_score = Instant::now();
-    let (stats, window_results, stream_kl) =
+    let StreamScores { stats, windows: window_results, kl: stream_kl, bytes: window_bytes, positions } =
         score_streams(&streams, scorer.as_mut(), bos, cfg.prefill_chunk, n_seqs, top_tokens.as_mut())?;
     let scoring_seconds = t_score.elapsed().as_secs_f64();
     if cfg.noise_floor {
@@ -244,10 +274,16 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
     report.results.kl_divergence = top_tokens.map(TopTokensRun::finish).transpose()?.flatten();
 
     let overall = overall_summary(&stats);
+    // Byte figures only when every stream has byte counts (one tokenizer: all or none).
+    let have_bytes = streams.iter().all(|s| s.byte_counts.is_some());
+    let pool_bytes = |pick: &dyn Fn(usize) -> bool| {
+        have_bytes.then(|| ByteSummary::over(window_bytes.iter().enumerate().filter(|(i, _)| pick(*i)).flat_map(|(_, w)| w)))
+    };
     report.results.domains = domain_summaries(&stats)
         .into_iter()
         .map(|(domain, summary)| DomainResult {
             streams: stats.iter().filter(|s| s.domain == domain).count(),
+            bytes: pool_bytes(&|i| stats[i].domain == domain),
             domain,
             summary,
         })
@@ -255,8 +291,14 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
     report.results.streams = streams
         .iter()
         .zip(stats.iter().zip(window_results).zip(stream_kl))
-        .map(|(s, ((st, w), kl))| StreamResult { kl_divergence: kl, ..stream_result(s, Some(st.summary()), w) })
+        .enumerate()
+        .map(|(i, (s, ((st, w), kl)))| StreamResult {
+            kl_divergence: kl,
+            bytes: pool_bytes(&|j| j == i),
+            ..stream_result(s, Some(st.summary()), w)
+        })
         .collect();
+    report.results.by_position = positions.buckets();
     let n_processed: usize = stats.iter().flat_map(|s| &s.windows).map(|w| w.input_tokens).sum();
     report.timing = Timing {
         elapsed_seconds: started.elapsed().as_secs_f64(),
@@ -268,7 +310,7 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         ..report.timing
     };
     let n_nonfinite = overall.n_nonfinite;
-    report.results.overall = Some(overall);
+    report.results.overall = Some(Overall { summary: overall, bytes: pool_bytes(&|_| true) });
     report::write_report(&cfg.output, &report)?;
     print!("{}", report::domain_table(&report.results));
     info!(
@@ -371,6 +413,9 @@ fn stream_result(s: &Stream, summary: Option<Summary>, windows: Vec<WindowResult
         input_tokens: s.tokens.len(),
         token_ids_sha256: s.token_ids_sha256.clone(),
         summary,
+        text_bytes: s.text_bytes,
+        token_bytes: s.byte_counts.as_ref().map(|c| c.iter().map(|&b| u64::from(b)).sum()),
+        bytes: None,
         kl_divergence: None,
         windows,
     }
@@ -463,9 +508,17 @@ fn plan_statement(cfg: &RunConfig, artifact: &Artifact, streams: &[Stream], kind
     line
 }
 
-/// Per stream: its window statistics, its report windows, and its KL
-/// statistics against `--kl-reference` (when given).
-type StreamScores = (Vec<StreamStats>, Vec<Vec<WindowResult>>, Vec<Option<KlSummary>>);
+/// What scoring every window gives: per stream its window statistics, its
+/// report windows, its KL statistics against `--kl-reference` (when given)
+/// and its windows' byte figures; and the targets by position in the window.
+struct StreamScores {
+    stats: Vec<StreamStats>,
+    windows: Vec<Vec<WindowResult>>,
+    kl: Vec<Option<KlSummary>>,
+    /// Per stream, per window; empty lists without byte counts.
+    bytes: Vec<Vec<WindowBytes>>,
+    positions: PositionAccumulator,
+}
 
 /// `--noise-floor`: scores every window again with another prefill chunk and
 /// pairs the result with the reported scores (`stats`).
@@ -484,7 +537,7 @@ fn noise_floor(
     let rows_checked = n_seqs * cfg.prefill_chunk.min(longest.max(1));
     let n_seqs_again = windows_per_pass(rows_checked, alternate.min(longest.max(1))).min(n_seqs);
     let t = Instant::now();
-    let (again, _, _) = score_streams(streams, scorer, bos, alternate, n_seqs_again, None)?;
+    let again = score_streams(streams, scorer, bos, alternate, n_seqs_again, None)?.stats;
     let seconds = t.elapsed().as_secs_f64();
     let mut rows = Vec::new();
     let mut n_excluded = 0;
@@ -530,7 +583,10 @@ fn score_streams(
     let mut all_stats = Vec::with_capacity(streams.len());
     let mut all_windows = Vec::with_capacity(streams.len());
     let mut all_kl = Vec::with_capacity(streams.len());
+    let mut all_bytes = Vec::with_capacity(streams.len());
+    let mut positions = PositionAccumulator::default();
     for s in streams {
+        let mut bytes = Vec::new();
         let mut stats: Vec<WindowStats> = Vec::with_capacity(s.windows.len());
         let mut results = Vec::with_capacity(s.windows.len());
         let t_stream = Instant::now();
@@ -566,10 +622,13 @@ fn score_streams(
             let seconds = t.elapsed().as_secs_f64() / batch.len() as f64;
             for ((w, tokens), scores) in batch.iter().zip(&tokens).zip(batch_scores) {
                 let window_kl = match top_tokens.as_mut() {
-                    Some(t) => t.end_window(w, &scores).with_context(|| at(w))?,
+                    Some(t) => t.end_window(w, &scores, &mut positions).with_context(|| at(w))?,
                     None => None,
                 };
-                let ws = WindowScores { input_tokens: tokens.len(), nll: scores.iter().map(|r| r.nll).collect() }.stats();
+                let nll: Vec<f64> = scores.iter().map(|r| r.nll).collect();
+                positions.add_window(w.first_target - w.begin, &nll);
+                let wb = s.byte_counts.as_ref().map(|c| WindowBytes::of(&c[w.first_target..w.end], &nll));
+                let ws = WindowScores { input_tokens: tokens.len(), nll }.stats();
                 results.push(WindowResult {
                     index: w.index,
                     begin: w.begin,
@@ -582,8 +641,10 @@ fn score_streams(
                     mean_nll: ws.mean_nll(),
                     perplexity: ws.perplexity(),
                     seconds,
+                    bytes: wb.as_ref().map(|b| ByteSummary::over([b])),
                     kl_divergence: window_kl,
                 });
+                bytes.extend(wb);
                 stats.push(ws);
             }
             // Once per pass, after all its windows: the line counts every finished window.
@@ -598,9 +659,10 @@ fn score_streams(
         all_stats.push(st);
         all_windows.push(results);
         all_kl.push(top_tokens.as_mut().and_then(|t| t.end_stream()));
+        all_bytes.push(bytes);
     }
     progress.finish();
-    Ok((all_stats, all_windows, all_kl))
+    Ok(StreamScores { stats: all_stats, windows: all_windows, kl: all_kl, bytes: all_bytes, positions })
 }
 
 /// Splits `windows` into runs of consecutive windows of equal length, at most

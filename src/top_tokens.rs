@@ -24,6 +24,7 @@ use crate::model::TargetScore;
 use crate::plan::Window;
 use crate::report::{CorpusInfo, KlReport, KlReferenceInfo};
 use crate::score::kl::{self, KlAccumulator, KlSummary, OwnPosition, ReferencePosition, WorstPosition};
+use crate::score::position::PositionAccumulator;
 use crate::score::topk::{
     self, FileHeader, InputFingerprint, RunFingerprint, SavedTokens, StreamFingerprint, TopRecord, TopTokensReader,
     TopTokensWriter, WindowFingerprint, TOP_K,
@@ -231,7 +232,8 @@ impl TopTokensRun {
 
     /// Writes this window's records and compares it with the reference.
     /// Returns the window's KL statistics (no quantiles, no buckets).
-    pub fn end_window(&mut self, w: &Window, scores: &[TargetScore]) -> Result<Option<KlSummary>> {
+    /// Every compared position also goes to `positions` (KL by position in the window).
+    pub fn end_window(&mut self, w: &Window, scores: &[TargetScore], positions: &mut PositionAccumulator) -> Result<Option<KlSummary>> {
         ensure!(scores.len() == w.scored(), "window {}: {} scores for {} targets", w.index, scores.len(), w.scored());
         let covers_vocab = self.k == self.fingerprint.n_vocab;
         if let Some(writer) = &mut self.writer {
@@ -266,6 +268,7 @@ impl TopTokensRun {
             let p = kl::compare_position(&reference, &own);
             window.add(&p);
             self.stream.add(&p);
+            positions.add_kl(&p);
             kl::keep_worst(&mut self.worst, kl::N_WORST_POSITIONS, p.kl, || WorstPosition {
                 kl: p.kl,
                 stream: self.fingerprint.streams.get(self.stream_index).map_or_else(String::new, |st| st.name.clone()),
@@ -282,6 +285,7 @@ impl TopTokensRun {
         }
         window.end_window();
         self.stream.end_window();
+        positions.end_kl_window();
         Ok(Some(window.summary()))
     }
 

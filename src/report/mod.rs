@@ -10,6 +10,8 @@ use serde::Serialize;
 
 use crate::artifact::Artifact;
 use crate::score::kl::{KlSummary, WorstPosition};
+use crate::score::bytes::ByteSummary;
+use crate::score::position::PositionBucket;
 use crate::score::Summary;
 
 pub const SCHEMA_VERSION: u32 = 3;
@@ -131,9 +133,12 @@ pub struct Execution {
 
 #[derive(Debug, Serialize)]
 pub struct Results {
-    pub overall: Option<Summary>,
+    pub overall: Option<Overall>,
     pub domains: Vec<DomainResult>,
     pub streams: Vec<StreamResult>,
+    /// NLL (and KL) by position in the window, buckets of 256 (`score::position`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub by_position: Vec<PositionBucket>,
     /// KL divergence against `--kl-reference` (absent without one).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kl_divergence: Option<KlReport>,
@@ -169,12 +174,24 @@ pub struct KlReferenceInfo {
     pub top_k: usize,
 }
 
+/// `results.overall`: every window of the run.
+#[derive(Debug, Serialize)]
+pub struct Overall {
+    #[serde(flatten)]
+    pub summary: Summary,
+    /// `scored_bytes`, `bits_per_byte`, `byte_perplexity` (absent when the tokenizer has no byte rule).
+    #[serde(flatten)]
+    pub bytes: Option<ByteSummary>,
+}
+
 #[derive(Debug, Serialize)]
 pub struct DomainResult {
     pub domain: String,
     pub streams: usize,
     #[serde(flatten)]
     pub summary: Summary,
+    #[serde(flatten)]
+    pub bytes: Option<ByteSummary>,
 }
 
 #[derive(Debug, Serialize)]
@@ -185,6 +202,13 @@ pub struct StreamResult {
     pub token_ids_sha256: String,
     #[serde(flatten)]
     pub summary: Option<Summary>,
+    /// Bytes of the stream's text as read (absent for `--tokens` input).
+    pub text_bytes: Option<usize>,
+    /// Bytes all the stream's tokens cover (`score::bytes`); equals
+    /// `text_bytes` unless the text holds what the tokenizer normalizes away.
+    pub token_bytes: Option<u64>,
+    #[serde(flatten)]
+    pub bytes: Option<ByteSummary>,
     /// KL against `--kl-reference`, with quantiles and context buckets.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kl_divergence: Option<KlSummary>,
@@ -205,6 +229,8 @@ pub struct WindowResult {
     pub mean_nll: f64,
     pub perplexity: f64,
     pub seconds: f64,
+    #[serde(flatten)]
+    pub bytes: Option<ByteSummary>,
     /// KL against `--kl-reference` (no quantiles, no buckets).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kl_divergence: Option<KlSummary>,
@@ -237,38 +263,47 @@ pub fn write_report(dir: &Path, report: &Report) -> Result<()> {
     crate::util::fs::write_atomic(&dir.join(REPORT_FILE), &json)
 }
 
-/// The stdout table: one row per domain and an `overall` row.
+/// The stdout table: one row per domain and an `overall` row, with the
+/// byte figures (`-` when the tokenizer has no byte rule).
 pub fn domain_table(results: &Results) -> String {
     use std::fmt::Write;
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<16} {:>7} {:>10} {:>10} {:>12} {:>12} {:>12}",
-        "domain", "streams", "scored", "mean_nll", "ppl", "+-(llama)", "+-(windows)"
+        "{:<16} {:>7} {:>10} {:>10} {:>12} {:>12} {:>12} {:>11} {:>8} {:>9}",
+        "domain", "streams", "scored", "mean_nll", "ppl", "+-(llama)", "+-(windows)", "bytes", "bpb", "byte_ppl"
     );
-    let mut row = |name: &str, streams: usize, s: &Summary| {
+    let mut row = |name: &str, streams: usize, s: &Summary, b: Option<&ByteSummary>| {
         let fmt = |u: Option<f64>| u.map_or("-".to_string(), |u| format!("{u:.4}"));
+        let (bytes, bpb, bppl) = b.map_or_else(
+            || ("-".to_string(), "-".to_string(), "-".to_string()),
+            |b| (b.scored_bytes.to_string(), format!("{:.4}", b.bits_per_byte), format!("{:.4}", b.byte_perplexity)),
+        );
         let _ = writeln!(
             out,
-            "{:<16} {:>7} {:>10} {:>10.6} {:>12.4} {:>12} {:>12}",
+            "{:<16} {:>7} {:>10} {:>10.6} {:>12.4} {:>12} {:>12} {:>11} {:>8} {:>9}",
             name,
             streams,
             s.scored_tokens,
             s.mean_nll,
             s.perplexity,
             fmt(s.ppl_uncertainty_llama),
-            fmt(s.ppl_uncertainty_clustered)
+            fmt(s.ppl_uncertainty_clustered),
+            bytes,
+            bpb,
+            bppl
         );
     };
     for d in &results.domains {
-        row(&d.domain, d.streams, &d.summary);
+        row(&d.domain, d.streams, &d.summary, d.bytes.as_ref());
     }
     if let Some(o) = &results.overall {
-        row("overall", results.streams.len(), o);
+        row("overall", results.streams.len(), &o.summary, o.bytes.as_ref());
     }
     out.push_str(
         "+-(llama): llama.cpp's uncertainty of the PPL (tokens independent); \
-         +-(windows): clustered by window (tokens of one window correlated), the one to trust.\n",
+         +-(windows): clustered by window (tokens of one window correlated), the one to trust; \
+         bytes: UTF-8 bytes of the scored targets, bpb: bits per byte, byte_ppl: 2^bpb.\n",
     );
     out
 }

@@ -21,7 +21,9 @@
 //! mean; the caller decides whether that fails the run (`--allow-nonfinite`).
 //! This module does not write reports or tables.
 
+pub mod bytes;
 pub mod kl;
+pub mod position;
 pub mod stats;
 pub mod topk;
 
