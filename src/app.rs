@@ -272,6 +272,9 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
     signal::check().context("stopped after scoring every window; no report written")?;
     // The --save-tokens and --save-top-tokens files are renamed into place here, just before the report.
     report.results.kl_divergence = top_tokens.map(TopTokensRun::finish).transpose()?.flatten();
+    if let Some(kl) = &mut report.results.kl_divergence {
+        report::worst::add_excerpts(kl, &tokenizer, |name| streams.iter().find(|s| s.name == name).map(|s| s.tokens.as_slice()));
+    }
 
     let overall = overall_summary(&stats);
     // Byte figures only when every stream has byte counts (one tokenizer: all or none).
@@ -312,6 +315,10 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
     let n_nonfinite = overall.n_nonfinite;
     report.results.overall = Some(Overall { summary: overall, bytes: pool_bytes(&|_| true) });
     report::write_report(&cfg.output, &report)?;
+    if let Some(kl) = &report.results.kl_divergence {
+        let md = report::worst::markdown(kl, &artifact.meta.public_name, &|id| tokenizer.decode(&[id]));
+        report::worst::write_markdown(&cfg.output, &md)?;
+    }
     print!("{}", report::domain_table(&report.results));
     info!(
         "wrote {} ({:.0} tokens/s processed, {:.0} scored)",

@@ -23,7 +23,7 @@ use crate::config::{Input, RunConfig};
 use crate::model::TargetScore;
 use crate::plan::Window;
 use crate::report::{CorpusInfo, KlReport, KlReferenceInfo};
-use crate::score::kl::{self, KlAccumulator, KlSummary, OwnPosition, ReferencePosition, WorstPosition};
+use crate::score::kl::{self, KlAccumulator, KlSummary, OwnPosition, ReferencePosition, WorstPosition, WorstWindow};
 use crate::score::position::PositionAccumulator;
 use crate::score::topk::{
     self, FileHeader, InputFingerprint, RunFingerprint, SavedTokens, StreamFingerprint, TopRecord, TopTokensReader,
@@ -127,6 +127,7 @@ pub struct TopTokensRun {
     /// The stream being scored (index into the fingerprint's streams).
     stream_index: usize,
     worst: Vec<WorstPosition>,
+    worst_windows: Vec<WorstWindow>,
 }
 
 impl TopTokensRun {
@@ -186,6 +187,7 @@ impl TopTokensRun {
             overall: KlAccumulator::default(),
             stream_index: 0,
             worst: Vec::new(),
+            worst_windows: Vec::new(),
         }))
     }
 
@@ -247,6 +249,7 @@ impl TopTokensRun {
         let records = self.window_records.pop_front().with_context(|| format!("window {}: ended before it began", w.index))?;
         ensure!(records.len() == scores.len(), "window {}: {} reference records for {} scores", w.index, records.len(), scores.len());
         let mut window = kl::KlMoments::default();
+        let mut window_max: (f64, usize) = (f64::NEG_INFINITY, w.first_target);
         for (j, (s, rec)) in scores.iter().zip(&records).enumerate() {
             ensure!(
                 s.extra.len() == rec.ids.len(),
@@ -269,6 +272,9 @@ impl TopTokensRun {
             window.add(&p);
             self.stream.add(&p);
             positions.add_kl(&p);
+            if p.kl.is_finite() && p.kl > window_max.0 {
+                window_max = (p.kl, w.first_target + j);
+            }
             kl::keep_worst(&mut self.worst, kl::N_WORST_POSITIONS, p.kl, || WorstPosition {
                 kl: p.kl,
                 stream: self.fingerprint.streams.get(self.stream_index).map_or_else(String::new, |st| st.name.clone()),
@@ -281,12 +287,26 @@ impl TopTokensRun {
                 top1: own.top1,
                 nll: p.nll,
                 reference_nll: p.reference_nll,
+                text: None,
             });
         }
         window.end_window();
         self.stream.end_window();
         positions.end_kl_window();
-        Ok(Some(window.summary()))
+        let summary = window.summary();
+        kl::keep_worst(&mut self.worst_windows, kl::N_WORST_WINDOWS, summary.mean, || WorstWindow {
+            mean_kl: summary.mean,
+            stream: self.fingerprint.streams.get(self.stream_index).map_or_else(String::new, |st| st.name.clone()),
+            window: w.index,
+            begin: w.begin,
+            end: w.end,
+            scored: w.scored(),
+            max_kl: window_max.0,
+            max_kl_token_index: window_max.1,
+            mean_nll_delta: summary.mean_nll_delta,
+            text: None,
+        });
+        Ok(Some(summary))
     }
 
     /// Closes a stream: its full KL statistics (quantiles and buckets).
@@ -339,6 +359,7 @@ impl TopTokensRun {
             bound: KlReport::BOUND,
             summary,
             worst_positions: self.worst,
+            worst_windows: self.worst_windows,
         }))
     }
 }

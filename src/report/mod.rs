@@ -9,10 +9,12 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 
 use crate::artifact::Artifact;
-use crate::score::kl::{KlSummary, WorstPosition};
+use crate::score::kl::{KlSummary, WorstPosition, WorstWindow};
 use crate::score::bytes::ByteSummary;
 use crate::score::position::PositionBucket;
 use crate::score::Summary;
+
+pub mod worst;
 
 pub const SCHEMA_VERSION: u32 = 3;
 pub const REPORT_FILE: &str = "report.json";
@@ -155,6 +157,10 @@ pub struct KlReport {
     /// The positions with the largest KL (at most `kl::N_WORST_POSITIONS`,
     /// largest first; none with KL 0).
     pub worst_positions: Vec<WorstPosition>,
+    /// The windows with the largest mean KL (at most `kl::N_WORST_WINDOWS`,
+    /// largest first; none with mean KL 0). `worst.md` beside the report
+    /// lists both, readably.
+    pub worst_windows: Vec<WorstWindow>,
 }
 
 impl KlReport {
