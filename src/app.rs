@@ -15,9 +15,8 @@ use tracing::info;
 use crate::artifact::Artifact;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::BackendKind;
-use crate::compare::floor::alternate_prefill_chunk;
-use crate::compare::stats::PairedWindow;
-use crate::compare::NoiseFloor;
+use crate::score::floor::{alternate_prefill_chunk, NoiseFloor};
+use crate::score::paired::PairedWindow;
 use crate::config::{BackendChoice, Input, RunConfig};
 use crate::model::{load_model, ScoreOptions, WindowInput, WindowScorer};
 use crate::plan::{plan_windows, Window};
@@ -26,12 +25,16 @@ use crate::report::{
     Timing, ToolInfo, WindowResult, Workload,
 };
 use crate::score::bytes::{ByteSummary, TokenBytes, WindowBytes};
+use crate::score::early_stop::{self, EarlyStop};
+use crate::score::invariance::{Invariance, InvarianceAcc};
+use crate::score::kl::{OwnPosition, ReferencePosition, WindowKl};
 use crate::score::position::PositionAccumulator;
+use crate::score::topk::TopRecord;
 use crate::score::kl::KlSummary;
 use crate::score::{domain_summaries, overall_summary, StreamStats, Summary, WindowScores, WindowStats};
 use crate::text::corpus;
 use crate::text::tokenizer::{token_ids_sha256, TextTokenizer};
-use crate::top_tokens::{window_tokens, TopTokensRun};
+use crate::top_tokens::{record_of, window_tokens, TopTokensRun};
 use crate::util::outputs::{check_outputs, Named, OutputDir};
 use crate::util::signal;
 
@@ -175,13 +178,14 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
             Input::Text(_) => "text",
             Input::Tokens(_) => "tokens",
             Input::Corpus { .. } => "corpus",
-        },
+        }
+        .into(),
         input_path: match &cfg.input {
             Input::Text(p) | Input::Tokens(p) => Some(p.display().to_string()),
             Input::Corpus { .. } => None,
         },
         corpus: corpus_info,
-        method: cfg.method.name(),
+        method: cfg.method.name().into(),
         context: cfg.method.context(),
         stride: cfg.method.stride(),
         chunks_limit: cfg.chunks_limit,
@@ -195,7 +199,15 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         artifact: ArtifactInfo::of(&artifact, cfg.verify),
         workload,
         execution: None,
-        results: Results { overall: None, domains: Vec::new(), streams: Vec::new(), by_position: Vec::new(), kl_divergence: None },
+        results: Results {
+            overall: None,
+            domains: Vec::new(),
+            streams: Vec::new(),
+            by_position: Vec::new(),
+            kl_divergence: None,
+            invariance: None,
+            early_stop: None,
+        },
         timing: Timing { load_seconds, tokenize_seconds, ..Default::default() },
         noise_floor: None,
     };
@@ -246,7 +258,6 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
     report.execution = Some(Execution {
         backend: exec.backend,
         device: exec.device,
-        kv_dtype: exec.kv_dtype,
         route: exec.route,
         threads: cfg.threads,
         spec,
@@ -263,8 +274,23 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
     }
 
     let t_score = Instant::now();
-    let StreamScores { stats, windows: window_results, kl: stream_kl, bytes: window_bytes, positions } =
-        score_streams(&streams, scorer.as_mut(), bos, cfg.prefill_chunk, n_seqs, top_tokens.as_mut())?;
+    let (scored, early) = match cfg.target_uncertainty {
+        Some(x) => {
+            let (scored, e) = score_early_stop(&streams, scorer.as_mut(), bos, cfg.prefill_chunk, x)?;
+            (scored, Some(e))
+        }
+        None => (score_streams(&streams, scorer.as_mut(), bos, cfg.prefill_chunk, n_seqs, top_tokens.as_mut())?, None),
+    };
+    let StreamScores { stats, windows: window_results, kl: stream_kl, bytes: window_bytes, positions, kl_values } = scored;
+    report.results.early_stop = early;
+    if let Some(n) = cfg.verify_invariance {
+        let v = verify_invariance(n, &streams, &stats, scorer.as_mut(), bos, cfg.prefill_chunk, n_seqs, meta.hparams.n_vocab)?;
+        info!(
+            "batch invariance ({} windows, {} targets alone vs batched): max |dNLL| {:.3e} nats, mean KL {:.3e}, max KL {:.3e}, {} top-1 changes",
+            v.n_windows, v.n_targets, v.max_abs_dnll, v.mean_kl, v.max_kl, v.n_top1_changed
+        );
+        report.results.invariance = Some(v);
+    }
     let scoring_seconds = t_score.elapsed().as_secs_f64();
     if cfg.noise_floor {
         report.noise_floor = Some(noise_floor(cfg, &streams, &stats, scorer.as_mut(), bos, n_seqs)?);
@@ -319,7 +345,16 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         let md = report::worst::markdown(kl, &artifact.meta.public_name, &|id| tokenizer.decode(&[id]));
         report::worst::write_markdown(&cfg.output, &md)?;
     }
+    if cfg.plots {
+        for p in report::plots::write_run_plots(&cfg.output, &report.results, &kl_values)? {
+            info!("wrote {}", p.display());
+        }
+    }
     print!("{}", report::domain_table(&report.results));
+    if let Some(o) = &report.results.overall {
+        // llama-perplexity's closing line, for scripts written for it (its uncertainty: tokens independent).
+        eprintln!("{}", report::llama_cpp_final_estimate(&o.summary));
+    }
     info!(
         "wrote {} ({:.0} tokens/s processed, {:.0} scored)",
         cfg.output.join(report::REPORT_FILE).display(),
@@ -417,7 +452,7 @@ fn stream_result(s: &Stream, summary: Option<Summary>, windows: Vec<WindowResult
     StreamResult {
         name: s.name.clone(),
         domain: s.domain.clone(),
-        input_tokens: s.tokens.len(),
+        n_tokens: s.tokens.len(),
         token_ids_sha256: s.token_ids_sha256.clone(),
         summary,
         text_bytes: s.text_bytes,
@@ -525,6 +560,8 @@ struct StreamScores {
     /// Per stream, per window; empty lists without byte counts.
     bytes: Vec<Vec<WindowBytes>>,
     positions: PositionAccumulator,
+    /// Every compared position's KL (f32, NaN for excluded ones), for `--plots`.
+    kl_values: Vec<f32>,
 }
 
 /// `--noise-floor`: scores every window again with another prefill chunk and
@@ -558,7 +595,7 @@ fn noise_floor(
             rows.push((a.domain.clone(), w));
         }
     }
-    let f = crate::compare::floor::noise_floor(&rows, n_excluded, cfg.prefill_chunk, alternate, longest, seconds);
+    let f = crate::score::floor::noise_floor(&rows, n_excluded, cfg.prefill_chunk, alternate, longest, seconds);
     info!(
         "noise floor: {}; PPL change {:+.3e} %, floor {:.3e} % ({:.1} s)",
         f.note, f.overall.ppl_change_pct, f.floor_pct, seconds
@@ -592,6 +629,7 @@ fn score_streams(
     let mut all_kl = Vec::with_capacity(streams.len());
     let mut all_bytes = Vec::with_capacity(streams.len());
     let mut positions = PositionAccumulator::default();
+    let mut kl_values = Vec::new();
     for s in streams {
         let mut bytes = Vec::new();
         let mut stats: Vec<WindowStats> = Vec::with_capacity(s.windows.len());
@@ -636,21 +674,11 @@ fn score_streams(
                 positions.add_window(w.first_target - w.begin, &nll);
                 let wb = s.byte_counts.as_ref().map(|c| WindowBytes::of(&c[w.first_target..w.end], &nll));
                 let ws = WindowScores { input_tokens: tokens.len(), nll }.stats();
-                results.push(WindowResult {
-                    index: w.index,
-                    begin: w.begin,
-                    end: w.end,
-                    first_target: w.first_target,
-                    scored: ws.scored_tokens,
-                    tokens_sha256: report::window_tokens_sha256(tokens),
-                    n_nonfinite: ws.n_nonfinite,
-                    nll_sum: ws.nll_sum,
-                    mean_nll: ws.mean_nll(),
-                    perplexity: ws.perplexity(),
-                    seconds,
-                    bytes: wb.as_ref().map(|b| ByteSummary::over([b])),
-                    kl_divergence: window_kl,
+                let kl = window_kl.map(|(record, positions)| {
+                    kl_values.extend_from_slice(&positions.kl);
+                    record
                 });
+                results.push(window_result(w, tokens, &ws, seconds, wb.as_ref(), kl));
                 bytes.extend(wb);
                 stats.push(ws);
             }
@@ -669,7 +697,188 @@ fn score_streams(
         all_bytes.push(bytes);
     }
     progress.finish();
-    Ok(StreamScores { stats: all_stats, windows: all_windows, kl: all_kl, bytes: all_bytes, positions })
+    Ok(StreamScores { stats: all_stats, windows: all_windows, kl: all_kl, bytes: all_bytes, positions, kl_values })
+}
+
+/// A window's entry in report.json.
+fn window_result(w: &Window, tokens: &[u32], ws: &WindowStats, seconds: f64, wb: Option<&WindowBytes>, kl: Option<WindowKl>) -> WindowResult {
+    WindowResult {
+        index: w.index,
+        begin: w.begin,
+        end: w.end,
+        first_target: w.first_target,
+        scored: ws.scored_tokens,
+        tokens_sha256: report::window_tokens_sha256(tokens),
+        input_tokens: ws.input_tokens,
+        n_nonfinite: ws.n_nonfinite,
+        nll_sum: ws.nll_sum,
+        nll_sq_sum: ws.nll_sq_sum,
+        mean_nll: ws.mean_nll(),
+        perplexity: ws.perplexity(),
+        seconds,
+        bytes: wb.map(|b| ByteSummary::over([b])),
+        kl_divergence: kl,
+    }
+}
+
+/// `--target-uncertainty X`: scores windows one per pass in the seeded order
+/// of `score::early_stop` until the overall mean NLL's 95 % half-width is
+/// below X; returns the scored windows per stream in plan order.
+fn score_early_stop(
+    streams: &[Stream],
+    scorer: &mut dyn WindowScorer,
+    bos: Option<u32>,
+    prefill_chunk: usize,
+    target: f64,
+) -> Result<(StreamScores, EarlyStop)> {
+    let opts = ScoreOptions { top_k: 0, prefill_chunk: Some(prefill_chunk) };
+    let order = early_stop::order(&streams.iter().map(|s| s.windows.len()).collect::<Vec<_>>());
+    let n_planned = order.len();
+    let n_total: usize = streams.iter().flat_map(|s| &s.windows).map(Window::scored).sum();
+    let mut progress = Progress::new(n_total as u64);
+    // Per stream, per window: what scoring it gave (None: not scored).
+    let mut slots: Vec<Vec<Option<(WindowStats, WindowResult, Option<WindowBytes>, Vec<f64>)>>> =
+        streams.iter().map(|s| vec![None; s.windows.len()]).collect();
+    let mut scored: Vec<WindowStats> = Vec::new();
+    let mut half = None;
+    for &(si, wi) in &order {
+        let (s, w) = (&streams[si], &streams[si].windows[wi]);
+        signal::check().with_context(|| format!("stopped after {} of {n_planned} windows (early-stop order); no report written", scored.len()))?;
+        let tokens = window_tokens(&s.tokens, w, bos)?;
+        let input = WindowInput { tokens: &tokens, first_target: w.first_target - w.begin, extra_ids: &[] };
+        let t = Instant::now();
+        let scores = scorer
+            .score_windows(&[input], &opts)
+            .with_context(|| format!("stream {} window {} [{}, {})", s.name, w.index, w.begin, w.end))?
+            .pop()
+            .context("the backend returned no scores")?;
+        let seconds = t.elapsed().as_secs_f64();
+        let nll: Vec<f64> = scores.iter().map(|r| r.nll).collect();
+        let wb = s.byte_counts.as_ref().map(|c| WindowBytes::of(&c[w.first_target..w.end], &nll));
+        let ws = WindowScores { input_tokens: tokens.len(), nll: nll.clone() }.stats();
+        slots[si][wi] = Some((ws, window_result(w, &tokens, &ws, seconds, wb.as_ref(), None), wb, nll));
+        scored.push(ws);
+        progress.advance(w.scored() as u64, &s.name);
+        half = early_stop::half_width(&scored);
+        if half.is_some_and(|h| h < target) {
+            break;
+        }
+    }
+    progress.finish();
+    let n_scored = scored.len();
+    let stopped_early = n_scored < n_planned;
+    let reason = match half {
+        Some(h) if h < target => format!(
+            "the 95 % half-width of the overall mean NLL, {h:.3e} nats (window-clustered), fell below --target-uncertainty {target} after {n_scored} of {n_planned} windows"
+        ),
+        Some(h) => format!("every window was scored; the 95 % half-width is {h:.3e} nats, not below --target-uncertainty {target}"),
+        None => format!("every window was scored; {n_scored} windows are too few for the rule (at least {})", early_stop::MIN_WINDOWS),
+    };
+    info!("early stop: {reason}");
+    let mut out = StreamScores {
+        stats: Vec::new(),
+        windows: Vec::new(),
+        kl: vec![None; streams.len()],
+        bytes: Vec::new(),
+        positions: PositionAccumulator::default(),
+        kl_values: Vec::new(),
+    };
+    for (s, slot) in streams.iter().zip(slots) {
+        let (mut stats, mut results, mut bytes) = (Vec::new(), Vec::new(), Vec::new());
+        for (w, entry) in s.windows.iter().zip(slot) {
+            if let Some((ws, r, wb, nll)) = entry {
+                out.positions.add_window(w.first_target - w.begin, &nll);
+                stats.push(ws);
+                results.push(r);
+                bytes.extend(wb);
+            }
+        }
+        out.stats.push(StreamStats { id: s.name.clone(), domain: s.domain.clone(), windows: stats });
+        out.windows.push(results);
+        out.bytes.push(bytes);
+    }
+    let info = EarlyStop {
+        target_half_width: target,
+        order: format!("seeded permutation of all {n_planned} windows (ChaCha8, seed {:#x}), one window per pass", early_stop::SEED),
+        seed: early_stop::SEED,
+        min_windows: early_stop::MIN_WINDOWS,
+        n_windows_planned: n_planned,
+        n_windows_scored: n_scored,
+        stopped_early,
+        reason,
+        half_width: half,
+    };
+    Ok((out, info))
+}
+
+/// `--verify-invariance N`: the first N windows of the plan rescored batched
+/// (as the run batches them, with the run's top-k ids asked for) and alone
+/// (one window, prefill chunk = its length), compared target by target
+/// (`score::invariance`).
+fn verify_invariance(
+    n_max: usize,
+    streams: &[Stream],
+    stats: &[StreamStats],
+    scorer: &mut dyn WindowScorer,
+    bos: Option<u32>,
+    prefill_chunk: usize,
+    n_seqs: usize,
+    n_vocab: usize,
+) -> Result<Invariance> {
+    let k = crate::score::topk::TOP_K.min(n_vocab);
+    let covers_vocab = k == n_vocab;
+    let mut acc = InvarianceAcc::default();
+    let mut n_left = n_max;
+    for (s, st) in streams.iter().zip(stats) {
+        if n_left == 0 {
+            break;
+        }
+        let take = n_left.min(s.windows.len());
+        n_left -= take;
+        for batch in equal_length_batches(&s.windows[..take], n_seqs) {
+            let tokens: Vec<Vec<u32>> = batch.iter().map(|w| window_tokens(&s.tokens, w, bos)).collect::<Result<_>>()?;
+            let inputs: Vec<WindowInput> = batch
+                .iter()
+                .zip(&tokens)
+                .map(|(w, t)| WindowInput { tokens: t, first_target: w.first_target - w.begin, extra_ids: &[] })
+                .collect();
+            let batched = scorer
+                .score_windows(&inputs, &ScoreOptions { top_k: k, prefill_chunk: Some(prefill_chunk) })
+                .with_context(|| format!("--verify-invariance: stream {} batched rescore", s.name))?;
+            for ((w, t), b) in batch.iter().zip(&tokens).zip(batched) {
+                let records: Vec<TopRecord> = b.iter().map(|sc| record_of(sc, k, covers_vocab)).collect::<Result<_>>()?;
+                let extra: Vec<Vec<u32>> = records.iter().map(|r| r.ids.clone()).collect();
+                let one = WindowInput { tokens: t, first_target: w.first_target - w.begin, extra_ids: &extra };
+                let alone = scorer
+                    .score_windows(&[one], &ScoreOptions { top_k: 1, prefill_chunk: Some(t.len()) })
+                    .with_context(|| format!("--verify-invariance: stream {} window {} alone", s.name, w.index))?
+                    .pop()
+                    .context("the backend returned no scores")?;
+                let targets: Vec<(f64, f64, crate::score::kl::PositionKl)> = alone
+                    .iter()
+                    .zip(&b)
+                    .zip(&records)
+                    .enumerate()
+                    .map(|(j, ((a, bs), rec))| {
+                        let reference = ReferencePosition { ids: &rec.ids, logps: &rec.logps, target_logp: rec.target_logp, log_rest: rec.log_rest };
+                        let own = OwnPosition {
+                            lse: a.lse,
+                            target_logit: a.target_logit,
+                            top1: a.top.first().map(|t| t.0),
+                            extra_logits: &a.extra,
+                            covers_vocab,
+                            n_context: w.first_target + j - w.begin,
+                        };
+                        (a.nll, bs.nll, crate::score::kl::compare_position(&reference, &own))
+                    })
+                    .collect();
+                let batched_sum = WindowScores { input_tokens: t.len(), nll: b.iter().map(|x| x.nll).collect() }.stats().nll_sum;
+                let run_sum = st.windows[w.index].nll_sum;
+                acc.add_window(&s.name, w.index, w.first_target, &targets, batched_sum, run_sum);
+            }
+        }
+    }
+    Ok(acc.finish(n_seqs, prefill_chunk))
 }
 
 /// Splits `windows` into runs of consecutive windows of equal length, at most

@@ -23,7 +23,9 @@ use crate::config::{Input, RunConfig};
 use crate::model::TargetScore;
 use crate::plan::Window;
 use crate::report::{CorpusInfo, KlReport, KlReferenceInfo};
-use crate::score::kl::{self, KlAccumulator, KlSummary, OwnPosition, ReferencePosition, WorstPosition, WorstWindow};
+use crate::score::kl::{
+    self, KlAccumulator, KlPositions, KlSummary, OwnPosition, ReferencePosition, WindowKl, WorstPosition, WorstWindow,
+};
 use crate::score::position::PositionAccumulator;
 use crate::score::topk::{
     self, FileHeader, InputFingerprint, RunFingerprint, SavedTokens, StreamFingerprint, TopRecord, TopTokensReader,
@@ -233,9 +235,15 @@ impl TopTokensRun {
     }
 
     /// Writes this window's records and compares it with the reference.
-    /// Returns the window's KL statistics (no quantiles, no buckets).
-    /// Every compared position also goes to `positions` (KL by position in the window).
-    pub fn end_window(&mut self, w: &Window, scores: &[TargetScore], positions: &mut PositionAccumulator) -> Result<Option<KlSummary>> {
+    /// Returns the window's KL record (statistics without quantiles or
+    /// buckets, and the sums) and its per-position KLs. Every compared
+    /// position also goes to `by_position` (KL by position in the window).
+    pub fn end_window(
+        &mut self,
+        w: &Window,
+        scores: &[TargetScore],
+        by_position: &mut PositionAccumulator,
+    ) -> Result<Option<(WindowKl, KlPositions)>> {
         ensure!(scores.len() == w.scored(), "window {}: {} scores for {} targets", w.index, scores.len(), w.scored());
         let covers_vocab = self.k == self.fingerprint.n_vocab;
         if let Some(writer) = &mut self.writer {
@@ -248,7 +256,8 @@ impl TopTokensRun {
         }
         let records = self.window_records.pop_front().with_context(|| format!("window {}: ended before it began", w.index))?;
         ensure!(records.len() == scores.len(), "window {}: {} reference records for {} scores", w.index, records.len(), scores.len());
-        let mut window = kl::KlMoments::default();
+        let mut window = KlAccumulator::default();
+        let mut positions = KlPositions { first_n_context: w.first_target - w.begin, kl: Vec::with_capacity(scores.len()) };
         let mut window_max: (f64, usize) = (f64::NEG_INFINITY, w.first_target);
         for (j, (s, rec)) in scores.iter().zip(&records).enumerate() {
             ensure!(
@@ -270,8 +279,8 @@ impl TopTokensRun {
             };
             let p = kl::compare_position(&reference, &own);
             window.add(&p);
-            self.stream.add(&p);
-            positions.add_kl(&p);
+            positions.kl.push(KlPositions::value(&p));
+            by_position.add_kl(&p);
             if p.kl.is_finite() && p.kl > window_max.0 {
                 window_max = (p.kl, w.first_target + j);
             }
@@ -291,9 +300,9 @@ impl TopTokensRun {
             });
         }
         window.end_window();
-        self.stream.end_window();
-        positions.end_kl_window();
-        let summary = window.summary();
+        by_position.end_kl_window();
+        let record = window.window_record();
+        let summary = &record.summary;
         kl::keep_worst(&mut self.worst_windows, kl::N_WORST_WINDOWS, summary.mean, || WorstWindow {
             mean_kl: summary.mean,
             stream: self.fingerprint.streams.get(self.stream_index).map_or_else(String::new, |st| st.name.clone()),
@@ -306,7 +315,15 @@ impl TopTokensRun {
             mean_nll_delta: summary.mean_nll_delta,
             text: None,
         });
-        Ok(Some(summary))
+        self.add_window(&record, &positions);
+        Ok(Some((record, positions)))
+    }
+
+    /// Pools a window's KL record into the stream's and the run's statistics
+    /// (windows in plan order).
+    pub fn add_window(&mut self, record: &WindowKl, positions: &KlPositions) {
+        self.stream.add_window(record, positions);
+        self.overall.add_window(record, positions);
     }
 
     /// Closes a stream: its full KL statistics (quantiles and buckets).
@@ -314,7 +331,6 @@ impl TopTokensRun {
         let acc = std::mem::take(&mut self.stream);
         self.stream_index += 1;
         self.reference.as_ref()?;
-        self.overall.merge(&acc);
         Some(acc.summary())
     }
 
@@ -356,7 +372,7 @@ impl TopTokensRun {
                 producer: r.header.producer.clone(),
                 top_k: r.k,
             },
-            bound: KlReport::BOUND,
+            bound: KlReport::BOUND.into(),
             summary,
             worst_positions: self.worst,
             worst_windows: self.worst_windows,

@@ -162,17 +162,10 @@ fn after(b: &[u8], needle: &[u8]) -> usize {
     b.windows(needle.len()).position(|w| w == needle).unwrap() + needle.len()
 }
 
-/// A schema-3 report with `n` windows per stream of one stream.
+/// A typed schema-4 report of one stream of 6 windows (`common::reports`), as JSON to edit.
 fn report(edit: impl FnOnce(&mut Value)) -> Value {
-    let windows: Vec<Value> = (0..6)
-        .map(|i| json!({"index": i, "begin": i * 512, "end": (i + 1) * 512, "first_target": i * 512 + 256, "scored": 255,
-                        "n_nonfinite": 0, "nll_sum": 600.0 + i as f64, "tokens_sha256": format!("{i:064x}")}))
-        .collect();
-    let mut v = json!({
-        "schema_version": 3,
-        "workload": {"input": "text", "method": "chunks", "context": 512},
-        "results": {"streams": [{"name": "s", "domain": "d", "windows": windows}]}
-    });
+    let r = common::reports::constructed(&[("s", "d")], 6, 255, |_, i| (600.0 + i as f64) / 255.0);
+    let mut v = serde_json::to_value(r).unwrap();
     edit(&mut v);
     v
 }

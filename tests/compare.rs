@@ -1,14 +1,20 @@
-//! `infernix-perplexity compare` end to end on constructed report.json files
-//! (no model): verdicts and exit codes for identical reports, small noise, a
-//! uniform 1 % and 5 % shift, mismatched windows, the floor and KL gates, and
-//! the output files. One test at the end runs the real evaluator on SmolLM2
-//! with `--noise-floor` and compares the report with itself.
+//! `infernix-perplexity compare` end to end on report.json files built from
+//! the writer's typed structs (no model): verdicts and exit codes for
+//! identical reports, small noise, a uniform 1 % and 5 % shift, mismatched
+//! windows, the floor and KL gates, and the output files. Tests at the end
+//! run the real evaluator on SmolLM2 (`--noise-floor` and a self-compare;
+//! KL against a recorded reference, through the binary's own fields) and
+//! read the committed version-3 reports of tests/data/report-v3.
 
 mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use infernix_perplexity::report::{self, KlReferenceInfo, KlReport};
+use infernix_perplexity::score::floor::noise_floor;
+use infernix_perplexity::score::kl::KlSummary;
+use infernix_perplexity::score::paired::PairedWindow;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
@@ -42,40 +48,13 @@ const STREAMS: [(&str, &str); 4] = [("wiki", "en"), ("book", "en"), ("zh-1", "zh
 const N_WINDOWS: usize = 12;
 const SCORED: usize = 255;
 
-/// A schema-3 report whose window `(stream s, window i)` has mean NLL
-/// `base_mean(s, i) + shift(s, i)`.
+/// A typed schema-4 report (the writer's own structs) whose window
+/// `(stream s, window i)` has mean NLL `base_mean(s, i) + shift(s, i)`
+/// (a spread of window difficulty like real text: 2.0 .. 3.6 nats), as JSON
+/// for the tests to edit.
 fn report(shift: impl Fn(usize, usize) -> f64) -> Value {
-    let streams: Vec<Value> = STREAMS
-        .iter()
-        .enumerate()
-        .map(|(s, (name, domain))| {
-            let windows: Vec<Value> = (0..N_WINDOWS)
-                .map(|i| {
-                    // A spread of window difficulty like real text: 2.0 .. 3.6 nats.
-                    let mean = 2.0 + 0.4 * s as f64 + 0.1 * ((i * 7 + s * 3) % 11) as f64 + shift(s, i);
-                    let nll_sum = mean * SCORED as f64;
-                    json!({
-                        "index": i, "begin": i * 512, "end": (i + 1) * 512, "first_target": i * 512 + 256,
-                        "scored": SCORED, "tokens_sha256": format!("{:064x}", s * 1000 + i),
-                        "n_nonfinite": 0, "nll_sum": nll_sum, "mean_nll": mean, "perplexity": mean.exp(), "seconds": 0.5
-                    })
-                })
-                .collect();
-            json!({"name": name, "domain": domain, "input_tokens": N_WINDOWS * 512,
-                   "token_ids_sha256": format!("{:064x}", s + 7), "windows": windows})
-        })
-        .collect();
-    json!({
-        "schema_version": 3,
-        "tool": {"name": "infernix-perplexity", "version": "0.1.0", "git_revision": "test"},
-        "artifact": {"path": "m.ninfer", "public_name": "constructed"},
-        "workload": {"input": "tokens", "corpus": null, "method": "chunks", "context": 512, "stride": null,
-                     "chunks_limit": N_WINDOWS, "prefill_chunk_tokens": 1024,
-                     "bos": {"add_bos": true, "bos_id": 1, "replace_window_first_token": true}},
-        "execution": {"backend": "cpu", "device": "test", "kv_dtype": "f32", "threads": 1, "details": {}},
-        "results": {"overall": null, "domains": [], "streams": streams},
-        "timing": {}
-    })
+    let mean = |s: usize, i: usize| 2.0 + 0.4 * s as f64 + 0.1 * ((i * 7 + s * 3) % 11) as f64 + shift(s, i);
+    serde_json::to_value(common::reports::constructed(&STREAMS, N_WINDOWS, SCORED, mean)).unwrap()
 }
 
 /// Writes `value` as `dir/name/report.json` and returns the folder.
@@ -217,11 +196,13 @@ fn mismatched_windows_exit_2() {
         assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
         assert!(o.stdout.is_empty() && v.is_none(), "no table, no verdict file on error");
     }
-    // A window without a fingerprint on one side is still compared by position.
+    // Every window carries its fingerprint: one without is not a report of the schema.
     let no_fp = mutate(&|v| {
         v["results"]["streams"][0]["windows"][0].as_object_mut().unwrap().remove("tokens_sha256");
     });
-    assert_eq!(code(&gate(&base, &no_fp, &[]).0), 0);
+    let (o, _) = gate(&base, &no_fp, &[]);
+    assert_eq!(code(&o), 2);
+    assert!(stderr(&o).contains("NEW") && stderr(&o).contains("missing field `tokens_sha256`"), "{}", stderr(&o));
 }
 
 #[test]
@@ -294,7 +275,12 @@ fn noise_floor_gate() {
     let (o, _) = gate(&base, &new, &["--max-delta-over-floor", "2"]);
     assert_eq!(code(&o), 2);
     assert!(stderr(&o).contains("records no noise_floor"), "{}", stderr(&o));
-    base["noise_floor"] = json!({"perturbation": "prefill_chunk", "floor_pct": 0.0005, "bit_identical": false});
+    // A recorded floor of 0.0005 %: the evaluator's own block, with its figure set.
+    let rows: Vec<(String, PairedWindow)> =
+        (0..4).map(|i| ("en".to_string(), PairedWindow { n_scored: 10, base_nll_sum: 20.0, new_nll_sum: 20.0 + 1e-6 * i as f64 })).collect();
+    let mut floor = noise_floor(&rows, 0, 1024, 512, 4096, 1.0);
+    floor.floor_pct = 0.0005;
+    base["noise_floor"] = serde_json::to_value(&floor).unwrap();
     let (o, v) = gate(&base, &new, &["--max-delta-over-floor", "2"]);
     let v = v.unwrap();
     assert_eq!(code(&o), 3, "{}", stdout(&o));
@@ -307,14 +293,10 @@ fn noise_floor_gate() {
 
 #[test]
 fn kl_gates_read_new_and_fail_closed() {
-    let kl = |mean: f64, top1: f64, flips: u64, reference: &str| {
-        json!({"mean": mean, "uncertainty": mean / 10.0, "top1_agreement": top1, "confident_flips": flips,
-               "reference_sha256": reference})
-    };
     let mut base = report(|_, _| 0.0);
     let mut new = report(|_, _| 0.0);
-    base["kl_divergence"] = kl(1e-4, 0.999, 0, "ref-a");
-    new["kl_divergence"] = kl(5e-3, 0.97, 12, "ref-a");
+    base["results"]["kl_divergence"] = kl_block(1e-4, 0.999, 0, "ref-a");
+    new["results"]["kl_divergence"] = kl_block(5e-3, 0.97, 12, "ref-a");
     // PPL identical, KL breached -> FAIL.
     let (o, v) = gate(&base, &new, &["--max-mean-kl", "1e-3"]);
     assert_eq!(code(&o), 1, "{}", stdout(&o));
@@ -324,7 +306,7 @@ fn kl_gates_read_new_and_fail_closed() {
     let (o, _) = gate(&base, &new, &["--max-flips", "20", "--min-top1", "0.95", "--max-mean-kl", "0.01"]);
     assert_eq!(code(&o), 0, "{}", stdout(&o));
     // Another reference: NEW's own block is gated (its reference is the one it names), with a note.
-    new["kl_divergence"]["reference_sha256"] = json!("ref-b");
+    new["results"]["kl_divergence"]["reference"]["sha256"] = json!("ref-b");
     let (o, v) = gate(&base, &new, &["--max-mean-kl", "1e-3"]);
     assert_eq!(code(&o), 1, "{}", stdout(&o));
     assert_eq!(check(&v.unwrap(), "max_mean_kl")["status"], "FAIL");
@@ -339,9 +321,46 @@ fn kl_gates_read_new_and_fail_closed() {
     let (o, v) = gate(&base, &plain, &["--max-flips", "20"]);
     assert_eq!(code(&o), 1, "{}", stdout(&o));
     assert_eq!(check(&v.unwrap(), "kl")["status"], "FAIL");
-    new["kl_divergence"].as_object_mut().unwrap().remove("confident_flips");
+    // A block without a gated field is not a report of the schema: an error naming it.
+    new["results"]["kl_divergence"].as_object_mut().unwrap().remove("n_confident_flips");
     let (o, _) = gate(&plain, &new, &["--max-flips", "20"]);
-    assert_eq!(code(&o), 1, "{}", stdout(&o));
+    assert_eq!(code(&o), 2, "{}", stdout(&o));
+    assert!(stderr(&o).contains("n_confident_flips"), "{}", stderr(&o));
+}
+
+/// A `results.kl_divergence` block (typed) with the gated figures.
+fn kl_block(mean: f64, top1: f64, flips: usize, reference: &str) -> Value {
+    let summary = KlSummary {
+        positions: 1000,
+        n_nonfinite: 0,
+        mean,
+        sd: Some(mean),
+        mean_se: Some(mean / 10.0),
+        mean_se_clustered: Some(mean / 5.0),
+        quantiles: None,
+        mean_reference_top_mass: 0.9,
+        top1_agreement: top1,
+        top1_agreement_se: Some(0.001),
+        n_confident_flips: flips,
+        mean_nll: 2.0,
+        mean_nll_reference: 2.0,
+        mean_nll_se: Some(0.01),
+        mean_nll_reference_se: Some(0.01),
+        mean_nll_delta: 0.0,
+        mean_nll_delta_se: Some(0.001),
+        mean_nll_delta_se_clustered: Some(0.001),
+        delta_p_mean: 0.0,
+        delta_p_rms: 0.01,
+        delta_p_rms_se: Some(0.001),
+        by_context: None,
+    };
+    serde_json::to_value(KlReport {
+        reference: KlReferenceInfo { path: "ref.top".into(), sha256: reference.into(), producer: json!({}), top_k: 64 },
+        bound: KlReport::BOUND.into(),
+        summary,
+        worst_positions: Vec::new(),
+    })
+    .unwrap()
 }
 
 #[test]
@@ -461,4 +480,92 @@ fn real_noise_floor_and_self_compare() {
     let corpus = std::fs::read_to_string(&text).unwrap();
     assert!(corpus.contains(plain.trim()), "the excerpt is text of the corpus: {excerpt}");
     assert!(stdout(&o).contains(&excerpt.chars().take(20).collect::<String>()), "{}", stdout(&o));
+}
+
+/// Runs the evaluator on SmolLM2 on the CPU over 3 chunks of 128 tokens of
+/// tests/data/report-v3/wiki-head.txt, with `extra` flags, into `out`.
+fn score_tiny(out: &Path, extra: &[&std::ffi::OsStr]) {
+    let model = common::models_dir().join("SmolLM2-135M-Instruct.Q4_1.ninfer");
+    assert!(model.exists(), "{} missing: run scripts/fetch-models.sh", model.display());
+    let text = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/report-v3/wiki-head.txt");
+    let o = Command::new(env!("CARGO_BIN_EXE_infernix-perplexity"))
+        .args([os(&model), os("--text"), os(&text), os("--method"), os("chunks"), os("--context"), os("128")])
+        .args([os("--chunks"), os("3"), os("--backend"), os("cpu"), os("--output"), os(out)])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// Real reports with `kl_divergence` written by the binary: base lossless
+/// with --save-top-tokens, new with fp8 KV against it. `compare` reads the
+/// KL figures through the typed schema (the verdict carries the report's own
+/// values), a breached gate fails, and the written field names are the
+/// documented ones (docs/report.md), so renaming one fails here.
+#[test]
+fn real_kl_reports_compare_through_the_schema() {
+    let t = tempfile::tempdir().unwrap();
+    let (base, new, top) = (t.path().join("base"), t.path().join("new"), t.path().join("base.top"));
+    score_tiny(&base, &[os("--lossless"), os("--save-top-tokens"), os(&top)]);
+    score_tiny(&new, &[os("--kv-dtype"), os("fp8"), os("--kl-reference"), os(&top)]);
+    let r = report::read_report(&new, "NEW").unwrap();
+    let kl = r.results.kl_divergence.as_ref().expect("the KL block");
+    assert!(kl.summary.mean > 0.0 && kl.summary.mean < 0.1, "fp8 KV moves KL a little: {}", kl.summary.mean);
+    let raw: Value = serde_json::from_slice(&std::fs::read(new.join("report.json")).unwrap()).unwrap();
+    for pointer in [
+        "/schema_version",
+        "/execution/kv_format",
+        "/results/overall/mean_nll_se_clustered",
+        "/results/kl_divergence/reference/sha256",
+        "/results/kl_divergence/mean",
+        "/results/kl_divergence/mean_se",
+        "/results/kl_divergence/top1_agreement",
+        "/results/kl_divergence/n_confident_flips",
+        "/results/kl_divergence/quantiles/p99.9",
+        "/results/streams/0/n_tokens",
+        "/results/streams/0/input_tokens",
+        "/results/streams/0/windows/0/nll_sq_sum",
+        "/results/streams/0/windows/0/input_tokens",
+        "/results/streams/0/windows/0/kl_divergence/sums/kl_sq",
+        "/results/streams/0/windows/0/kl_divergence/bucket_sums/0/sums/delta_p_4",
+    ] {
+        assert!(raw.pointer(pointer).is_some(), "report.json lacks the documented field {pointer}");
+    }
+    assert!(raw.pointer("/execution/kv_dtype").is_none(), "one KV field: kv_format");
+    assert_eq!(raw["schema_version"], 4);
+
+    let js = t.path().join("v.json");
+    let o = compare(&[os(&base), os(&new), os("--json"), os(&js), os("--max-mean-kl"), os("1"), os("--min-top1"), os("0.5")]);
+    assert!(matches!(code(&o), 0 | 3), "{}{}", stdout(&o), stderr(&o));
+    let v: Value = serde_json::from_slice(&std::fs::read(&js).unwrap()).unwrap();
+    let got = &v["kl_divergence"]["new"];
+    assert_eq!(got["mean"].as_f64(), Some(kl.summary.mean));
+    assert_eq!(got["uncertainty"].as_f64(), kl.summary.mean_se);
+    assert_eq!(got["top1_agreement"].as_f64(), Some(kl.summary.top1_agreement));
+    assert_eq!(got["confident_flips"].as_u64(), Some(kl.summary.n_confident_flips as u64));
+    assert_eq!(got["reference"].as_str(), Some(kl.reference.sha256.as_str()));
+    assert_eq!(check(&v, "max_mean_kl")["status"], "PASS");
+    let o = compare(&[os(&base), os(&new), os("--max-mean-kl"), os("1e-9")]);
+    assert_eq!(code(&o), 1, "a breached KL gate fails: {}", stdout(&o));
+}
+
+/// The committed version-3 reports (written by the binary before schema 4;
+/// tests/data/report-v3/README.md) still compare, KL gates included.
+#[test]
+fn version_3_reports_still_compare() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/report-v3");
+    let (base, new) = (dir.join("base.json"), dir.join("new.json"));
+    let raw: Value = serde_json::from_slice(&std::fs::read(&new).unwrap()).unwrap();
+    assert_eq!(raw["schema_version"], 3);
+    let t = tempfile::tempdir().unwrap();
+    let js = t.path().join("v.json");
+    let o = compare(&[os(&base), os(&new), os("--json"), os(&js), os("--max-mean-kl"), os("1")]);
+    assert!(matches!(code(&o), 0 | 3), "{}{}", stdout(&o), stderr(&o));
+    let v: Value = serde_json::from_slice(&std::fs::read(&js).unwrap()).unwrap();
+    assert_eq!(v["overall"]["n_windows"], 3);
+    assert_eq!(v["kl_divergence"]["new"]["mean"], raw["results"]["kl_divergence"]["mean"]);
+    assert_eq!(v["kl_divergence"]["new"]["reference"], raw["results"]["kl_divergence"]["reference"]["sha256"]);
+    assert_eq!(v["new"]["kv_dtype"], "fp8");
+    let o = compare(&[os(&base), os(&new), os("--max-mean-kl"), os("1e-9")]);
+    assert_eq!(code(&o), 1, "{}", stdout(&o));
 }

@@ -80,10 +80,9 @@ fn ppl_stride_scores_llama_cpp_targets_and_agrees_per_window() {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap()
     };
-    // The stream's token count, from a dry run (a scored report's stream entry
-    // also carries the summary's count of tokens evaluated under that name).
+    // The stream's token count, from a dry run.
     let dry = run("dry", &["--dry-run"]);
-    assert_eq!(dry["results"]["streams"][0]["input_tokens"].as_u64().unwrap() as usize, r.n_tokens, "token count differs from llama.cpp's");
+    assert_eq!(dry["results"]["streams"][0]["n_tokens"].as_u64().unwrap() as usize, r.n_tokens, "token count differs from llama.cpp's");
     let report = run("scored", &[]);
     assert_eq!(report["workload"]["method"], "ppl-stride");
     let stream = &report["results"]["streams"][0];

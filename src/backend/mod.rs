@@ -311,7 +311,7 @@ pub struct ExecutionInfo {
 }
 
 /// Element precision of a matrix product's inputs (accumulation is f32 on every route).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
     #[default]
@@ -356,14 +356,14 @@ pub fn effective_prefill_chunk(requested: usize, kv: KvFormat) -> usize {
 /// Every numeric setting of a run, independent of the backend: built once
 /// from the flags (`config`), consumed by both backends, recorded typed in
 /// report.json `execution`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 pub struct ExecutionSpec {
     /// Inputs of every matrix product but the LM head.
     pub matmul_inputs: Precision,
     /// Inputs of the LM-head product.
     pub lm_head_inputs: Precision,
     /// `--kv-dtype` (resolved: fp8 by default, f32 under `--lossless`).
-    #[serde(serialize_with = "serialize_name")]
+    #[serde(serialize_with = "serialize_name", deserialize_with = "deserialize_name")]
     pub kv_format: KvFormat,
     /// Forced fast paths (`--fast-path`), by name.
     pub fast_paths: Vec<String>,
@@ -381,7 +381,7 @@ pub struct ExecutionSpec {
 }
 
 /// `--prefill-chunk` as asked and as used ([`effective_prefill_chunk`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct PrefillChunk {
     pub requested: usize,
     pub effective: usize,
@@ -389,6 +389,11 @@ pub struct PrefillChunk {
 
 fn serialize_name<S: serde::Serializer>(f: &KvFormat, s: S) -> std::result::Result<S::Ok, S::Error> {
     s.serialize_str(f.name())
+}
+
+fn deserialize_name<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<KvFormat, D::Error> {
+    let name = <String as serde::Deserialize>::deserialize(d)?;
+    name.parse().map_err(serde::de::Error::custom)
 }
 
 impl ExecutionSpec {

@@ -42,7 +42,7 @@ pub fn excerpts(
     streams.sort_unstable();
     streams.dedup();
     for si in streams {
-        let stream = &base.results.streams[si];
+        let stream = &base.streams[si];
         match stream_tokens(&tokenizer, data_root, base, si) {
             Ok(tokens) => {
                 for r in rows.iter().filter(|r| r.stream_index == si) {
@@ -65,14 +65,14 @@ fn open_tokenizer(model: &Path) -> Result<TextTokenizer> {
 /// The stream's token ids, rebuilt from BASE's workload and checked against
 /// its recorded fingerprint.
 fn stream_tokens(tok: &TextTokenizer, data_root: Option<&Path>, base: &ReportView, si: usize) -> Result<Vec<u32>> {
-    let stream = &base.results.streams[si];
+    let stream = &base.streams[si];
     let w = &base.workload;
     let tokens = match w.input.as_str() {
         "corpus" => {
             let c = w.corpus.as_ref().context("the report's workload has no corpus block")?;
             let manifest_path = PathBuf::from(&c.manifest);
             // The bundled corpus (recorded as corpus::BUNDLED_MANIFEST) needs no data root.
-            let root = data_root.map(Path::to_path_buf).or_else(|| c.data_root.as_ref().map(PathBuf::from));
+            let root = data_root.map(Path::to_path_buf).or_else(|| Some(PathBuf::from(&c.data_root)));
             let (manifest, files) = corpus::open_corpus(Some(&manifest_path), root.as_deref())?;
             let spec = manifest
                 .streams
@@ -91,11 +91,9 @@ fn stream_tokens(tok: &TextTokenizer, data_root: Option<&Path>, base: &ReportVie
         }
         other => bail!("unknown workload input '{other}'"),
     };
-    if let Some(expected) = &stream.token_ids_sha256 {
-        let got = token_ids_sha256(&tokens);
-        if &got != expected {
-            bail!("re-tokenized ids have sha256 {got}, the report recorded {expected} (another tokenizer or file?)");
-        }
+    let got = token_ids_sha256(&tokens);
+    if got != stream.token_ids_sha256 {
+        bail!("re-tokenized ids have sha256 {got}, the report recorded {} (another tokenizer or file?)", stream.token_ids_sha256);
     }
     Ok(tokens)
 }

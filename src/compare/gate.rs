@@ -25,7 +25,7 @@
 use serde::Serialize;
 
 use super::kl::KlComparison;
-use super::stats::PairedStats;
+use crate::score::paired::PairedStats;
 
 /// Default `--alpha`.
 pub const DEFAULT_ALPHA: f64 = 0.05;
@@ -304,7 +304,7 @@ pub fn fmt_p(p: f64) -> String {
 mod tests {
     use super::*;
     use crate::compare::kl::KlSummary;
-    use crate::compare::stats::PairedWindow;
+    use crate::score::paired::PairedWindow;
 
     fn stats(per_token: &[f64]) -> PairedStats {
         let w: Vec<PairedWindow> = per_token

@@ -1,165 +1,174 @@
 //! Reading two report.json files for `compare` and pairing their windows.
 //!
-//! It owns the read-side view of a report (only the fields the comparison
-//! needs; anything else in the file is ignored, so later schema additions do
-//! not break it) and the refusal of reports whose windows differ. It computes
-//! no statistics.
+//! A version-4 report is read through the writer's own typed structs
+//! (`report::Report`), a version-3 one through `report::v3`; either becomes
+//! the [`ReportView`] the comparison works on (only what it needs). It also
+//! refuses reports whose windows differ. It computes no statistics.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use serde::Deserialize;
-use serde_json::Value;
 
-/// A report as `compare` reads it, plus the raw JSON (for optional blocks such
-/// as `kl_divergence`, looked up by [`super::kl`]).
+use super::kl::KlSummary;
+use crate::report::{self, v3, Report, Workload};
+
+/// A report as `compare` reads it.
 #[derive(Debug)]
 pub struct LoadedReport {
     pub path: PathBuf,
     pub view: ReportView,
-    pub raw: Value,
 }
 
-#[derive(Debug, Deserialize)]
+/// What the comparison reads of a report, whichever its schema version.
+#[derive(Debug)]
 pub struct ReportView {
     pub schema_version: u32,
-    #[serde(default)]
-    pub artifact: Option<ArtifactView>,
-    pub workload: WorkloadView,
-    #[serde(default)]
-    pub execution: Option<ExecutionView>,
-    pub results: ResultsView,
-    #[serde(default)]
-    pub noise_floor: Option<NoiseFloorView>,
-}
-
-#[derive(Debug, Deserialize)]
-pub struct ArtifactView {
-    #[serde(default)]
-    pub path: String,
-    #[serde(default)]
-    pub public_name: String,
-}
-
-#[derive(Debug, Deserialize)]
-pub struct ExecutionView {
-    #[serde(default)]
-    pub backend: String,
-    #[serde(default)]
-    pub kv_dtype: String,
-}
-
-#[derive(Debug, Deserialize)]
-pub struct WorkloadView {
-    #[serde(default)]
-    pub input: String,
-    /// The `--text` / `--tokens` file (absent for corpora and older reports).
-    #[serde(default)]
-    pub input_path: Option<String>,
-    #[serde(default)]
-    pub corpus: Option<CorpusView>,
-    pub method: String,
-    pub context: usize,
-    #[serde(default)]
-    pub stride: Option<usize>,
-    #[serde(default)]
-    pub prefill_chunk_tokens: Option<usize>,
-    #[serde(default)]
-    pub bos: Option<BosView>,
-}
-
-#[derive(Debug, Deserialize)]
-pub struct CorpusView {
-    pub manifest: String,
-    #[serde(default)]
-    pub quick: bool,
-    #[serde(default)]
-    pub data_root: Option<String>,
-}
-
-#[derive(Debug, Deserialize)]
-pub struct BosView {
-    #[serde(default)]
-    pub bos_id: Option<u32>,
-}
-
-#[derive(Debug, Deserialize)]
-pub struct ResultsView {
-    #[serde(default)]
+    /// The artifact's public name (its path when it has none).
+    pub artifact: String,
+    /// `execution.backend` and the KV format (absent in a dry run).
+    pub backend: Option<String>,
+    pub kv_format: Option<String>,
+    pub workload: Workload,
     pub streams: Vec<StreamView>,
+    pub noise_floor: Option<NoiseFloorView>,
+    /// The overall KL statistics (`results.kl_divergence`).
+    pub kl: Option<KlSummary>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug)]
 pub struct StreamView {
     pub name: String,
     pub domain: String,
-    #[serde(default)]
-    pub token_ids_sha256: Option<String>,
-    #[serde(default)]
+    pub token_ids_sha256: String,
     pub windows: Vec<WindowView>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug)]
 pub struct WindowView {
     pub index: usize,
     pub begin: usize,
     pub end: usize,
     pub first_target: usize,
     pub scored: usize,
-    #[serde(default)]
     pub n_nonfinite: usize,
     pub nll_sum: f64,
-    #[serde(default)]
-    pub tokens_sha256: Option<String>,
+    pub tokens_sha256: String,
 }
 
 /// What `compare` needs of a report's `noise_floor` block.
-#[derive(Debug, Deserialize)]
+#[derive(Debug)]
 pub struct NoiseFloorView {
     pub floor_pct: f64,
-    #[serde(default)]
     pub bit_identical: bool,
-    #[serde(default)]
-    pub alternate_prefill_chunk_tokens: Option<usize>,
 }
 
-/// `PATH` itself when it is a file, `PATH/report.json` when it is a folder.
-pub fn report_path(path: &Path) -> PathBuf {
-    if path.is_dir() {
-        path.join(crate::report::REPORT_FILE)
-    } else {
-        path.to_path_buf()
+fn artifact_name(public_name: &str, path: &str) -> String {
+    if public_name.is_empty() { path } else { public_name }.to_string()
+}
+
+impl From<Report> for ReportView {
+    fn from(r: Report) -> Self {
+        let streams = r
+            .results
+            .streams
+            .into_iter()
+            .map(|s| StreamView {
+                name: s.name,
+                domain: s.domain,
+                token_ids_sha256: s.token_ids_sha256,
+                windows: s
+                    .windows
+                    .into_iter()
+                    .map(|w| WindowView {
+                        index: w.index,
+                        begin: w.begin,
+                        end: w.end,
+                        first_target: w.first_target,
+                        scored: w.scored,
+                        n_nonfinite: w.n_nonfinite,
+                        nll_sum: w.nll_sum,
+                        tokens_sha256: w.tokens_sha256,
+                    })
+                    .collect(),
+            })
+            .collect();
+        ReportView {
+            schema_version: r.schema_version,
+            artifact: artifact_name(&r.artifact.public_name, &r.artifact.path),
+            backend: r.execution.as_ref().map(|e| e.backend.clone()),
+            kv_format: r.execution.as_ref().map(|e| e.spec.kv_format.name().to_string()),
+            workload: r.workload,
+            streams,
+            noise_floor: r.noise_floor.map(|f| NoiseFloorView { floor_pct: f.floor_pct, bit_identical: f.bit_identical }),
+            kl: r.results.kl_divergence.as_ref().map(KlSummary::of),
+        }
     }
 }
 
-/// The largest report.json read (a full-corpus report is a few MB).
-pub const MAX_REPORT_BYTES: u64 = 1 << 30;
+impl From<v3::ReportV3> for ReportView {
+    fn from(r: v3::ReportV3) -> Self {
+        let streams = r
+            .results
+            .streams
+            .into_iter()
+            .map(|s| StreamView {
+                name: s.name,
+                domain: s.domain,
+                token_ids_sha256: s.token_ids_sha256,
+                windows: s
+                    .windows
+                    .into_iter()
+                    .map(|w| WindowView {
+                        index: w.index,
+                        begin: w.begin,
+                        end: w.end,
+                        first_target: w.first_target,
+                        scored: w.scored,
+                        n_nonfinite: w.n_nonfinite,
+                        nll_sum: w.nll_sum,
+                        tokens_sha256: w.tokens_sha256,
+                    })
+                    .collect(),
+            })
+            .collect();
+        ReportView {
+            schema_version: r.schema_version,
+            artifact: artifact_name(&r.artifact.public_name, &r.artifact.path),
+            backend: r.execution.as_ref().map(|e| e.backend.clone()),
+            kv_format: r.execution.as_ref().map(|e| e.kv_dtype.clone()),
+            workload: r.workload,
+            streams,
+            noise_floor: r.noise_floor.map(|f| NoiseFloorView { floor_pct: f.floor_pct, bit_identical: f.bit_identical }),
+            kl: r.results.kl_divergence.as_ref().map(KlSummary::of_v3),
+        }
+    }
+}
 
 /// Reads and parses a report (a file or a folder holding report.json).
 pub fn load_report(path: &Path, role: &str) -> Result<LoadedReport> {
-    let path = report_path(path);
-    let bytes = crate::util::fs::read_bounded(&path, MAX_REPORT_BYTES, role)?;
-    parse_report(&bytes).with_context(|| format!("{role} {}", path.display())).map(|(view, raw)| LoadedReport { path, view, raw })
+    let path = report::report_path(path);
+    let bytes = crate::util::fs::read_bounded(&path, report::MAX_REPORT_BYTES, role)?;
+    parse_report(&bytes).with_context(|| format!("{role} {}", path.display())).map(|view| LoadedReport { path, view })
 }
 
-/// A report from its bytes: JSON, the fields `compare` reads, the schema
-/// version, at least one window, and every window's values possible.
-pub fn parse_report(bytes: &[u8]) -> Result<(ReportView, Value)> {
-    let raw: Value = serde_json::from_slice(bytes).context("not JSON")?;
-    let view: ReportView = serde_json::from_value(raw.clone()).context("not an infernix-perplexity report")?;
-    if view.schema_version != crate::report::SCHEMA_VERSION {
-        bail!("schema_version {} (this compare reads version {})", view.schema_version, crate::report::SCHEMA_VERSION);
-    }
-    let n_windows: usize = view.results.streams.iter().map(|s| s.windows.len()).sum();
+/// A report from its bytes: schema version 4 (or 3), typed, at least one
+/// window, and every window's values possible.
+pub fn parse_report(bytes: &[u8]) -> Result<ReportView> {
+    let view: ReportView = match report::schema_version_of(bytes)? {
+        report::SCHEMA_VERSION => report::parse_report(bytes)?.into(),
+        3 => serde_json::from_slice::<v3::ReportV3>(bytes).context("not an infernix-perplexity report of schema version 3")?.into(),
+        v => bail!("schema_version {v} (this compare reads versions 3 and {})", report::SCHEMA_VERSION),
+    };
+    let n_windows: usize = view.streams.iter().map(|s| s.windows.len()).sum();
     if n_windows == 0 {
         bail!("no scored windows (a --dry-run report?)");
     }
-    for s in &view.results.streams {
+    for s in &view.streams {
         for w in &s.windows {
             check_window(w).with_context(|| format!("stream '{}' window {}", s.name, w.index))?;
         }
     }
-    Ok((view, raw))
+    Ok(view)
 }
 
 /// Refuses values no run can produce: a negative or non-finite NLL sum
@@ -217,9 +226,9 @@ impl WindowRow {
 
 /// Pairs the windows of two reports, or names the first difference that
 /// makes them incomparable (stream names or token ids, window counts,
-/// positions, scored counts, window token fingerprints where both carry them).
+/// positions, scored counts, window token fingerprints).
 pub fn pair_windows(base: &ReportView, new: &ReportView) -> Result<Vec<WindowRow>> {
-    let (bs, ns) = (&base.results.streams, &new.results.streams);
+    let (bs, ns) = (&base.streams, &new.streams);
     if bs.len() != ns.len() {
         bail!("the reports differ: BASE has {} streams, NEW has {}", bs.len(), ns.len());
     }
@@ -231,10 +240,13 @@ pub fn pair_windows(base: &ReportView, new: &ReportView) -> Result<Vec<WindowRow
         if b.domain != n.domain {
             bail!("the reports differ: stream '{}' is in domain '{}' in BASE and '{}' in NEW", b.name, b.domain, n.domain);
         }
-        if let (Some(x), Some(y)) = (&b.token_ids_sha256, &n.token_ids_sha256) {
-            if x != y {
-                bail!("the reports differ: stream '{}' has token ids sha256 {x} in BASE and {y} in NEW", b.name);
-            }
+        if b.token_ids_sha256 != n.token_ids_sha256 {
+            bail!(
+                "the reports differ: stream '{}' has token ids sha256 {} in BASE and {} in NEW",
+                b.name,
+                b.token_ids_sha256,
+                n.token_ids_sha256
+            );
         }
         if b.windows.len() != n.windows.len() {
             bail!(
@@ -258,10 +270,8 @@ pub fn pair_windows(base: &ReportView, new: &ReportView) -> Result<Vec<WindowRow
                     bail!("the reports differ: {} has {name} {x} in BASE and {y} in NEW", at());
                 }
             }
-            if let (Some(x), Some(y)) = (&bw.tokens_sha256, &nw.tokens_sha256) {
-                if x != y {
-                    bail!("the reports differ: {} has tokens_sha256 {x} in BASE and {y} in NEW", at());
-                }
+            if bw.tokens_sha256 != nw.tokens_sha256 {
+                bail!("the reports differ: {} has tokens_sha256 {} in BASE and {} in NEW", at(), bw.tokens_sha256, nw.tokens_sha256);
             }
             rows.push(WindowRow {
                 stream_index: si,

@@ -3,20 +3,19 @@
 //! and overall, applies the gates and gives a verdict with an exit code
 //! (0 PASS, 3 WARN, 1 FAIL, 2 error).
 //!
-//! Submodules: `args` (flags), `input` (reading and pairing reports), `stats`
-//! (paired t test, sign test, intervals), `gate` (thresholds and verdicts),
-//! `kl` (the KL gates), `floor` (the `--noise-floor` block the evaluator
-//! records), `excerpt` (decoded text of moved windows), `output` (table,
-//! Markdown, JSON). This module wires them; it scores nothing.
+//! Submodules: `args` (flags), `input` (reading and pairing reports), `gate`
+//! (thresholds and verdicts), `kl` (the KL gates), `excerpt` (decoded text
+//! of moved windows), `output` (table, Markdown, JSON). The paired
+//! statistics (`score::paired`) and the noise floor (`score::floor`) sit
+//! upstream in `score`, since the evaluator computes them too. This module
+//! wires them; it scores nothing.
 
 pub mod args;
 pub mod excerpt;
-pub mod floor;
 pub mod gate;
 pub mod input;
 pub mod kl;
 pub mod output;
-pub mod stats;
 
 use std::path::PathBuf;
 
@@ -24,12 +23,11 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 
 pub use self::args::CompareArgs;
-pub use self::floor::NoiseFloor;
-use self::floor::{by_domain, DomainPaired};
+use crate::score::floor::{by_domain, DomainPaired};
 use self::gate::{Check, Thresholds, Verdict};
 use self::input::{LoadedReport, WindowRow};
 use self::kl::KlComparison;
-use self::stats::{PairedStats, PairedWindow};
+use crate::score::paired::{PairedStats, PairedWindow};
 
 /// A report as the comparison describes it.
 #[derive(Clone, Debug, Serialize)]
@@ -38,7 +36,7 @@ pub struct RunInfo {
     pub artifact: String,
     pub backend: String,
     pub kv_dtype: String,
-    pub prefill_chunk_tokens: Option<usize>,
+    pub prefill_chunk_tokens: usize,
     pub method: String,
     pub context: usize,
     pub stride: Option<usize>,
@@ -49,15 +47,9 @@ impl RunInfo {
         let v = &r.view;
         Self {
             path: r.path.clone(),
-            artifact: v.artifact.as_ref().map_or_else(String::new, |a| {
-                if a.public_name.is_empty() {
-                    a.path.clone()
-                } else {
-                    a.public_name.clone()
-                }
-            }),
-            backend: v.execution.as_ref().map_or_else(String::new, |e| e.backend.clone()),
-            kv_dtype: v.execution.as_ref().map_or_else(String::new, |e| e.kv_dtype.clone()),
+            artifact: v.artifact.clone(),
+            backend: v.backend.clone().unwrap_or_default(),
+            kv_dtype: v.kv_format.clone().unwrap_or_default(),
             prefill_chunk_tokens: v.workload.prefill_chunk_tokens,
             method: v.workload.method.clone(),
             context: v.workload.context,
@@ -174,7 +166,6 @@ pub fn compare(base: &LoadedReport, new: &LoadedReport, th: &Thresholds, n_top: 
         by_domain(&tagged).into_iter().map(|(domain, w)| DomainPaired { domain, stats: PairedStats::of(&w) }).collect();
     let streams: Vec<StreamPaired> = base
         .view
-        .results
         .streams
         .iter()
         .enumerate()
@@ -215,7 +206,7 @@ pub fn compare(base: &LoadedReport, new: &LoadedReport, th: &Thresholds, n_top: 
         }
     }
     checks.push(gate::nonfinite_check(nonfinite.base_windows, nonfinite.new_windows));
-    let kl = kl::compare(&base.raw, &new.raw);
+    let kl = kl::compare(base.view.kl.as_ref(), new.view.kl.as_ref());
     checks.extend(gate::kl_checks(&kl, th));
     if let Some(note) = &kl.note {
         if kl.base.is_some() || kl.new.is_some() {
@@ -260,7 +251,7 @@ pub fn compare(base: &LoadedReport, new: &LoadedReport, th: &Thresholds, n_top: 
         base: RunInfo::of(base),
         new: RunInfo::of(new),
         thresholds: th.clone(),
-        n_streams: base.view.results.streams.len(),
+        n_streams: base.view.streams.len(),
         overall,
         domains,
         streams,
@@ -278,7 +269,7 @@ pub fn compare(base: &LoadedReport, new: &LoadedReport, th: &Thresholds, n_top: 
 /// `--markdown` / `--json` against BASE, NEW and `--model`, before any work.
 fn check_compare_outputs(args: &CompareArgs) -> Result<()> {
     use crate::util::outputs::{check_outputs, Named};
-    let (base, new) = (input::report_path(&args.base), input::report_path(&args.new));
+    let (base, new) = (crate::report::report_path(&args.base), crate::report::report_path(&args.new));
     let mut inputs = vec![Named::new("BASE", &base), Named::new("NEW", &new)];
     if let Some(m) = &args.model {
         inputs.push(Named::new("--model", m));
@@ -289,6 +280,16 @@ fn check_compare_outputs(args: &CompareArgs) -> Result<()> {
     }
     if let Some(p) = &args.json {
         outputs.push(Named::new("--json", p));
+    }
+    let plot = args.plots.as_ref().map(|d| d.join(crate::report::plots::WINDOW_DIFFERENCES));
+    if let (Some(dir), Some(p)) = (&args.plots, &plot) {
+        if dir.exists() && !dir.is_dir() {
+            anyhow::bail!("--plots {}: exists and is not a folder", dir.display());
+        }
+        // A folder still to be created holds nothing to clash with.
+        if dir.is_dir() {
+            outputs.push(Named::new("--plots", p));
+        }
     }
     check_outputs(&outputs, &[], &inputs)
 }
@@ -331,6 +332,15 @@ pub fn run(args: &CompareArgs) -> Result<Comparison> {
         c.notes.extend(notes);
     }
     print!("{}", output::table(&c));
+    if let Some(dir) = &args.plots {
+        // The windows of the paired statistics (finite in both), in pairing order.
+        let rows = input::pair_windows(&base.view, &new.view)?;
+        let per_window: Vec<f64> =
+            rows.iter().filter(|r| r.finite()).map(|r| (r.new_nll_sum - r.base_nll_sum) / r.scored.max(1) as f64).collect();
+        let svg = crate::report::plots::window_differences(&per_window, c.overall.mean_diff, c.overall.mean_diff_ci95)?;
+        std::fs::create_dir_all(dir).with_context(|| format!("--plots {}: create the folder", dir.display()))?;
+        crate::report::plots::write_svg(dir, crate::report::plots::WINDOW_DIFFERENCES, &svg).with_context(|| format!("--plots {}", dir.display()))?;
+    }
     if let Some(p) = &args.markdown {
         crate::util::fs::write_atomic(p, output::markdown(&c).as_bytes()).with_context(|| format!("--markdown {}", p.display()))?;
     }

@@ -5,7 +5,7 @@
 use std::fmt::Write;
 
 use super::gate::fmt_p;
-use super::stats::PairedStats;
+use crate::score::paired::PairedStats;
 use super::{Comparison, MovedWindow, RunInfo};
 
 fn describe(r: &RunInfo) -> String {
@@ -16,9 +16,7 @@ fn describe(r: &RunInfo) -> String {
     if !r.kv_dtype.is_empty() {
         parts.push(format!("kv {}", r.kv_dtype));
     }
-    if let Some(p) = r.prefill_chunk_tokens {
-        parts.push(format!("prefill {p}"));
-    }
+    parts.push(format!("prefill {}", r.prefill_chunk_tokens));
     parts.retain(|p| !p.is_empty());
     format!("{} ({})", r.path.display(), parts.join(", "))
 }

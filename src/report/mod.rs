@@ -1,25 +1,33 @@
-//! `report.json` (schema version 3) and the stdout domain table.
+//! `report.json` (schema version 4, documented in docs/report.md with the
+//! changes from version 3) and the stdout domain table.
 //!
-//! This module owns the report's shape and its atomic write; it computes no
-//! statistics (that is `score`) and runs nothing.
+//! This module owns the report's shape: one set of typed serde structs that
+//! the writer serializes and every reader (`compare`, `merge`, the tests)
+//! deserializes, so a field renamed here is renamed for all of them. It also
+//! owns the atomic write and the checked read ([`read_report`]). It computes
+//! no statistics (that is `score`) and runs nothing. `v3` reads the fields
+//! `compare` needs from a version-3 report.
 
-use std::path::Path;
+pub mod v3;
 
-use anyhow::{Context, Result};
-use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
 
 use crate::artifact::Artifact;
-use crate::score::kl::{KlSummary, WorstPosition, WorstWindow};
 use crate::score::bytes::ByteSummary;
+use crate::score::kl::{KlSummary, WindowKl, WorstPosition, WorstWindow};
 use crate::score::position::PositionBucket;
-use crate::score::Summary;
+use crate::score::{Summary, WindowStats};
 
+pub mod plots;
 pub mod worst;
 
-pub const SCHEMA_VERSION: u32 = 3;
+pub const SCHEMA_VERSION: u32 = 4;
 pub const REPORT_FILE: &str = "report.json";
 
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Report {
     pub schema_version: u32,
     pub tool: ToolInfo,
@@ -30,30 +38,30 @@ pub struct Report {
     pub timing: Timing,
     /// `--noise-floor`: the same windows scored with another prefill chunk.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub noise_floor: Option<crate::compare::NoiseFloor>,
+    pub noise_floor: Option<crate::score::floor::NoiseFloor>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ToolInfo {
-    pub name: &'static str,
-    pub version: &'static str,
-    pub git_revision: &'static str,
+    pub name: String,
+    pub version: String,
+    pub git_revision: String,
 }
 
 impl ToolInfo {
     pub fn current() -> Self {
         Self {
-            name: "infernix-perplexity",
-            version: env!("CARGO_PKG_VERSION"),
-            git_revision: option_env!("INFERNIX_GIT_REVISION").unwrap_or("unknown"),
+            name: "infernix-perplexity".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            git_revision: option_env!("INFERNIX_GIT_REVISION").unwrap_or("unknown").into(),
         }
     }
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ArtifactInfo {
     pub path: String,
-    pub architecture: &'static str,
+    pub architecture: String,
     pub public_name: String,
     /// SHA-256 of the artifact's metadata block (which holds every tensor's SHA-256).
     pub digest: String,
@@ -70,7 +78,7 @@ impl ArtifactInfo {
     pub fn of(a: &Artifact, verified: bool) -> Self {
         Self {
             path: a.path.display().to_string(),
-            architecture: a.meta.architecture.name(),
+            architecture: a.meta.architecture.name().into(),
             public_name: a.meta.public_name.clone(),
             digest: a.digest.clone(),
             file_bytes: a.n_file_bytes,
@@ -82,15 +90,15 @@ impl ArtifactInfo {
     }
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Workload {
     /// `corpus`, `text` or `tokens`.
-    pub input: &'static str,
+    pub input: String,
     /// The `--text` / `--tokens` file as given (absent for a corpus).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub input_path: Option<String>,
     pub corpus: Option<CorpusInfo>,
-    pub method: &'static str,
+    pub method: String,
     pub context: usize,
     pub stride: Option<usize>,
     pub chunks_limit: Option<usize>,
@@ -98,7 +106,7 @@ pub struct Workload {
     pub bos: BosPolicy,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CorpusInfo {
     pub name: String,
     pub manifest: String,
@@ -107,7 +115,7 @@ pub struct CorpusInfo {
     pub data_root: String,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct BosPolicy {
     /// The tokenizer prepends BOS to each stream.
     pub add_bos: bool,
@@ -117,12 +125,10 @@ pub struct BosPolicy {
     pub replace_window_first_token: bool,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Execution {
     pub backend: String,
     pub device: String,
-    /// The KV format's name (also `kv_format` in the spec; kept for `compare`).
-    pub kv_dtype: String,
     /// `fp32`, `bf16-tc`, or `bf16-tc-emulated` on the CPU.
     pub route: String,
     pub threads: usize,
@@ -133,25 +139,31 @@ pub struct Execution {
     pub details: serde_json::Value,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Results {
     pub overall: Option<Overall>,
     pub domains: Vec<DomainResult>,
     pub streams: Vec<StreamResult>,
     /// NLL (and KL) by position in the window, buckets of 256 (`score::position`).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(skip_serializing_if = "Vec::is_empty", default)]
     pub by_position: Vec<PositionBucket>,
     /// KL divergence against `--kl-reference` (absent without one).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kl_divergence: Option<KlReport>,
+    /// `--verify-invariance N`: the first N windows rescored alone against batched.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub invariance: Option<crate::score::invariance::Invariance>,
+    /// `--target-uncertainty X`: how many windows were scored and why it stopped.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub early_stop: Option<crate::score::early_stop::EarlyStop>,
 }
 
 /// `results.kl_divergence`: the run against a recorded top-k reference.
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct KlReport {
     pub reference: KlReferenceInfo,
     /// What the figure is: always a lower bound of the full KL.
-    pub bound: &'static str,
+    pub bound: String,
     #[serde(flatten)]
     pub summary: KlSummary,
     /// The positions with the largest KL (at most `kl::N_WORST_POSITIONS`,
@@ -160,6 +172,7 @@ pub struct KlReport {
     /// The windows with the largest mean KL (at most `kl::N_WORST_WINDOWS`,
     /// largest first; none with mean KL 0). `worst.md` beside the report
     /// lists both, readably.
+    #[serde(default)]
     pub worst_windows: Vec<WorstWindow>,
 }
 
@@ -168,7 +181,7 @@ impl KlReport {
         for every other token (merging outcomes can only lower KL); equal to the full KL when the top-k hold all the mass";
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct KlReferenceInfo {
     pub path: String,
     /// SHA-256 of the reference file's records (its trailer's): two reports
@@ -181,7 +194,7 @@ pub struct KlReferenceInfo {
 }
 
 /// `results.overall`: every window of the run.
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Overall {
     #[serde(flatten)]
     pub summary: Summary,
@@ -190,7 +203,7 @@ pub struct Overall {
     pub bytes: Option<ByteSummary>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DomainResult {
     pub domain: String,
     pub streams: usize,
@@ -200,11 +213,13 @@ pub struct DomainResult {
     pub bytes: Option<ByteSummary>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StreamResult {
     pub name: String,
     pub domain: String,
-    pub input_tokens: usize,
+    /// Tokens of the stream (`input_tokens`, from the summary, counts the
+    /// tokens evaluated by its windows).
+    pub n_tokens: usize,
     pub token_ids_sha256: String,
     #[serde(flatten)]
     pub summary: Option<Summary>,
@@ -221,7 +236,7 @@ pub struct StreamResult {
     pub windows: Vec<WindowResult>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct WindowResult {
     pub index: usize,
     pub begin: usize,
@@ -230,19 +245,42 @@ pub struct WindowResult {
     pub scored: usize,
     /// [`window_tokens_sha256`] of the window's input tokens (after BOS replacement).
     pub tokens_sha256: String,
+    /// Input tokens the model evaluated (`end - begin`).
+    pub input_tokens: usize,
     pub n_nonfinite: usize,
+    /// Σ NLL and Σ NLL² over the finite targets (compensated sums): with the
+    /// counts, all that pooling windows into any summary needs.
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub nll_sum: f64,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
+    pub nll_sq_sum: f64,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub mean_nll: f64,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub perplexity: f64,
     pub seconds: f64,
     #[serde(flatten)]
     pub bytes: Option<ByteSummary>,
-    /// KL against `--kl-reference` (no quantiles, no buckets).
+    /// KL against `--kl-reference`: statistics (no quantiles, no buckets)
+    /// and the sums that pool into the stream's and the run's.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub kl_divergence: Option<KlSummary>,
+    pub kl_divergence: Option<WindowKl>,
 }
 
-#[derive(Debug, Serialize, Default)]
+impl WindowResult {
+    /// The window's sufficient statistics, as the scorer produced them.
+    pub fn stats(&self) -> WindowStats {
+        WindowStats {
+            input_tokens: self.input_tokens,
+            scored_tokens: self.scored,
+            n_nonfinite: self.n_nonfinite,
+            nll_sum: self.nll_sum,
+            nll_sq_sum: self.nll_sq_sum,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
 pub struct Timing {
     pub elapsed_seconds: f64,
     pub load_seconds: f64,
@@ -267,6 +305,45 @@ pub fn window_tokens_sha256(tokens: &[u32]) -> String {
 pub fn write_report(dir: &Path, report: &Report) -> Result<()> {
     let json = serde_json::to_vec_pretty(report).context("serialize report")?;
     crate::util::fs::write_atomic(&dir.join(REPORT_FILE), &json)
+}
+
+/// `PATH` itself when it is a file, `PATH/report.json` when it is a folder.
+pub fn report_path(path: &Path) -> PathBuf {
+    if path.is_dir() {
+        path.join(REPORT_FILE)
+    } else {
+        path.to_path_buf()
+    }
+}
+
+/// The largest report.json read (a full-corpus report is a few MB).
+pub const MAX_REPORT_BYTES: u64 = 1 << 30;
+
+/// The `schema_version` of a report's JSON, before anything else is read.
+pub fn schema_version_of(bytes: &[u8]) -> Result<u32> {
+    #[derive(Deserialize)]
+    struct Version {
+        schema_version: u32,
+    }
+    let v: Version = serde_json::from_slice(bytes).context("not JSON with a schema_version")?;
+    Ok(v.schema_version)
+}
+
+/// A version-4 report from its bytes (any other version is an error naming it).
+pub fn parse_report(bytes: &[u8]) -> Result<Report> {
+    let version = schema_version_of(bytes)?;
+    if version != SCHEMA_VERSION {
+        bail!("schema_version {version} (this reader reads version {SCHEMA_VERSION})");
+    }
+    serde_json::from_slice(bytes).context("not an infernix-perplexity report of schema version 4")
+}
+
+/// Reads `PATH` (a report.json or the folder holding it) as a version-4 report;
+/// errors name the file and `what` (a flag or a role).
+pub fn read_report(path: &Path, what: &str) -> Result<Report> {
+    let path = report_path(path);
+    let bytes = crate::util::fs::read_bounded(&path, MAX_REPORT_BYTES, what)?;
+    parse_report(&bytes).with_context(|| format!("{what} {}", path.display()))
 }
 
 /// The stdout table: one row per domain and an `overall` row, with the
@@ -312,4 +389,11 @@ pub fn domain_table(results: &Results) -> String {
          bytes: UTF-8 bytes of the scored targets, bpb: bits per byte, byte_ppl: 2^bpb.\n",
     );
     out
+}
+
+/// llama-perplexity's closing line, `Final estimate: PPL = X +/- Y` (its
+/// `%.4lf` and `%.5lf`, its uncertainty: tokens taken as independent), so
+/// scripts written for llama.cpp read this program's stderr unchanged.
+pub fn llama_cpp_final_estimate(s: &Summary) -> String {
+    format!("Final estimate: PPL = {:.4} +/- {:.5}", s.perplexity, s.ppl_uncertainty_llama.unwrap_or(f64::NAN))
 }

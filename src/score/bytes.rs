@@ -218,8 +218,10 @@ pub struct ByteSummary {
     /// UTF-8 bytes the scored targets cover (module doc: how they are counted).
     pub scored_bytes: u64,
     /// `Σ NLL / ln 2 / Σ bytes` over the finite targets; null without bytes.
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub bits_per_byte: f64,
     /// `exp(Σ NLL / Σ bytes) = 2^bits_per_byte`.
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub byte_perplexity: f64,
     /// Window-clustered standard error of `bits_per_byte` (null with fewer than 2 windows).
     pub bits_per_byte_se_clustered: Option<f64>,

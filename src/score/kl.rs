@@ -29,7 +29,7 @@
 //!
 //! This module owns no file format (that is `topk`) and no scoring loop.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::stats::{self, NeumaierSum};
 
@@ -167,7 +167,8 @@ impl PositionKl {
         self.nll - self.reference_nll
     }
 
-    fn is_finite(&self) -> bool {
+    /// Every figure finite: the position counts in the sums and quantiles.
+    pub fn is_finite(&self) -> bool {
         self.kl.is_finite() && self.nll.is_finite() && self.reference_nll.is_finite() && self.delta_p.is_finite()
     }
 }
@@ -260,29 +261,56 @@ impl KlMoments {
         }
     }
 
-    /// Pools `other` into `self` (its windows become clusters of `self`).
-    pub fn merge(&mut self, other: &KlMoments) {
-        self.n += other.n;
-        self.n_nonfinite += other.n_nonfinite;
-        for (a, b) in [
-            (&mut self.kl, &other.kl),
-            (&mut self.kl_sq, &other.kl_sq),
-            (&mut self.top_mass, &other.top_mass),
-            (&mut self.nll, &other.nll),
-            (&mut self.nll_sq, &other.nll_sq),
-            (&mut self.reference_nll, &other.reference_nll),
-            (&mut self.reference_nll_sq, &other.reference_nll_sq),
-            (&mut self.nll_delta, &other.nll_delta),
-            (&mut self.nll_delta_sq, &other.nll_delta_sq),
-            (&mut self.delta_p, &other.delta_p),
-            (&mut self.delta_p_sq, &other.delta_p_sq),
-            (&mut self.delta_p_4, &other.delta_p_4),
-        ] {
-            a.add(b.value());
+    /// The values of the sums (for one window: what report.json records).
+    pub fn sums(&self) -> KlSums {
+        KlSums {
+            positions: self.n,
+            n_nonfinite: self.n_nonfinite,
+            n_same_top1: self.n_same_top1,
+            n_confident_flips: self.n_confident_flips,
+            kl: self.kl.value(),
+            kl_sq: self.kl_sq.value(),
+            top_mass: self.top_mass.value(),
+            nll: self.nll.value(),
+            nll_sq: self.nll_sq.value(),
+            reference_nll: self.reference_nll.value(),
+            reference_nll_sq: self.reference_nll_sq.value(),
+            nll_delta: self.nll_delta.value(),
+            nll_delta_sq: self.nll_delta_sq.value(),
+            delta_p: self.delta_p.value(),
+            delta_p_sq: self.delta_p_sq.value(),
+            delta_p_4: self.delta_p_4.value(),
         }
-        self.n_same_top1 += other.n_same_top1;
-        self.n_confident_flips += other.n_confident_flips;
-        self.clusters.extend_from_slice(&other.clusters);
+    }
+
+    /// Pools one window's sums into `self`; the window becomes one cluster.
+    /// Pooling the windows of a run in order gives the same bits whether
+    /// they were scored in one process or merged from shards.
+    pub fn add_window(&mut self, w: &KlSums) {
+        self.n += w.positions;
+        self.n_nonfinite += w.n_nonfinite;
+        for (a, b) in [
+            (&mut self.kl, w.kl),
+            (&mut self.kl_sq, w.kl_sq),
+            (&mut self.top_mass, w.top_mass),
+            (&mut self.nll, w.nll),
+            (&mut self.nll_sq, w.nll_sq),
+            (&mut self.reference_nll, w.reference_nll),
+            (&mut self.reference_nll_sq, w.reference_nll_sq),
+            (&mut self.nll_delta, w.nll_delta),
+            (&mut self.nll_delta_sq, w.nll_delta_sq),
+            (&mut self.delta_p, w.delta_p),
+            (&mut self.delta_p_sq, w.delta_p_sq),
+            (&mut self.delta_p_4, w.delta_p_4),
+        ] {
+            a.add(b);
+        }
+        self.n_same_top1 += w.n_same_top1;
+        self.n_confident_flips += w.n_confident_flips;
+        let n_finite = w.positions - w.n_nonfinite;
+        if n_finite > 0 {
+            self.clusters.push((n_finite, w.kl, w.nll_delta));
+        }
     }
 
     /// Positions with finite figures: the count every mean divides by.
@@ -334,15 +362,99 @@ impl KlMoments {
     }
 }
 
+/// The sums of one window's positions ([`KlMoments::sums`]), as report.json
+/// records them per window (`kl_divergence.sums`): counts and plain f64 sums
+/// over the finite positions. Enough to pool windows into every figure of
+/// [`KlSummary`] but the quantiles (those need [`KlPositions`]).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct KlSums {
+    /// Positions seen, non-finite ones included.
+    pub positions: usize,
+    pub n_nonfinite: usize,
+    pub n_same_top1: usize,
+    pub n_confident_flips: usize,
+    /// Σ KL and Σ KL².
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
+    pub kl: f64,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
+    pub kl_sq: f64,
+    /// Σ of the reference's listed mass.
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
+    pub top_mass: f64,
+    /// Σ and Σ² of this run's target NLL, of the reference's, and of their difference.
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
+    pub nll: f64,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
+    pub nll_sq: f64,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
+    pub reference_nll: f64,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
+    pub reference_nll_sq: f64,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
+    pub nll_delta: f64,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
+    pub nll_delta_sq: f64,
+    /// Σ Δp, Σ Δp² and Σ Δp⁴.
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
+    pub delta_p: f64,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
+    pub delta_p_sq: f64,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
+    pub delta_p_4: f64,
+}
+
+/// One window's per-position KL, for the quantiles: position `j` (its
+/// `j`-th scored target) has `first_n_context + j` tokens of context; a
+/// position left out of the statistics (a non-finite figure) is NaN.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct KlPositions {
+    pub first_n_context: usize,
+    pub kl: Vec<f32>,
+}
+
+impl KlPositions {
+    /// The value a position contributes: its KL at f32, NaN when excluded.
+    pub fn value(p: &PositionKl) -> f32 {
+        if p.is_finite() {
+            p.kl as f32
+        } else {
+            f32::NAN
+        }
+    }
+}
+
+/// A window's KL record in report.json (`windows[].kl_divergence`): its
+/// statistics (no quantiles, no buckets), its sums, and the sums of each
+/// context bucket it has positions in.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WindowKl {
+    #[serde(flatten)]
+    pub summary: KlSummary,
+    pub sums: KlSums,
+    pub bucket_sums: Vec<KlBucketSums>,
+}
+
+/// The sums of a window's positions in one context bucket.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KlBucketSums {
+    pub context_from: usize,
+    pub context_to: usize,
+    pub sums: KlSums,
+}
+
 /// Quantiles of the per-position KL, linearly interpolated between order
 /// statistics as llama.cpp's `percentile` (`fraction * (n - 1)`).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct KlQuantiles {
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub p50: f64,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub p90: f64,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub p99: f64,
-    #[serde(rename = "p99.9")]
+    #[serde(rename = "p99.9", deserialize_with = "crate::util::json::f64_or_nan")]
     pub p99_9: f64,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub max: f64,
 }
 
@@ -354,11 +466,12 @@ pub struct KlQuantiles {
 /// formulas: standard error of a mean, `sqrt(p(1-p)/(n-1))` for the
 /// agreement, the delta method for the RMS); `*_se_clustered` are
 /// cluster-robust with one cluster per window (see `stats::clustered_se`).
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct KlSummary {
     pub positions: usize,
     pub n_nonfinite: usize,
     /// Mean KL lower bound, nats.
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub mean: f64,
     /// Standard deviation of the per-position KL.
     pub sd: Option<f64>,
@@ -367,23 +480,30 @@ pub struct KlSummary {
     pub quantiles: Option<KlQuantiles>,
     /// Mean probability mass of the reference's listed ids (how much of the
     /// distribution the bound sees).
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub mean_reference_top_mass: f64,
     /// Share of positions where this run's argmax equals the reference's.
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub top1_agreement: f64,
     pub top1_agreement_se: Option<f64>,
     /// Reference top-1 probability > 0.95 and a different top-1 here.
     pub n_confident_flips: usize,
     /// Mean target NLL here (ln PPL(Q)) and in the reference (ln PPL(base)).
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub mean_nll: f64,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub mean_nll_reference: f64,
     pub mean_nll_se: Option<f64>,
     pub mean_nll_reference_se: Option<f64>,
     /// Mean target NLL change = ln(PPL(Q) / PPL(base)).
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub mean_nll_delta: f64,
     pub mean_nll_delta_se: Option<f64>,
     pub mean_nll_delta_se_clustered: Option<f64>,
     /// Mean and RMS of p(target) here minus p(target) in the reference.
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub delta_p_mean: f64,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub delta_p_rms: f64,
     pub delta_p_rms_se: Option<f64>,
     /// The same statistics by context length (tokens before the predicted
@@ -391,7 +511,7 @@ pub struct KlSummary {
     pub by_context: Option<Vec<KlBucket>>,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct KlBucket {
     /// Context lengths `context_from <= n < context_to`.
     pub context_from: usize,
@@ -402,11 +522,14 @@ pub struct KlBucket {
 
 /// The context bucket of `n_context` and its bounds.
 pub fn context_bucket(n_context: usize) -> (usize, usize, usize) {
-    if n_context < FIRST_BUCKET_TOKENS {
-        return (0, 0, FIRST_BUCKET_TOKENS);
-    }
-    let b = (n_context / FIRST_BUCKET_TOKENS).ilog2() as usize + 1;
-    (b, FIRST_BUCKET_TOKENS << (b - 1), FIRST_BUCKET_TOKENS << b)
+    let b = if n_context < FIRST_BUCKET_TOKENS { 0 } else { (n_context / FIRST_BUCKET_TOKENS).ilog2() as usize + 1 };
+    let (from, to) = bucket_bounds(b);
+    (b, from, to)
+}
+
+/// Bounds `[from, to)` of context bucket `b`.
+fn bucket_bounds(b: usize) -> (usize, usize) {
+    (if b == 0 { 0 } else { FIRST_BUCKET_TOKENS << (b - 1) }, FIRST_BUCKET_TOKENS << b)
 }
 
 /// Moments plus every finite per-position KL (f32, 4 bytes a position) for
@@ -429,9 +552,10 @@ impl KlSample {
         self.moments.end_window();
     }
 
-    pub fn merge(&mut self, other: &KlSample) {
-        self.moments.merge(&other.moments);
-        self.kl.extend_from_slice(&other.kl);
+    /// Pools one window: its sums and its positions' KLs (NaN ones left out).
+    pub fn add_window(&mut self, sums: &KlSums, kl: impl IntoIterator<Item = f32>) {
+        self.moments.add_window(sums);
+        self.kl.extend(kl.into_iter().filter(|v| !v.is_nan()));
     }
 
     pub fn quantiles(&self) -> Option<KlQuantiles> {
@@ -480,13 +604,39 @@ impl KlAccumulator {
         self.buckets.iter_mut().for_each(KlSample::end_window);
     }
 
-    pub fn merge(&mut self, other: &KlAccumulator) {
-        self.all.merge(&other.all);
-        if self.buckets.len() < other.buckets.len() {
-            self.buckets.resize_with(other.buckets.len(), KlSample::default);
-        }
-        for (a, b) in self.buckets.iter_mut().zip(&other.buckets) {
-            a.merge(b);
+    /// The record of the one window this accumulator saw (after
+    /// [`end_window`](Self::end_window)): statistics without quantiles or
+    /// buckets, the sums, and the sums of each non-empty bucket.
+    pub fn window_record(&self) -> WindowKl {
+        let bucket_sums = self
+            .buckets
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.moments.n > 0)
+            .map(|(b, s)| {
+                let (from, to) = bucket_bounds(b);
+                KlBucketSums { context_from: from, context_to: to, sums: s.moments.sums() }
+            })
+            .collect();
+        WindowKl { summary: self.all.moments.summary(), sums: self.all.moments.sums(), bucket_sums }
+    }
+
+    /// Pools one window's record and its positions (a stream's or the run's
+    /// statistics are their windows', pooled in order).
+    pub fn add_window(&mut self, w: &WindowKl, positions: &KlPositions) {
+        self.all.add_window(&w.sums, positions.kl.iter().copied());
+        for b in &w.bucket_sums {
+            let (i, _, _) = context_bucket(b.context_from);
+            if self.buckets.len() <= i {
+                self.buckets.resize_with(i + 1, KlSample::default);
+            }
+            let in_bucket = positions
+                .kl
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| context_bucket(positions.first_n_context + j).0 == i)
+                .map(|(_, &v)| v);
+            self.buckets[i].add_window(&b.sums, in_bucket);
         }
     }
 
@@ -498,8 +648,8 @@ impl KlAccumulator {
             .enumerate()
             .filter(|(_, s)| s.moments.n > 0)
             .map(|(b, s)| {
-                let lo = if b == 0 { 0 } else { FIRST_BUCKET_TOKENS << (b - 1) };
-                KlBucket { context_from: lo, context_to: FIRST_BUCKET_TOKENS << b, summary: s.summary() }
+                let (from, to) = bucket_bounds(b);
+                KlBucket { context_from: from, context_to: to, summary: s.summary() }
             })
             .collect();
         KlSummary { by_context: Some(by_context), ..self.all.summary() }
@@ -513,7 +663,7 @@ pub const N_WORST_POSITIONS: usize = 50;
 pub const N_WORST_WINDOWS: usize = 20;
 
 /// One of a run's largest-KL positions, with what moved there.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct WorstPosition {
     pub kl: f64,
     pub stream: String,
@@ -526,7 +676,9 @@ pub struct WorstPosition {
     pub reference_top: Vec<(u32, f64, f64)>,
     /// This run's most probable id.
     pub top1: Option<u32>,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub nll: f64,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub reference_nll: f64,
     /// The decoded text around it, the predicted token in `[[ ]]` (`report::worst`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -534,7 +686,7 @@ pub struct WorstPosition {
 }
 
 /// One of a run's windows with the largest mean KL.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct WorstWindow {
     /// Mean KL of the window's finite positions.
     pub mean_kl: f64,
@@ -547,6 +699,7 @@ pub struct WorstWindow {
     pub max_kl: f64,
     pub max_kl_token_index: usize,
     /// Mean target NLL change against the reference, nats.
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub mean_nll_delta: f64,
     /// The decoded text around `max_kl_token_index` (`report::worst`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -813,6 +966,88 @@ mod tests {
             vec![(0, 1024, 1), (1024, 2048, 1), (4096, 8192, 2)]);
         // Two windows: (2, 4) and (1, 2) -> clustered SE defined.
         assert!(s.mean_se_clustered.is_some());
+    }
+
+    #[test]
+    fn pooling_window_records_gives_the_hand_figures() {
+        // The positions of `moments_hand_computed`, one accumulator per window,
+        // pooled through the records report.json keeps (sums and per-position KLs).
+        let pos = |kl: f64, nll: f64, same: bool, n_context: usize| PositionKl {
+            kl,
+            reference_top_mass: 0.9,
+            same_top1: same,
+            confident_flip: !same,
+            nll,
+            reference_nll: 1.0,
+            delta_p: (-nll).exp() - (-1.0f64).exp(),
+            n_context,
+        };
+        let windows = [vec![pos(1.0, 1.0, true, 0), pos(3.0, 2.0, false, 1500)], vec![pos(2.0, 1.5, true, 5000), pos(f64::NAN, 1.0, true, 5001)]];
+        let mut pooled = KlAccumulator::default();
+        for w in &windows {
+            let mut acc = KlAccumulator::default();
+            for p in w {
+                acc.add(p);
+            }
+            acc.end_window();
+            let record = acc.window_record();
+            let positions = KlPositions { first_n_context: w[0].n_context, kl: w.iter().map(KlPositions::value).collect() };
+            // Contexts here are not consecutive: bucket each position by its own context.
+            let mut by_own = KlAccumulator::default();
+            by_own.all.add_window(&record.sums, positions.kl.iter().copied());
+            for b in &record.bucket_sums {
+                let (i, _, _) = context_bucket(b.context_from);
+                if by_own.buckets.len() <= i {
+                    by_own.buckets.resize_with(i + 1, KlSample::default);
+                }
+                let vals = w.iter().filter(|p| context_bucket(p.n_context).0 == i).map(KlPositions::value);
+                by_own.buckets[i].add_window(&b.sums, vals);
+            }
+            pooled.all.add_window(&record.sums, positions.kl.iter().copied());
+            if pooled.buckets.len() < by_own.buckets.len() {
+                pooled.buckets.resize_with(by_own.buckets.len(), KlSample::default);
+            }
+            for (a, b) in pooled.buckets.iter_mut().zip(&by_own.buckets) {
+                if b.moments.n > 0 {
+                    a.add_window(&b.moments.sums(), b.kl.iter().copied());
+                }
+            }
+        }
+        let s = pooled.summary();
+        assert_eq!((s.positions, s.n_nonfinite, s.n_confident_flips), (4, 1, 1));
+        assert_eq!((s.mean, s.sd), (2.0, Some(1.0)));
+        let q = s.quantiles.unwrap();
+        assert_eq!((q.p50, q.max), (2.0, 3.0));
+        assert!(s.mean_se_clustered.is_some());
+        let b = s.by_context.unwrap();
+        assert_eq!(b.iter().map(|b| (b.context_from, b.summary.positions)).collect::<Vec<_>>(), vec![(0, 1), (1024, 1), (4096, 2)]);
+    }
+
+    #[test]
+    fn consecutive_positions_pool_by_bucket() {
+        // A window of 4 positions at contexts 1022..1026 straddles buckets 0 and 1.
+        let p = |kl: f64, n_context: usize| PositionKl {
+            kl,
+            reference_top_mass: 1.0,
+            same_top1: true,
+            confident_flip: false,
+            nll: 1.0,
+            reference_nll: 1.0,
+            delta_p: 0.0,
+            n_context,
+        };
+        let ps = [p(0.5, 1022), p(1.5, 1023), p(2.5, 1024), p(3.5, 1025)];
+        let mut direct = KlAccumulator::default();
+        for q in &ps {
+            direct.add(q);
+        }
+        direct.end_window();
+        let record = direct.window_record();
+        assert_eq!(record.bucket_sums.iter().map(|b| (b.context_from, b.sums.positions)).collect::<Vec<_>>(), vec![(0, 2), (1024, 2)]);
+        let mut pooled = KlAccumulator::default();
+        pooled.add_window(&record, &KlPositions { first_n_context: 1022, kl: ps.iter().map(KlPositions::value).collect() });
+        let (a, b) = (direct.summary(), pooled.summary());
+        assert_eq!(a, b, "one window pooled through its record equals the window itself");
     }
 
     #[test]

@@ -19,15 +19,22 @@
 //!
 //! Non-finite NLLs are counted (`n_nonfinite`) and left out of every sum and
 //! mean; the caller decides whether that fails the run (`--allow-nonfinite`).
-//! This module does not write reports or tables.
+//! Submodules: `stats` (compensated sums, both standard errors), `kl` (KL
+//! against a top-k reference), `topk` (the top-tokens file), `paired` (paired
+//! statistics of two scorings of the same windows) and `floor` (the noise
+//! floor built on them). This module does not write reports or tables.
 
 pub mod bytes;
+pub mod early_stop;
+pub mod floor;
+pub mod invariance;
 pub mod kl;
+pub mod paired;
 pub mod position;
 pub mod stats;
 pub mod topk;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use self::stats::NeumaierSum;
 
@@ -103,17 +110,20 @@ impl WindowStats {
 /// stream weighs more than a short one. `mean_nll` and `perplexity` are NaN
 /// (serialized as `null`) when no finite target was scored; the standard
 /// errors are `None` when they are undefined (fewer than 2 tokens or windows).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
     /// Scored targets, non-finite ones included.
     pub scored_tokens: usize,
     /// Input tokens evaluated (a token in two overlapping windows counts twice).
     pub input_tokens: usize,
     /// Σ NLL over the finite targets, nats.
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub nll_sum: f64,
     /// `nll_sum / (scored_tokens - n_nonfinite)`, nats.
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub mean_nll: f64,
     /// `exp(mean_nll)`.
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub perplexity: f64,
     /// llama.cpp's uncertainty of the perplexity: `perplexity * mean_nll_se_llama`.
     pub ppl_uncertainty_llama: Option<f64>,

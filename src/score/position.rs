@@ -10,7 +10,7 @@
 //! window's share of the bucket is one cluster). This module only
 //! accumulates; it writes no report.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::kl::{KlMoments, KlSummary, PositionKl};
 use super::{Summary, WindowScores, WindowStats};
@@ -19,7 +19,7 @@ use super::{Summary, WindowScores, WindowStats};
 pub const POSITION_BUCKET_TOKENS: usize = 256;
 
 /// One bucket of the report's `by_position`.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PositionBucket {
     /// Context lengths `position_from <= n < position_to`.
     pub position_from: usize,

@@ -8,6 +8,8 @@
 
 use std::path::PathBuf;
 
+pub mod reports;
+
 fn located(var: &str, default: &str, what: &str) -> PathBuf {
     let p = std::env::var_os(var)
         .map(PathBuf::from)

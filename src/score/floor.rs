@@ -16,15 +16,15 @@
 //! every window is bit-identical): the largest PPL change the perturbation is
 //! compatible with. This module computes it; `app` runs the second scoring.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-use super::stats::{PairedStats, PairedWindow};
+use super::paired::{PairedStats, PairedWindow};
 
 /// The `noise_floor` block of report.json.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct NoiseFloor {
     /// What was changed: `prefill_chunk`.
-    pub perturbation: &'static str,
+    pub perturbation: String,
     /// The run's `--prefill-chunk` (the scores in `results`).
     pub prefill_chunk_tokens: usize,
     /// The prefill chunk of the second scoring.
@@ -34,6 +34,7 @@ pub struct NoiseFloor {
     /// Windows whose NLL sum differs in any bit.
     pub n_windows_changed: usize,
     /// The floor in percent of PPL (see the module doc).
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub floor_pct: f64,
     /// Paired statistics, second scoring minus the reported one.
     pub overall: PairedStats,
@@ -46,7 +47,7 @@ pub struct NoiseFloor {
 }
 
 /// Paired statistics of one domain.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DomainPaired {
     pub domain: String,
     #[serde(flatten)]
@@ -110,7 +111,7 @@ pub fn noise_floor(
         format!("prefill chunks {prefill_chunk} and {alternate}: {n_changed} of {} windows changed in the last bits", all.len())
     };
     NoiseFloor {
-        perturbation: "prefill_chunk",
+        perturbation: "prefill_chunk".into(),
         prefill_chunk_tokens: prefill_chunk,
         alternate_prefill_chunk_tokens: alternate,
         bit_identical: n_changed == 0,

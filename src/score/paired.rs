@@ -24,7 +24,7 @@
 //! This module owns only arithmetic over `(n_i, d_i)` pairs; it knows nothing
 //! of reports, thresholds or verdicts.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use statrs::distribution::{Binomial, ContinuousCDF, DiscreteCDF, StudentsT};
 
 use crate::score::stats::NeumaierSum;
@@ -52,7 +52,7 @@ impl PairedWindow {
 
 /// Paired statistics of a set of windows (a stream, a domain or the whole run).
 /// `None` marks a statistic that is undefined for this set (see each field).
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PairedStats {
     /// Windows paired (windows with non-finite scores are not among them).
     pub n_windows: usize,
@@ -62,13 +62,19 @@ pub struct PairedStats {
     pub n_identical_windows: usize,
     /// Every paired window is bit-identical (and there is at least one).
     pub identical: bool,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub base_mean_nll: f64,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub new_mean_nll: f64,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub base_perplexity: f64,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub new_perplexity: f64,
     /// Σ d_i, nats.
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub nll_diff_sum: f64,
     /// Σ d_i / Σ n_i: nats per scored token (= ln of the PPL ratio).
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub mean_diff: f64,
     /// Standard error of `mean_diff` from the spread between windows (ratio
     /// estimator, factor G/(G-1)); `None` with fewer than 2 windows.
@@ -83,6 +89,7 @@ pub struct PairedStats {
     /// 95 % interval of `mean_diff` (t quantile with `df` degrees of freedom).
     pub mean_diff_ci95: Option<[f64; 2]>,
     /// 100 · (exp(mean_diff) - 1): the PPL change in percent.
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub ppl_change_pct: f64,
     /// 100 · (exp(CI95) - 1).
     pub ppl_change_ci95_pct: Option<[f64; 2]>,
@@ -93,6 +100,7 @@ pub struct PairedStats {
     /// Windows with d_i = 0 (dropped from the sign test).
     pub n_ties: usize,
     /// Exact two-sided sign-test p (binomial, 1/2) over the non-tied windows.
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub p_sign: f64,
 }
 
