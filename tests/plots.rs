@@ -67,6 +67,24 @@ fn run_and_compare_charts_render() {
     assert_eq!(line, format!("Final estimate: PPL = {:.4} +/- {:.5}", o["perplexity"].as_f64().unwrap(), o["ppl_uncertainty_llama"].as_f64().unwrap()));
     run(&["compare", base.to_str().unwrap(), new.to_str().unwrap(), "--plots", cmp.to_str().unwrap()]);
 
+    // Where the loss lives: by position with KL, the worst windows and positions with text, worst.md.
+    let results = &report["results"];
+    let buckets = results["by_position"].as_array().unwrap();
+    assert_eq!(buckets.len(), 2, "sliding 512/256: contexts 0..256 and 256..512");
+    assert!(buckets.iter().all(|b| b["kl_divergence"]["mean"].as_f64().unwrap() > 0.0));
+    let n_scored: u64 = buckets.iter().map(|b| b["nll"]["scored_tokens"].as_u64().unwrap()).sum();
+    assert_eq!(n_scored, o["scored_tokens"].as_u64().unwrap(), "every target in one bucket");
+    let kl = &results["kl_divergence"];
+    let worst_w = kl["worst_windows"].as_array().unwrap();
+    let worst_p = kl["worst_positions"].as_array().unwrap();
+    assert_eq!(worst_w.len(), 3, "three windows, each with a positive mean KL");
+    assert_eq!(worst_p.len(), 50);
+    assert!(worst_p.windows(2).all(|p| p[0]["kl"].as_f64() >= p[1]["kl"].as_f64()));
+    assert!(worst_p.iter().chain(worst_w).all(|p| p["text"].as_str().is_some_and(|t| t.contains("[[") && t.contains("]]"))));
+    let md = std::fs::read_to_string(new.join("worst.md")).unwrap();
+    assert!(md.contains("## The 3 windows with the largest mean KL") && md.contains("## The 50 positions with the largest KL"), "{md}");
+    assert_eq!(md.lines().filter(|l| l.starts_with("| ") && !l.starts_with("| #")).count(), 3 + 50, "{md}");
+
     let png_dir = std::env::var_os("INFERNIX_PLOTS_PNG").map(PathBuf::from);
     let charts: [(PathBuf, &[&str]); 5] = [
         (new.join("ppl_by_domain.svg"), &["Perplexity by domain", "perplexity per token", "every domain pooled"]),
