@@ -190,6 +190,22 @@ pub struct Args {
     /// below X nats (docs/report-extras.md).
     #[arg(long, value_name = "X")]
     pub target_uncertainty: Option<f64>,
+    /// Score only shard K of N (K counted from 0): window g of the plan (stream
+    /// order, then window order) is shard g % N's. `infernix-perplexity merge`
+    /// joins the N reports into the one a single process writes (docs/cluster.md).
+    #[arg(long, value_name = "K/N")]
+    pub shard: Option<String>,
+    /// Keep a checkpoint of every finished window in DIR, and continue from
+    /// the checkpoints already there (same plan only): an interrupted run
+    /// resumed gives the report of an uninterrupted one.
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
+    /// Spread the windows over these CUDA devices (e.g. 0,1,2,3): one model
+    /// copy, host thread and stream each, windows handed out in a fixed order,
+    /// the report equal to a one-device run. An index may repeat (0,0: two
+    /// workers on one device). With --backend cpu only 0s: CPU workers.
+    #[arg(long, value_name = "LIST")]
+    pub devices: Option<String>,
     /// Log verbosity on stderr.
     #[arg(long, value_enum, default_value_t = LogLevel::Info)]
     pub log_level: LogLevel,

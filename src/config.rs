@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use crate::backend::{effective_prefill_chunk, ExecutionSpec, Precision, PrefillChunk, FAST_PATHS};
 use crate::cli::{Args, BackendArg, MethodArg};
 use crate::kv::KvFormat;
-use crate::plan::{validate_prefill_chunk, Method};
+use crate::plan::{validate_prefill_chunk, Method, Shard};
 
 /// Where the streams come from.
 #[derive(Debug, Clone)]
@@ -62,6 +62,12 @@ pub struct RunConfig {
     pub verify_invariance: Option<usize>,
     /// `--target-uncertainty X`: the 95 % half-width (nats) to stop at.
     pub target_uncertainty: Option<f64>,
+    /// `--shard K/N`: score only this shard's windows.
+    pub shard: Option<Shard>,
+    /// `--resume DIR`: per-window checkpoints.
+    pub resume: Option<PathBuf>,
+    /// `--devices LIST`: one scoring worker per entry (empty: one worker on `device`).
+    pub devices: Vec<usize>,
 }
 
 impl RunConfig {
@@ -138,6 +144,25 @@ impl RunConfig {
         if args.dry_run && save_top_tokens.is_some() {
             bail!("--save-top-tokens needs scoring: drop --dry-run");
         }
+        let shard = args.shard.as_deref().map(Shard::parse).transpose()?;
+        let with = [
+            (args.noise_floor, "--noise-floor"),
+            (save_top_tokens.is_some(), "--save-top-tokens"),
+            (kl_reference.is_some(), "--kl-reference"),
+            (args.save_tokens.is_some(), "--save-tokens"),
+        ];
+        let devices = match &args.devices {
+            None => Vec::new(),
+            Some(list) => parse_devices(list, backend)?,
+        };
+        for (on, mode) in [(shard.is_some(), "--shard"), (args.resume.is_some(), "--resume"), (devices.len() > 1, "--devices")] {
+            if let Some((_, flag)) = with.iter().find(|(with, _)| on && *with) {
+                bail!("{mode} with {flag} is not supported yet: run without {mode}, or without {flag}");
+            }
+        }
+        if args.resume.is_some() && args.dry_run {
+            bail!("--resume keeps checkpoints of scored windows: drop --dry-run");
+        }
         // Output paths against inputs and special files: `util::outputs`, when the run starts.
         let output = match &args.output {
             Some(dir) => dir.clone(),
@@ -166,8 +191,27 @@ impl RunConfig {
             plots: args.plots,
             verify_invariance: args.verify_invariance,
             target_uncertainty: args.target_uncertainty,
+            shard,
+            resume: args.resume.clone(),
+            devices,
         })
     }
+}
+
+/// `--devices 0,1,...`: device indices (repeats allowed); on the CPU backend only 0.
+fn parse_devices(list: &str, backend: BackendChoice) -> Result<Vec<usize>> {
+    let devices: Vec<usize> = list
+        .split(',')
+        .map(|d| d.trim().parse::<usize>())
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|_| anyhow::anyhow!("--devices {list}: expected device indices separated by commas (e.g. 0,1)"))?;
+    if devices.is_empty() || devices.len() > 64 {
+        bail!("--devices {list}: give 1 to 64 devices");
+    }
+    if backend == BackendChoice::Cpu && devices.iter().any(|&d| d != 0) {
+        bail!("--devices {list} with --backend cpu: the CPU is device 0 only (0,0 runs two CPU workers)");
+    }
+    Ok(devices)
 }
 
 impl RunConfig {
@@ -203,6 +247,9 @@ fn check_report_extras(args: &Args) -> Result<()> {
             (args.noise_floor, "--noise-floor (it rescores every window)"),
             (args.chunks.is_some(), "--chunks (early stop chooses the windows)"),
             (args.verify_invariance.is_some(), "--verify-invariance (it rescores the plan's first windows, which early stop may skip)"),
+            (args.shard.is_some(), "--shard (early stop chooses windows from the whole plan)"),
+            (args.resume.is_some(), "--resume (early stop keeps no checkpoints)"),
+            (args.devices.is_some(), "--devices (early stop scores one window at a time)"),
         ];
         if let Some((_, what)) = refused.iter().find(|(set, _)| *set) {
             bail!("--target-uncertainty cannot be combined with {what}");

@@ -4,6 +4,8 @@
 //! `infernix-perplexity compare BASE NEW` is dispatched on the first argument
 //! before any parsing (clap cannot mix the positional MODEL with
 //! subcommands); its exit codes are 0 PASS, 3 WARN, 1 FAIL, 2 error.
+//! `infernix-perplexity merge OUT_DIR SHARD_DIR...` is dispatched the same
+//! way (exit 0, or 2 on any error).
 //! SIGINT/SIGTERM stop a run at the next window (`util::signal`): exit 130/143.
 
 use std::process::ExitCode;
@@ -45,6 +47,20 @@ fn compare_main(argv: Vec<std::ffi::OsString>) -> ExitCode {
     }
 }
 
+/// `infernix-perplexity merge OUT_DIR SHARD_DIR...`: joins `--shard` reports.
+fn merge_main(argv: Vec<std::ffi::OsString>) -> ExitCode {
+    use infernix_perplexity::merge::{self, MergeArgs};
+    let args = MergeArgs::parse_from(argv);
+    init_logging(LogLevel::Warn);
+    match merge::run(&args) {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("infernix-perplexity merge: error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
     // `help` and `help compare`, as users of subcommand CLIs type them.
@@ -52,6 +68,7 @@ fn main() -> ExitCode {
         let program = argv[0].clone();
         argv = match argv.get(2) {
             Some(a) if a == "compare" => vec![program, "compare".into(), "--help".into()],
+            Some(a) if a == "merge" => vec![program, "merge".into(), "--help".into()],
             _ => vec![program, "--help".into()],
         };
     }
@@ -59,6 +76,10 @@ fn main() -> ExitCode {
         // "infernix-perplexity compare" becomes the program name in usage lines.
         argv.remove(0);
         return compare_main(argv);
+    }
+    if argv.get(1).is_some_and(|a| a == "merge") {
+        argv.remove(0);
+        return merge_main(argv);
     }
     let args = Args::parse_from(argv);
     init_logging(args.log_level);

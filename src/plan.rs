@@ -4,8 +4,10 @@
 //! It owns the protocol of which token predicts which (which positions are
 //! inputs, which are scored targets, where BOS replaces a token) and the
 //! validation of the planner's settings (`--context`, `--stride`, `--chunks`,
-//! `--prefill-chunk`). It does not touch tokens, models or scores: the caller
-//! slices the stream with the returned positions.
+//! `--prefill-chunk`), the tokenized [`Stream`] with its windows, and the
+//! split of a run's windows into shards ([`Shard`], `--shard K/N`). It does
+//! not touch models or scores: the caller slices the stream with the
+//! returned positions.
 //!
 //! Conventions shared by every method, for a stream `x[0..N)`:
 //! - a window's input tokens are `x[begin..end)`, evaluated from empty state
@@ -291,6 +293,54 @@ pub fn validate_prefill_chunk(n: usize) -> Result<()> {
     Ok(())
 }
 
+/// One tokenized input stream and its windows.
+#[derive(Clone, Debug)]
+pub struct Stream {
+    pub name: String,
+    pub domain: String,
+    pub tokens: Vec<u32>,
+    pub token_ids_sha256: String,
+    pub windows: Vec<Window>,
+    /// (n_tokens) the UTF-8 bytes each token covers (`score::bytes`); `None`
+    /// when the tokenizer has no byte rule.
+    pub byte_counts: Option<Vec<u32>>,
+    /// Bytes of the stream's text (absent for `--tokens`).
+    pub text_bytes: Option<usize>,
+}
+
+/// `--shard K/N`: shard `index` (0-based, `K`) of `count` (`N`) independent
+/// processes. The run's windows are numbered in plan order (stream order, then
+/// window order) from 0; window `g` belongs to shard `g % N`. Round-robin keeps
+/// the shards' work within one window of each other whatever the streams'
+/// lengths, and the same plan always gives the same split.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shard {
+    pub index: usize,
+    pub count: usize,
+}
+
+impl Shard {
+    /// Parses `K/N` (`0 <= K < N`); errors name the flag and the value.
+    pub fn parse(spec: &str) -> Result<Shard> {
+        let parsed = spec.split_once('/').and_then(|(k, n)| Some((k.trim().parse::<usize>().ok()?, n.trim().parse::<usize>().ok()?)));
+        let Some((index, count)) = parsed else {
+            bail!("--shard {spec}: expected K/N with whole numbers, shard K of N counted from 0 (e.g. 0/4)");
+        };
+        if count == 0 {
+            bail!("--shard {spec}: N (the number of shards) must be at least 1");
+        }
+        if index >= count {
+            bail!("--shard {spec}: K must be below N (shards are numbered 0 to {})", count - 1);
+        }
+        Ok(Shard { index, count })
+    }
+
+    /// Whether the window numbered `global_index` in plan order is this shard's.
+    pub fn takes(&self, global_index: usize) -> bool {
+        global_index % self.count == self.index
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -566,6 +616,21 @@ mod tests {
         fn sliding_invalid_settings_error(context in 0usize..50, stride in 0usize..50, n in 0usize..100) {
             let r = plan_windows(n, &Method::Sliding { context, stride }, None, None);
             prop_assert_eq!(r.is_ok(), stride > 0 && context > stride && n >= 2);
+        }
+    }
+
+    #[test]
+    fn shards_split_round_robin_and_parse_strictly() {
+        assert_eq!(Shard::parse("1/3").unwrap(), Shard { index: 1, count: 3 });
+        let s = Shard { index: 1, count: 3 };
+        assert_eq!((0..7).filter(|&g| s.takes(g)).collect::<Vec<_>>(), vec![1, 4]);
+        // Every window in exactly one shard.
+        for g in 0..20 {
+            assert_eq!((0..3).filter(|&k| Shard { index: k, count: 3 }.takes(g)).count(), 1);
+        }
+        for (bad, want) in [("0/0", "at least 1"), ("3/2", "below N"), ("a/b", "expected K/N"), ("1", "expected K/N"), ("-1/2", "expected K/N")] {
+            let e = Shard::parse(bad).unwrap_err().to_string();
+            assert!(e.contains(&format!("--shard {bad}")) && e.contains(want), "{bad}: {e}");
         }
     }
 }

@@ -17,11 +17,10 @@ use std::path::Path;
 use anyhow::{ensure, Context, Result};
 use tracing::info;
 
-use crate::app::Stream;
+use crate::plan::{Stream, Window};
 use crate::artifact::Artifact;
 use crate::config::{Input, RunConfig};
 use crate::model::TargetScore;
-use crate::plan::Window;
 use crate::report::{CorpusInfo, KlReport, KlReferenceInfo};
 use crate::score::kl::{
     self, KlAccumulator, KlPositions, KlSummary, OwnPosition, ReferencePosition, WindowKl, WorstPosition, WorstWindow,
@@ -130,6 +129,10 @@ pub struct TopTokensRun {
     stream_index: usize,
     worst: Vec<WorstPosition>,
     worst_windows: Vec<WorstWindow>,
+    /// KL by position in the window of every compared position (its NLL side unused).
+    pub kl_by_position: PositionAccumulator,
+    /// Every compared position's KL (f32; NaN where excluded), for the histogram.
+    kl_values: Vec<f32>,
 }
 
 impl TopTokensRun {
@@ -190,6 +193,8 @@ impl TopTokensRun {
             stream_index: 0,
             worst: Vec::new(),
             worst_windows: Vec::new(),
+            kl_by_position: PositionAccumulator::default(),
+            kl_values: Vec::new(),
         }))
     }
 
@@ -237,13 +242,8 @@ impl TopTokensRun {
     /// Writes this window's records and compares it with the reference.
     /// Returns the window's KL record (statistics without quantiles or
     /// buckets, and the sums) and its per-position KLs. Every compared
-    /// position also goes to `by_position` (KL by position in the window).
-    pub fn end_window(
-        &mut self,
-        w: &Window,
-        scores: &[TargetScore],
-        by_position: &mut PositionAccumulator,
-    ) -> Result<Option<(WindowKl, KlPositions)>> {
+    /// position also goes to [`Self::kl_by_position`] and the histogram.
+    pub fn end_window(&mut self, w: &Window, scores: &[TargetScore]) -> Result<Option<(WindowKl, KlPositions)>> {
         ensure!(scores.len() == w.scored(), "window {}: {} scores for {} targets", w.index, scores.len(), w.scored());
         let covers_vocab = self.k == self.fingerprint.n_vocab;
         if let Some(writer) = &mut self.writer {
@@ -280,7 +280,7 @@ impl TopTokensRun {
             let p = kl::compare_position(&reference, &own);
             window.add(&p);
             positions.kl.push(KlPositions::value(&p));
-            by_position.add_kl(&p);
+            self.kl_by_position.add_kl(&p);
             if p.kl.is_finite() && p.kl > window_max.0 {
                 window_max = (p.kl, w.first_target + j);
             }
@@ -297,10 +297,12 @@ impl TopTokensRun {
                 nll: p.nll,
                 reference_nll: p.reference_nll,
                 text: None,
+                reference_top_text: Vec::new(),
             });
         }
         window.end_window();
-        by_position.end_kl_window();
+        self.kl_by_position.end_kl_window();
+        self.kl_values.extend_from_slice(&positions.kl);
         let record = window.window_record();
         let summary = &record.summary;
         kl::keep_worst(&mut self.worst_windows, kl::N_WORST_WINDOWS, summary.mean, || WorstWindow {
@@ -376,6 +378,7 @@ impl TopTokensRun {
             summary,
             worst_positions: self.worst,
             worst_windows: self.worst_windows,
+            histogram: Some(crate::report::plots::KlHistogram::of(&self.kl_values)),
         }))
     }
 }

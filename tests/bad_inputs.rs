@@ -33,6 +33,7 @@ const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.ninfer";
 enum Prog {
     Eval,
     Compare,
+    Merge,
     Convert,
 }
 
@@ -77,6 +78,11 @@ fn exe(prog: Prog) -> Command {
         Prog::Compare => {
             let mut c = Command::new(env!("CARGO_BIN_EXE_infernix-perplexity"));
             c.arg("compare");
+            c
+        }
+        Prog::Merge => {
+            let mut c = Command::new(env!("CARGO_BIN_EXE_infernix-perplexity"));
+            c.arg("merge");
             c
         }
         Prog::Convert => Command::new(env!("CARGO_BIN_EXE_ninfer-convert")),
@@ -294,6 +300,23 @@ fn bad_input_table() {
     let r_dry = write_json(d, "dry.json", &report(|v| v["results"]["streams"][0]["windows"] = json!([])));
     let r_text = tok_bad("r-text.json", "this is not json");
     let r_other = write_json(d, "other.json", &report(|v| v["results"]["streams"][0]["name"] = json!("t")));
+    // Shard reports: shard k of 2 holds the windows of even / odd index.
+    let shard = |k: usize, edit: &dyn Fn(&mut Value)| {
+        report(|v| {
+            v["workload"]["shard"] = json!({"index": k, "count": 2, "n_windows": [6]});
+            v["results"]["streams"][0]["windows"].as_array_mut().unwrap().retain(|w| w["index"].as_u64().unwrap() as usize % 2 == k);
+            edit(v);
+        })
+    };
+    let sh0 = write_json(d, "shard0.json", &shard(0, &|_| {}));
+    let sh1 = write_json(d, "shard1.json", &shard(1, &|_| {}));
+    let sh1_other = write_json(d, "shard1-other-model.json", &shard(1, &|v| v["artifact"]["digest"] = json!("f".repeat(64))));
+    let sh1_kv = write_json(d, "shard1-bf16.json", &shard(1, &|v| v["execution"]["kv_format"] = json!("bf16")));
+    let sh1_plan = write_json(d, "shard1-ctx.json", &shard(1, &|v| v["workload"]["context"] = json!(1024)));
+    let sh1_overlap = write_json(d, "shard1-overlap.json", &shard(1, &|v| v["results"]["streams"][0]["windows"][0]["index"] = json!(2)));
+    let sh1_bytes = serde_json::to_vec(&shard(1, &|_| {})).unwrap();
+    let sh1_cut = d.join("shard1-truncated.json");
+    std::fs::write(&sh1_cut, &sh1_bytes[..sh1_bytes.len() / 2]).unwrap();
     // GGUF sources.
     let g_good = tiny_gguf(d, "good.gguf", |_| {});
     let g_kv = tiny_gguf(d, "kv.gguf", |b| b[16..24].copy_from_slice(&4_000_000_000u64.to_le_bytes()));
@@ -317,6 +340,7 @@ fn bad_input_table() {
 
     let e = |name, args: Vec<OsString>, want: Vec<String>| Case { name, prog: Prog::Eval, args, code: 2, want };
     let c = |name, args: Vec<OsString>, want: Vec<String>| Case { name, prog: Prog::Compare, args, code: 2, want };
+    let g = |name, args: Vec<OsString>, want: Vec<String>| Case { name, prog: Prog::Merge, args, code: 2, want };
     let v = |name, args: Vec<OsString>, want: Vec<String>| Case { name, prog: Prog::Convert, args, code: 2, want };
     let w = |xs: &[&str]| xs.iter().map(|x| x.to_string()).collect::<Vec<_>>();
     let m = || os(&model);
@@ -420,6 +444,22 @@ fn bad_input_table() {
         c("--alpha 2", vec![os(&base), os(&base), os("--alpha"), os("2")], w(&["--alpha 2"])),
         c("--plots a file", vec![os(&base), os(&base), os("--plots"), os(&base)], w(&["--plots", "not a folder"])),
         c("--min-top1 NaN", vec![os(&base), os(&base), os("--min-top1"), os("NaN")], w(&["--min-top1"])),
+        // Issue 14: --shard and merge.
+        e("--shard 0/0", with(vec![m(), os("--text"), os(&text), os("--shard"), os("0/0")], out()), w(&["--shard 0/0", "at least 1"])),
+        e("--shard 3/2", with(vec![m(), os("--text"), os(&text), os("--shard"), os("3/2")], out()), w(&["--shard 3/2", "below N"])),
+        e("--shard a/b", with(vec![m(), os("--text"), os(&text), os("--shard"), os("a/b")], out()), w(&["--shard a/b", "K/N"])),
+        e("--shard with --save-top-tokens", with(vec![m(), os("--text"), os(&text), os("--shard"), os("0/2"), os("--save-top-tokens"), os(d.join("t.top"))], out()), w(&["--shard with --save-top-tokens", "not supported yet"])),
+        e("--resume with --noise-floor", with(vec![m(), os("--text"), os(&text), os("--resume"), os(d.join("ck")), os("--noise-floor")], out()), w(&["--resume with --noise-floor", "not supported yet"])),
+        e("--devices 1 on the CPU", with(vec![m(), os("--text"), os(&text), os("--backend"), os("cpu"), os("--devices"), os("0,1")], out()), w(&["--devices 0,1", "device 0 only"])),
+        e("--devices a", with(vec![m(), os("--text"), os(&text), os("--devices"), os("0,a")], out()), w(&["--devices 0,a", "device indices"])),
+        g("merge two artifacts", vec![os(d.join("merged")), os(&sh0), os(&sh1_other)], w(&["shard1-other-model.json", "another artifact", "artifact.digest"])),
+        g("merge two KV formats", vec![os(d.join("merged")), os(&sh0), os(&sh1_kv)], w(&["shard1-bf16.json", "another route", "execution.kv_format"])),
+        g("merge two plans", vec![os(d.join("merged")), os(&sh0), os(&sh1_plan)], w(&["shard1-ctx.json", "another plan", "workload.context"])),
+        g("merge a truncated shard", vec![os(d.join("merged")), os(&sh0), os(&sh1_cut)], w(&["SHARD_DIR", "shard1-truncated.json", "EOF"])),
+        g("merge a missing shard", vec![os(d.join("merged")), os(&sh0)], w(&["shard 1/2 is missing"])),
+        g("merge a shard twice", vec![os(d.join("merged")), os(&sh0), os(&sh1), os(&sh1)], w(&["shard1.json", "shard 1/2 is given twice"])),
+        g("merge overlapping shards", vec![os(d.join("merged")), os(&sh0), os(&sh1_overlap)], w(&["shard1-overlap.json", "window 2", "overlaps shard 0"])),
+        g("merge a plain report", vec![os(d.join("merged")), os(&base)], w(&["base.json", "not a shard report"])),
         // 1, 2, 3: the converter.
         v("--out over the source", vec![os(&g_good), os("--out"), os(&g_good)], w(&["--out", "is the SOURCE"])),
         v("--out over ./source", vec![os(&g_good), os("--out"), os(d.join("sub/../good.gguf"))], w(&["--out", "is the SOURCE"])),

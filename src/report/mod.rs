@@ -104,6 +104,21 @@ pub struct Workload {
     pub chunks_limit: Option<usize>,
     pub prefill_chunk_tokens: usize,
     pub bos: BosPolicy,
+    /// `--shard K/N`: this report holds shard K's windows only
+    /// (`infernix-perplexity merge` joins the shards; absent otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard: Option<ShardInfo>,
+}
+
+/// `workload.shard`: which shard of the plan a report holds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ShardInfo {
+    /// K, counted from 0.
+    pub index: usize,
+    /// N.
+    pub count: usize,
+    /// Windows the whole plan has in each stream (the shards hold them all between them).
+    pub n_windows: Vec<usize>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -174,6 +189,9 @@ pub struct KlReport {
     /// lists both, readably.
     #[serde(default)]
     pub worst_windows: Vec<WorstWindow>,
+    /// Histogram of the per-position KL on a log scale (`report::plots`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub histogram: Option<plots::KlHistogram>,
 }
 
 impl KlReport {
@@ -261,6 +279,9 @@ pub struct WindowResult {
     pub seconds: f64,
     #[serde(flatten)]
     pub bytes: Option<ByteSummary>,
+    /// The window's targets by position bucket (`score::position`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub by_position: Vec<crate::score::position::PositionSums>,
     /// KL against `--kl-reference`: statistics (no quantiles, no buckets)
     /// and the sums that pool into the stream's and the run's.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -396,4 +417,39 @@ pub fn domain_table(results: &Results) -> String {
 /// scripts written for llama.cpp read this program's stderr unchanged.
 pub fn llama_cpp_final_estimate(s: &Summary) -> String {
     format!("Final estimate: PPL = {:.4} +/- {:.5}", s.perplexity, s.ppl_uncertainty_llama.unwrap_or(f64::NAN))
+}
+
+/// Pools, from the windows' records in plan order, what the windows alone
+/// determine beyond the token summaries: the byte figures of every stream,
+/// domain and the overall row (`score::bytes`; only when every window has
+/// them), and `by_position` (NLL by position in the window). `kl` brings KL
+/// by position, which needs every position's KL (the scoring run's own
+/// accumulator; `None` in a merge). Writer and `merge` both call this.
+pub fn pool_window_figures(results: &mut Results, kl: Option<crate::score::position::PositionAccumulator>) {
+    use crate::score::bytes::WindowBytes;
+    let windows = || results.streams.iter().flat_map(|s| &s.windows);
+    let have = windows().next().is_some() && windows().all(|w| w.bytes.is_some());
+    let of = |s: &StreamResult| -> Vec<WindowBytes> {
+        s.windows.iter().filter_map(|w| w.bytes.as_ref().map(|b| WindowBytes::of_record(b, w.nll_sum))).collect()
+    };
+    let domains: Vec<Option<ByteSummary>> = results
+        .domains
+        .iter()
+        .map(|d| have.then(|| ByteSummary::over(&results.streams.iter().filter(|s| s.domain == d.domain).flat_map(of).collect::<Vec<_>>())))
+        .collect();
+    let overall = have.then(|| ByteSummary::over(&results.streams.iter().flat_map(of).collect::<Vec<_>>()));
+    let mut positions = kl.unwrap_or_default();
+    for w in windows() {
+        positions.add_window(&w.by_position);
+    }
+    results.by_position = positions.buckets();
+    for s in &mut results.streams {
+        s.bytes = have.then(|| ByteSummary::over(&of(s)));
+    }
+    for (d, b) in results.domains.iter_mut().zip(domains) {
+        d.bytes = b;
+    }
+    if let Some(o) = &mut results.overall {
+        o.bytes = overall;
+    }
 }

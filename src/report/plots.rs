@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use plotters::coord::Shift;
 use plotters::prelude::*;
+use serde::{Deserialize, Serialize};
 
 use super::{Results, DomainResult};
 use crate::score::position::PositionBucket;
@@ -248,17 +249,54 @@ pub fn log_histogram(kl: &[f32], n_bins: usize) -> (Vec<(f64, usize)>, f64) {
     (counts.into_iter().enumerate().map(|(i, c)| (lo + i as f64 * width, c)).collect(), width)
 }
 
+/// Bins of the KL histogram.
+pub const N_HISTOGRAM_BINS: usize = 48;
+
+/// `results.kl_divergence.histogram`: the per-position KL in
+/// [`N_HISTOGRAM_BINS`] equal bins of `log10 KL` from the smallest positive
+/// KL's decade to the largest's.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KlHistogram {
+    /// Left edge of the first bin, `log10` nats.
+    pub log10_from: f64,
+    /// Bin width in decades.
+    pub bin_decades: f64,
+    /// Positions per bin.
+    pub counts: Vec<usize>,
+    /// Positions with KL exactly 0 (not on a log scale).
+    pub n_zero: usize,
+    /// Positions left out (non-finite).
+    pub n_nonfinite: usize,
+}
+
+impl KlHistogram {
+    pub fn of(kl: &[f32]) -> Self {
+        let (bins, width) = log_histogram(kl, N_HISTOGRAM_BINS);
+        Self {
+            log10_from: bins.first().map_or(0.0, |b| b.0),
+            bin_decades: width,
+            counts: bins.iter().map(|b| b.1).collect(),
+            n_zero: kl.iter().filter(|v| **v == 0.0).count(),
+            n_nonfinite: kl.iter().filter(|v| !v.is_finite()).count(),
+        }
+    }
+
+    fn bins(&self) -> Vec<(f64, usize)> {
+        self.counts.iter().enumerate().map(|(i, &c)| (self.log10_from + i as f64 * self.bin_decades, c)).collect()
+    }
+}
+
 /// Histogram of the per-position KL on a log scale, with the mean and the
 /// 99th percentile marked. Positions with KL exactly 0 cannot be placed on
 /// it and are counted in the caption.
-pub fn kl_histogram(kl: &[f32], mean: f64, p99: Option<f64>) -> Result<String> {
-    let (bins, width) = log_histogram(kl, 48);
-    let n_zero = kl.iter().filter(|v| **v == 0.0).count();
+pub fn kl_histogram(h: &KlHistogram, mean: f64, p99: Option<f64>) -> Result<String> {
+    let (bins, width, n_zero) = (h.bins(), h.bin_decades, h.n_zero);
+    let n_total = h.counts.iter().sum::<usize>() + n_zero;
     let x0 = bins.first().map_or(-6.0, |b| b.0);
     let x1 = bins.last().map_or(0.0, |b| b.0 + width);
     // Headroom above the tallest bar for the legend box.
     let top = 1.3 * y_top(bins.iter().map(|b| b.1).max().unwrap_or(1) as f64);
-    let caption = format!("Per-position KL from the reference ({} positions; {n_zero} with KL = 0 not shown)", kl.len());
+    let caption = format!("Per-position KL from the reference ({n_total} positions; {n_zero} with KL = 0 not shown)");
     draw_svg(|root| {
         let mut chart = ChartBuilder::on(root)
             .caption(caption, (FONT, 20))
@@ -383,9 +421,8 @@ pub fn write_svg(dir: &Path, name: &str, svg: &str) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// `--plots`: every chart of a run into `dir` (beside report.json). `kl`
-/// holds every compared position's KL (empty without a reference).
-pub fn write_run_plots(dir: &Path, results: &Results, kl: &[f32]) -> Result<Vec<PathBuf>> {
+/// `--plots`: every chart of a run into `dir` (beside report.json), from the report alone.
+pub fn write_run_plots(dir: &Path, results: &Results) -> Result<Vec<PathBuf>> {
     let mut out = vec![write_svg(dir, PPL_BY_DOMAIN, &ppl_by_domain(&results.domains, results.overall.as_ref().map(|o| &o.summary))?)?];
     if !results.by_position.is_empty() {
         out.push(write_svg(dir, PPL_BY_POSITION, &ppl_by_position(&results.by_position)?)?);
@@ -393,8 +430,8 @@ pub fn write_run_plots(dir: &Path, results: &Results, kl: &[f32]) -> Result<Vec<
     if let Some(svg) = kl_by_position(&results.by_position) {
         out.push(write_svg(dir, KL_BY_POSITION, &svg?)?);
     }
-    if let Some(k) = &results.kl_divergence {
-        out.push(write_svg(dir, KL_HISTOGRAM, &kl_histogram(kl, k.summary.mean, k.summary.quantiles.map(|q| q.p99))?)?);
+    if let Some((k, h)) = results.kl_divergence.as_ref().and_then(|k| k.histogram.as_ref().map(|h| (k, h))) {
+        out.push(write_svg(dir, KL_HISTOGRAM, &kl_histogram(h, k.summary.mean, k.summary.quantiles.map(|q| q.p99))?)?);
     }
     Ok(out)
 }
@@ -441,7 +478,9 @@ mod tests {
     fn charts_are_svg_with_their_labels() {
         let svg = window_differences(&[1e-4, -2e-4, 3e-4], 6.7e-5, Some([-1e-4, 2e-4])).unwrap();
         assert!(svg.starts_with("<svg") && svg.contains("NLL change per scored token (nats)") && svg.contains("one window"));
-        let svg = kl_histogram(&[1e-5, 2e-4, 0.0], 1e-4, Some(2e-4)).unwrap();
+        let h = KlHistogram::of(&[1e-5, 2e-4, 0.0, f32::NAN]);
+        assert_eq!((h.n_zero, h.n_nonfinite, h.counts.iter().sum::<usize>()), (1, 1, 2));
+        let svg = kl_histogram(&h, 1e-4, Some(2e-4)).unwrap();
         assert!(svg.contains("1 with KL = 0 not shown") && svg.contains("99th percentile"));
     }
 }

@@ -40,6 +40,7 @@ pub fn excerpt(tokenizer: &TextTokenizer, tokens: &[u32], at: usize) -> String {
 pub fn add_excerpts<'a>(kl: &mut KlReport, tokenizer: &TextTokenizer, stream_tokens: impl Fn(&str) -> Option<&'a [u32]>) {
     for p in &mut kl.worst_positions {
         p.text = stream_tokens(&p.stream).map(|t| excerpt(tokenizer, t, p.token_index));
+        p.reference_top_text = p.reference_top.iter().map(|&(id, _, _)| tokenizer.decode(&[id])).collect();
     }
     for w in &mut kl.worst_windows {
         w.text = stream_tokens(&w.stream).map(|t| excerpt(tokenizer, t, w.max_kl_token_index));
@@ -65,9 +66,8 @@ fn cell(s: &str) -> String {
     out
 }
 
-/// `worst.md`: the worst windows and positions as two tables. `piece`
-/// decodes one token id (for the reference's top ids).
-pub fn markdown(kl: &KlReport, model: &str, piece: &dyn Fn(u32) -> String) -> String {
+/// `worst.md`: the worst windows and positions as two tables, from the report alone.
+pub fn markdown(kl: &KlReport, model: &str) -> String {
     let mut md = String::new();
     let _ = writeln!(md, "# Where the KL reference comparison moved most\n");
     let _ = writeln!(
@@ -121,8 +121,15 @@ pub fn markdown(kl: &KlReport, model: &str, piece: &dyn Fn(u32) -> String) -> St
         );
         let _ = writeln!(md, "|---:|---:|---|---:|---:|---:|---:|---:|---|---|");
         for (i, p) in kl.worst_positions.iter().enumerate() {
-            let top: Vec<String> =
-                p.reference_top.iter().map(|&(id, pr, q)| format!("`{}` {pr:.3} -> {q:.3}", clip(&piece(id), 20).replace('`', "'"))).collect();
+            let top: Vec<String> = p
+                .reference_top
+                .iter()
+                .enumerate()
+                .map(|(i, &(id, pr, q))| {
+                    let piece = p.reference_top_text.get(i).cloned().unwrap_or_else(|| format!("id {id}"));
+                    format!("`{}` {pr:.3} -> {q:.3}", clip(&piece, 20).replace('`', "'"))
+                })
+                .collect();
             let _ = writeln!(
                 md,
                 "| {} | {:.6} | {} | {} | {} | {} | {:.4} | {:.4} | {} | {} |",

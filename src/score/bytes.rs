@@ -217,6 +217,9 @@ impl WindowBytes {
 pub struct ByteSummary {
     /// UTF-8 bytes the scored targets cover (module doc: how they are counted).
     pub scored_bytes: u64,
+    /// Of those, the bytes of targets with a finite NLL (the denominator);
+    /// with a window's `nll_sum`, all that pooling windows needs.
+    pub finite_bytes: u64,
     /// `Σ NLL / ln 2 / Σ bytes` over the finite targets; null without bytes.
     #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub bits_per_byte: f64,
@@ -225,6 +228,13 @@ pub struct ByteSummary {
     pub byte_perplexity: f64,
     /// Window-clustered standard error of `bits_per_byte` (null with fewer than 2 windows).
     pub bits_per_byte_se_clustered: Option<f64>,
+}
+
+impl WindowBytes {
+    /// A window's bytes back from its report record (`ByteSummary` and `nll_sum`).
+    pub fn of_record(b: &ByteSummary, nll_sum: f64) -> Self {
+        Self { scored_bytes: b.scored_bytes, finite_bytes: b.finite_bytes, nll_sum }
+    }
 }
 
 impl ByteSummary {
@@ -242,6 +252,7 @@ impl ByteSummary {
         let se = stats::clustered_se(windows.iter().map(|w| (w.finite_bytes as usize, w.nll_sum)));
         Self {
             scored_bytes: scored,
+            finite_bytes: finite,
             bits_per_byte: nats_per_byte / std::f64::consts::LN_2,
             byte_perplexity: nats_per_byte.exp(),
             bits_per_byte_se_clustered: se.map(|s| s / std::f64::consts::LN_2),

@@ -683,6 +683,9 @@ pub struct WorstPosition {
     /// The decoded text around it, the predicted token in `[[ ]]` (`report::worst`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub text: Option<String>,
+    /// The decoded text of each `reference_top` id, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reference_top_text: Vec<String>,
 }
 
 /// One of a run's windows with the largest mean KL.
@@ -1072,6 +1075,7 @@ mod tests {
             nll: 0.0,
             reference_nll: 0.0,
             text: None,
+            reference_top_text: Vec::new(),
         };
         let mut worst = Vec::new();
         for (i, kl) in [0.1, 0.0, 0.5, f64::NAN, 0.3, 0.5, f64::INFINITY, 0.2, 0.05].into_iter().enumerate() {

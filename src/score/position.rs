@@ -31,6 +31,40 @@ pub struct PositionBucket {
     pub kl_divergence: Option<KlSummary>,
 }
 
+/// One window's targets in one position bucket (`windows[].by_position` in
+/// report.json): what pooling windows into [`PositionBucket`]s needs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PositionSums {
+    pub position_from: usize,
+    pub scored: usize,
+    pub n_nonfinite: usize,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
+    pub nll_sum: f64,
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
+    pub nll_sq_sum: f64,
+}
+
+/// Splits one window's NLLs by position bucket; `first_context` is the
+/// context length of its first scored target (`first_target - begin`).
+pub fn window_sums(first_context: usize, nll: &[f64]) -> Vec<PositionSums> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < nll.len() {
+        let b = (first_context + i) / POSITION_BUCKET_TOKENS;
+        let n = ((b + 1) * POSITION_BUCKET_TOKENS - (first_context + i)).min(nll.len() - i);
+        let st = WindowScores { input_tokens: 0, nll: nll[i..i + n].to_vec() }.stats();
+        out.push(PositionSums {
+            position_from: b * POSITION_BUCKET_TOKENS,
+            scored: st.scored_tokens,
+            n_nonfinite: st.n_nonfinite,
+            nll_sum: st.nll_sum,
+            nll_sq_sum: st.nll_sq_sum,
+        });
+        i += n;
+    }
+    out
+}
+
 /// Accumulates targets by position bucket, window by window.
 #[derive(Clone, Debug, Default)]
 pub struct PositionAccumulator {
@@ -41,20 +75,22 @@ pub struct PositionAccumulator {
 }
 
 impl PositionAccumulator {
-    /// Adds one window's NLLs; `first_context` is the context length of its
-    /// first scored target (`first_target - begin`).
-    pub fn add_window(&mut self, first_context: usize, nll: &[f64]) {
-        let mut i = 0;
-        while i < nll.len() {
-            let b = (first_context + i) / POSITION_BUCKET_TOKENS;
-            let n = ((b + 1) * POSITION_BUCKET_TOKENS - (first_context + i)).min(nll.len() - i);
+    /// Adds one window's bucket sums (windows in plan order).
+    pub fn add_window(&mut self, sums: &[PositionSums]) {
+        for p in sums {
+            let b = p.position_from / POSITION_BUCKET_TOKENS;
             if self.nll.len() <= b {
                 self.nll.resize_with(b + 1, Vec::new);
             }
             // The bucket's own input-token count is not meaningful; 0.
-            self.nll[b].push(WindowScores { input_tokens: 0, nll: nll[i..i + n].to_vec() }.stats());
-            i += n;
+            let st = WindowStats { input_tokens: 0, scored_tokens: p.scored, n_nonfinite: p.n_nonfinite, nll_sum: p.nll_sum, nll_sq_sum: p.nll_sq_sum };
+            self.nll[b].push(st);
         }
+    }
+
+    /// Drops the KL side (when some windows' per-position KLs are not at hand).
+    pub fn clear_kl(&mut self) {
+        self.kl.clear();
     }
 
     /// Adds one KL position (by its `n_context`).
@@ -94,8 +130,8 @@ mod tests {
     fn windows_split_at_bucket_edges() {
         let mut acc = PositionAccumulator::default();
         // Targets at context 255, 256, 257 (first window) and 1..=300 of a second.
-        acc.add_window(255, &[1.0, 2.0, 3.0]);
-        acc.add_window(1, &vec![0.5; 300]);
+        acc.add_window(&window_sums(255, &[1.0, 2.0, 3.0]));
+        acc.add_window(&window_sums(1, &vec![0.5; 300]));
         let b = acc.buckets();
         assert_eq!(b.len(), 2);
         assert_eq!((b[0].position_from, b[0].position_to), (0, 256));

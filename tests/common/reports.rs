@@ -33,6 +33,7 @@ pub fn constructed(streams: &[(&str, &str)], n_windows: usize, scored: usize, me
                         perplexity: m.exp(),
                         seconds: 0.5,
                         bytes: None,
+                        by_position: Vec::new(),
                         kl_divergence: None,
                     }
                 })
@@ -75,6 +76,7 @@ pub fn constructed(streams: &[(&str, &str)], n_windows: usize, scored: usize, me
             chunks_limit: Some(n_windows),
             prefill_chunk_tokens: 1024,
             bos: BosPolicy { add_bos: true, bos_id: Some(1), replace_window_first_token: true },
+            shard: None,
         },
         execution: Some(Execution {
             backend: "cpu".into(),

@@ -1,0 +1,125 @@
+//! `--resume DIR`: per-window checkpoints, so an interrupted run continues
+//! from the windows it already scored and writes the report an uninterrupted
+//! run writes.
+//!
+//! Layout: `DIR/plan.json` identifies the run ([`ResumePlan`]: artifact
+//! digest, workload, route and every execution setting, the streams and
+//! their window counts); `DIR/windows/S-W.json` holds window `W` of stream
+//! `S` (both counted from 0) exactly as report.json records it, written
+//! atomically (temporary file, then rename) as the window completes. A
+//! window's record holds all its numbers (`nll_sum`, `nll_sq_sum`, ...) and
+//! JSON floats read back to the same bits, so the pooled figures of a resumed
+//! run are those of an uninterrupted one; only wall times differ (a resumed
+//! window keeps the `seconds` of the run that scored it).
+//!
+//! A folder recorded for another plan is refused before any window runs,
+//! naming the first differing field. SIGINT/SIGTERM stop at a window
+//! boundary (`util::signal`) and leave every finished checkpoint. The
+//! checkpoints stay after the run succeeds (delete the folder when done).
+//! It does not score anything; `evaluate` calls it.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::backend::ExecutionSpec;
+use crate::report::{WindowResult, Workload};
+use crate::util::json::first_difference;
+
+pub const PLAN_FILE: &str = "plan.json";
+pub const WINDOWS_DIR: &str = "windows";
+
+/// What identifies a run for `--resume`: everything that changes a number.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ResumePlan {
+    pub schema_version: u32,
+    pub artifact_digest: String,
+    pub workload: Workload,
+    pub backend: String,
+    pub route: String,
+    pub spec: ExecutionSpec,
+    /// `execution.details`: kernels, pass sizes, batching.
+    pub details: serde_json::Value,
+    pub streams: Vec<PlanStream>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanStream {
+    pub name: String,
+    pub token_ids_sha256: String,
+    pub n_windows: usize,
+}
+
+/// One window's checkpoint file.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Checkpoint {
+    stream: String,
+    window: WindowResult,
+}
+
+/// The checkpoints of one run folder.
+pub struct Checkpoints {
+    dir: PathBuf,
+    done: HashMap<(usize, usize), WindowResult>,
+}
+
+fn window_file(dir: &Path, stream: usize, window: usize) -> PathBuf {
+    dir.join(WINDOWS_DIR).join(format!("{stream}-{window}.json"))
+}
+
+impl Checkpoints {
+    /// Opens (or starts) `dir` for `plan`: refuses a folder of another plan,
+    /// reads every checkpoint of this one.
+    pub fn open(dir: &Path, plan: &ResumePlan) -> Result<Self> {
+        let plan_path = dir.join(PLAN_FILE);
+        let ours = serde_json::to_value(plan).context("serialize the resume plan")?;
+        if plan_path.exists() {
+            let bytes = crate::util::fs::read_bounded(&plan_path, 64 << 20, "--resume")?;
+            let theirs: serde_json::Value =
+                serde_json::from_slice(&bytes).with_context(|| format!("--resume {}: not JSON", plan_path.display()))?;
+            if let Some(d) = first_difference(&theirs, &ours, "plan") {
+                bail!("--resume {}: the folder holds checkpoints of another plan ({}: {d}); use a new folder", dir.display(), plan_path.display());
+            }
+        } else {
+            std::fs::create_dir_all(dir.join(WINDOWS_DIR)).with_context(|| format!("--resume {}: create", dir.display()))?;
+            let json = serde_json::to_vec_pretty(plan).context("serialize the resume plan")?;
+            crate::util::fs::write_atomic(&plan_path, &json).with_context(|| format!("--resume {}", dir.display()))?;
+        }
+        let mut done = HashMap::new();
+        for (si, s) in plan.streams.iter().enumerate() {
+            for wi in 0..s.n_windows {
+                let p = window_file(dir, si, wi);
+                if !p.exists() {
+                    continue;
+                }
+                let bytes = crate::util::fs::read_bounded(&p, 64 << 20, "--resume")?;
+                let c: Checkpoint = serde_json::from_slice(&bytes).with_context(|| format!("--resume checkpoint {}", p.display()))?;
+                if c.stream != s.name || c.window.index != wi {
+                    bail!("--resume checkpoint {}: holds stream '{}' window {}, not '{}' window {wi}", p.display(), c.stream, c.window.index, s.name);
+                }
+                done.insert((si, wi), c.window);
+            }
+        }
+        Ok(Self { dir: dir.to_path_buf(), done })
+    }
+
+    /// Windows read back from the folder.
+    pub fn n_done(&self) -> usize {
+        self.done.len()
+    }
+
+    /// The recorded result of window `window` of stream `stream`, if any.
+    pub fn take(&mut self, stream: usize, window: usize) -> Option<WindowResult> {
+        self.done.remove(&(stream, window))
+    }
+
+    /// Records a finished window (atomically).
+    pub fn save(&self, stream: usize, name: &str, w: &WindowResult) -> Result<()> {
+        let c = Checkpoint { stream: name.to_string(), window: w.clone() };
+        let json = serde_json::to_vec(&c).context("serialize a checkpoint")?;
+        crate::util::fs::write_atomic(&window_file(&self.dir, stream, w.index), &json)
+            .with_context(|| format!("--resume {}: checkpoint of stream '{name}' window {}", self.dir.display(), w.index))
+    }
+}

@@ -1,0 +1,84 @@
+//! Issue 14: `--resume DIR`. A run is interrupted (SIGINT) after some
+//! windows, resumed from its checkpoints, and its report equals an
+//! uninterrupted run's, number for number (all but wall times); a folder of
+//! another plan is refused. SmolLM2 on the CPU, bundled quick corpus,
+//! 64-token windows.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const FLAGS: [&str; 9] = ["--quick", "--context", "64", "--stride", "32", "--chunks", "2", "--backend", "cpu"];
+
+fn eval() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_infernix-perplexity"));
+    c.arg(common::model("SmolLM2-135M-Instruct.Q4_1.ninfer")).args(FLAGS);
+    c
+}
+
+fn read(dir: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap()
+}
+
+fn without_times(mut r: Value) -> Value {
+    r.as_object_mut().unwrap().remove("timing");
+    for s in r["results"]["streams"].as_array_mut().unwrap() {
+        for w in s["windows"].as_array_mut().unwrap() {
+            w.as_object_mut().unwrap().remove("seconds");
+        }
+    }
+    r
+}
+
+fn n_checkpoints(dir: &Path) -> usize {
+    std::fs::read_dir(dir.join("windows")).map_or(0, |d| d.filter_map(|e| e.ok()).filter(|e| e.path().extension().is_some_and(|x| x == "json")).count())
+}
+
+#[test]
+fn interrupted_then_resumed_equals_uninterrupted() {
+    let t = tempfile::tempdir().unwrap();
+    let (ck, out1, out2, whole) = (t.path().join("ck"), t.path().join("r1"), t.path().join("r2"), t.path().join("whole"));
+    // 1. Interrupt once 3 of the 10 windows are checkpointed.
+    let mut child = eval().arg("--log-level=warn").arg("--resume").arg(&ck).arg("--output").arg(&out1).stderr(Stdio::piped()).spawn().unwrap();
+    let started = Instant::now();
+    while n_checkpoints(&ck) < 3 {
+        assert!(started.elapsed() < Duration::from_secs(300), "no checkpoints appeared");
+        assert!(child.try_wait().unwrap().is_none(), "the run ended before it was interrupted");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(Command::new("kill").arg("-INT").arg(child.id().to_string()).status().unwrap().success());
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(130), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(!out1.exists(), "an interrupted run writes no report");
+    let n_kept = n_checkpoints(&ck);
+    assert!((3..10).contains(&n_kept), "{n_kept} checkpoints left");
+    assert!(ck.join("plan.json").exists());
+
+    // 2. Resume: only the rest is scored, and the report is the uninterrupted one.
+    let o = eval().arg("--resume").arg(&ck).arg("--output").arg(&out2).arg("--log-level=info").output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains(&format!("{n_kept} of 10 windows already scored")), "{err}");
+    assert_eq!(n_checkpoints(&ck), 10);
+    let o = eval().arg("--log-level=warn").arg("--output").arg(&whole).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (resumed, single) = (read(&out2), read(&whole));
+    assert_eq!(resumed["results"]["overall"]["n_windows"], 10);
+    assert_eq!(without_times(resumed), without_times(single));
+
+    // 3. Another plan into the same folder: one line, exit 2, nothing written.
+    let before = std::fs::read(ck.join("plan.json")).unwrap();
+    let mut other = Command::new(env!("CARGO_BIN_EXE_infernix-perplexity"));
+    other.arg(common::model("SmolLM2-135M-Instruct.Q4_1.ninfer")).args(["--quick", "--context", "64", "--stride", "16", "--chunks", "2", "--backend", "cpu", "--log-level=warn"]);
+    let o = other.arg("--resume").arg(&ck).arg("--output").arg(t.path().join("r3")).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(err.contains("--resume") && err.contains("another plan") && err.contains("plan.workload.stride"), "{err}");
+    assert!(!t.path().join("r3").exists());
+    assert_eq!(std::fs::read(ck.join("plan.json")).unwrap(), before);
+}
