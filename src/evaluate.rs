@@ -29,7 +29,6 @@ use crate::report::{
 use crate::score::bytes::{ByteSummary, TokenBytes, WindowBytes};
 use crate::score::early_stop::{self, EarlyStop};
 use crate::score::invariance::{Invariance, InvarianceAcc};
-use crate::score::kl::{OwnPosition, ReferencePosition};
 use crate::score::position::window_sums;
 use crate::score::topk::TopRecord;
 use crate::score::floor::{alternate_prefill_chunk, NoiseFloor};
@@ -38,7 +37,7 @@ use crate::score::paired::PairedWindow;
 use crate::score::{domain_summaries, overall_summary, StreamStats, Summary, WindowScores, WindowStats};
 use crate::text::corpus;
 use crate::text::tokenizer::{token_ids_sha256, TextTokenizer};
-use crate::top_tokens::{record_of, window_tokens, TopTokensRun};
+use crate::top_tokens::{compare_with_record, record_of, window_tokens, TopTokensRun};
 use crate::util::signal;
 
 /// What the scoring loop reports as it goes.
@@ -881,18 +880,7 @@ fn verify_invariance(
                     .zip(&b)
                     .zip(&records)
                     .enumerate()
-                    .map(|(j, ((a, bs), rec))| {
-                        let reference = ReferencePosition { ids: &rec.ids, logps: &rec.logps, target_logp: rec.target_logp, log_rest: rec.log_rest };
-                        let own = OwnPosition {
-                            lse: a.lse,
-                            target_logit: a.target_logit,
-                            top1: a.top.first().map(|t| t.0),
-                            extra_logits: &a.extra,
-                            covers_vocab,
-                            n_context: w.first_target + j - w.begin,
-                        };
-                        (a.nll, bs.nll, crate::score::kl::compare_position(&reference, &own))
-                    })
+                    .map(|(j, ((a, bs), rec))| (a.nll, bs.nll, compare_with_record(rec, a, covers_vocab, w.first_target + j - w.begin)))
                     .collect();
                 let batched_sum = WindowScores { input_tokens: t.len(), nll: b.iter().map(|x| x.nll).collect() }.stats().nll_sum;
                 let run_sum = run.iter().find(|r| r.index == w.index).map_or(f64::NAN, |r| r.nll_sum);

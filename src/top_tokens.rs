@@ -268,16 +268,8 @@ impl TopTokensRun {
                 s.extra.len(),
                 rec.ids.len()
             );
-            let reference = ReferencePosition { ids: &rec.ids, logps: &rec.logps, target_logp: rec.target_logp, log_rest: rec.log_rest };
-            let own = OwnPosition {
-                lse: s.lse,
-                target_logit: s.target_logit,
-                top1: s.top.first().map(|t| t.0),
-                extra_logits: &s.extra,
-                covers_vocab,
-                n_context: w.first_target + j - w.begin,
-            };
-            let p = kl::compare_position(&reference, &own);
+            let p = compare_with_record(rec, s, covers_vocab, w.first_target + j - w.begin);
+            let own_top1 = s.top.first().map(|t| t.0);
             window.add(&p);
             positions.kl.push(KlPositions::value(&p));
             self.kl_by_position.add_kl(&p);
@@ -293,7 +285,7 @@ impl TopTokensRun {
                 reference_top: (0..rec.ids.len().min(3))
                     .map(|i| (rec.ids[i], f64::from(rec.logps[i]).exp(), (f64::from(s.extra[i]) - s.lse).exp()))
                     .collect(),
-                top1: own.top1,
+                top1: own_top1,
                 nll: p.nll,
                 reference_nll: p.reference_nll,
                 text: None,
@@ -394,4 +386,20 @@ pub fn record_of(s: &TargetScore, k: usize, covers_vocab: bool) -> Result<TopRec
         ids: s.top.iter().map(|t| t.0).collect(),
         logps: s.top.iter().map(|&(_, l)| kl::logp_f32(f64::from(l), s.lse)).collect(),
     })
+}
+
+/// Compares this run's score of one position with a recorded top-k record
+/// (`--kl-reference`, or the batched scores of `--verify-invariance`);
+/// `s.extra` holds this run's logits of `rec.ids`.
+pub fn compare_with_record(rec: &TopRecord, s: &TargetScore, covers_vocab: bool, n_context: usize) -> kl::PositionKl {
+    let reference = ReferencePosition { ids: &rec.ids, logps: &rec.logps, target_logp: rec.target_logp, log_rest: rec.log_rest };
+    let own = OwnPosition {
+        lse: s.lse,
+        target_logit: s.target_logit,
+        top1: s.top.first().map(|t| t.0),
+        extra_logits: &s.extra,
+        covers_vocab,
+        n_context,
+    };
+    kl::compare_position(&reference, &own)
 }

@@ -78,6 +78,19 @@ fn draw_svg(draw: impl FnOnce(&Area<'_>) -> Result<()>) -> Result<String> {
     Ok(svg)
 }
 
+/// The legend box every chart uses.
+fn legend<'a, 'b: 'a, CT: plotters::coord::CoordTranslate>(chart: &mut ChartContext<'a, SVGBackend<'b>, CT>, at: SeriesLabelPosition) -> Result<()> {
+    chart
+        .configure_series_labels()
+        .position(at)
+        .label_font((FONT, 15))
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .draw()
+        .context("plot: legend")?;
+    Ok(())
+}
+
 /// Upper end of a y axis from 0 that holds `hi` with some room.
 fn y_top(hi: f64) -> f64 {
     if hi.is_finite() && hi > 0.0 {
@@ -188,14 +201,7 @@ fn by_position(caption: &str, y_desc: &str, points: &[(f64, Estimate)], x_max: f
             .label("95 % interval, clustered by window (none: one window)")
             .legend(|(x, y)| PathElement::new(vec![(x + 10, y - 6), (x + 10, y + 6)], POINT.stroke_width(1)));
         chart.draw_series(points.iter().map(|(x, e)| Circle::new((*x, e.value), 4, POINT.filled()))).context("plot: points")?;
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .label_font((FONT, 15))
-            .background_style(WHITE.mix(0.9))
-            .border_style(BLACK)
-            .draw()
-            .context("plot: legend")?;
+        legend(&mut chart, SeriesLabelPosition::LowerRight)?;
         Ok(())
     })
 }
@@ -335,14 +341,7 @@ pub fn kl_histogram(h: &KlHistogram, mean: f64, p99: Option<f64>) -> Result<Stri
                     .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
             }
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .label_font((FONT, 15))
-            .background_style(WHITE.mix(0.9))
-            .border_style(BLACK)
-            .draw()
-            .context("plot: legend")?;
+        legend(&mut chart, SeriesLabelPosition::UpperLeft)?;
         Ok(())
     })
 }
@@ -402,14 +401,7 @@ pub fn window_differences(per_window: &[f64], mean: f64, ci95: Option<[f64; 2]>)
             .context("plot: points")?
             .label("one window")
             .legend(|(x, y)| Circle::new((x + 10, y), 3, POINT.filled()));
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .label_font((FONT, 15))
-            .background_style(WHITE.mix(0.9))
-            .border_style(BLACK)
-            .draw()
-            .context("plot: legend")?;
+        legend(&mut chart, SeriesLabelPosition::UpperRight)?;
         Ok(())
     })
 }
