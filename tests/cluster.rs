@@ -9,8 +9,6 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use serde_json::Value;
-
 const FLAGS: [&str; 10] = ["--quick", "--context", "64", "--stride", "32", "--chunks", "2", "--backend", "cpu", "--log-level=warn"];
 
 fn model() -> PathBuf {
@@ -19,21 +17,6 @@ fn model() -> PathBuf {
 
 fn script(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/cluster").join(name)
-}
-
-fn read(dir: &Path) -> Value {
-    serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap()
-}
-
-/// The report without wall times: `timing` and each window's `seconds`.
-fn without_times(mut r: Value) -> Value {
-    r.as_object_mut().unwrap().remove("timing");
-    for s in r["results"]["streams"].as_array_mut().unwrap() {
-        for w in s["windows"].as_array_mut().unwrap() {
-            w.as_object_mut().unwrap().remove("seconds");
-        }
-    }
-    r
 }
 
 #[test]
@@ -54,7 +37,7 @@ fn slurm_array_shards_merge_to_the_one_process_report() {
             .output()
             .unwrap();
         assert!(o.status.success(), "task {k}: {}", String::from_utf8_lossy(&o.stderr));
-        let r = read(&results.join(format!("shard-{k}")));
+        let r = common::reports::read_json(&results.join(format!("shard-{k}")));
         assert_eq!(r["workload"]["shard"]["index"], k);
         assert_eq!(r["workload"]["shard"]["n_windows"], serde_json::json!([2, 2, 2, 2, 2]));
     }
@@ -72,11 +55,11 @@ fn slurm_array_shards_merge_to_the_one_process_report() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(String::from_utf8_lossy(&o.stdout), table, "the merge prints the one-process table");
 
-    let (merged, single) = (read(&results.join("merged")), read(&one));
+    let (merged, single) = (common::reports::read_json(&results.join("merged")), common::reports::read_json(&one));
     assert!(merged["workload"].get("shard").is_none(), "a merged report is a whole run");
     assert_eq!(merged["results"]["overall"]["n_windows"], 10);
     // Every number but wall times, both uncertainties included, bit for bit.
-    assert_eq!(without_times(merged.clone()), without_times(single.clone()));
+    assert_eq!(common::reports::without_wall_times(merged.clone()), common::reports::without_wall_times(single.clone()));
     assert!(merged["results"]["overall"]["mean_nll_se_clustered"].as_f64().unwrap() > 0.0);
     assert_eq!(merged["timing"]["tokens_scored"], single["timing"]["tokens_scored"]);
     assert_eq!(merged["timing"]["tokens_processed"], single["timing"]["tokens_processed"]);

@@ -21,14 +21,7 @@ fn run(out: &Path, extra: &[&str]) -> Value {
         .output()
         .unwrap();
     assert!(o.status.success(), "{extra:?}: {}", String::from_utf8_lossy(&o.stderr));
-    let mut r: Value = serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
-    r.as_object_mut().unwrap().remove("timing");
-    for s in r["results"]["streams"].as_array_mut().unwrap() {
-        for w in s["windows"].as_array_mut().unwrap() {
-            w.as_object_mut().unwrap().remove("seconds");
-        }
-    }
-    r
+    common::reports::without_wall_times(common::reports::read_json(out))
 }
 
 #[test]

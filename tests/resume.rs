@@ -10,28 +10,12 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
-
 const FLAGS: [&str; 9] = ["--quick", "--context", "64", "--stride", "32", "--chunks", "2", "--backend", "cpu"];
 
 fn eval() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_infernix-perplexity"));
     c.arg(common::model("SmolLM2-135M-Instruct.Q4_1.ninfer")).args(FLAGS);
     c
-}
-
-fn read(dir: &Path) -> Value {
-    serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap()
-}
-
-fn without_times(mut r: Value) -> Value {
-    r.as_object_mut().unwrap().remove("timing");
-    for s in r["results"]["streams"].as_array_mut().unwrap() {
-        for w in s["windows"].as_array_mut().unwrap() {
-            w.as_object_mut().unwrap().remove("seconds");
-        }
-    }
-    r
 }
 
 fn n_checkpoints(dir: &Path) -> usize {
@@ -66,9 +50,9 @@ fn interrupted_then_resumed_equals_uninterrupted() {
     assert_eq!(n_checkpoints(&ck), 10);
     let o = eval().arg("--log-level=warn").arg("--output").arg(&whole).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let (resumed, single) = (read(&out2), read(&whole));
+    let (resumed, single) = (common::reports::read_json(&out2), common::reports::read_json(&whole));
     assert_eq!(resumed["results"]["overall"]["n_windows"], 10);
-    assert_eq!(without_times(resumed), without_times(single));
+    assert_eq!(common::reports::without_wall_times(resumed), common::reports::without_wall_times(single));
 
     // 3. Another plan into the same folder: one line, exit 2, nothing written.
     let before = std::fs::read(ck.join("plan.json")).unwrap();

@@ -936,9 +936,10 @@ mod tests {
         assert!(!c2.same_top1 && !c2.confident_flip);
     }
 
-    #[test]
-    fn moments_hand_computed() {
-        let pos = |kl: f64, nll: f64, same: bool, n_context: usize| PositionKl {
+    /// A position of the hand-computed tests: top mass 0.9, reference NLL 1,
+    /// a confident flip whenever the top-1 differs.
+    fn pos(kl: f64, nll: f64, same: bool, n_context: usize) -> PositionKl {
+        PositionKl {
             kl,
             reference_top_mass: 0.9,
             same_top1: same,
@@ -947,7 +948,11 @@ mod tests {
             reference_nll: 1.0,
             delta_p: (-nll).exp() - (-1.0f64).exp(),
             n_context,
-        };
+        }
+    }
+
+    #[test]
+    fn moments_hand_computed() {
         let mut acc = KlAccumulator::default();
         acc.add(&pos(1.0, 1.0, true, 0));
         acc.add(&pos(3.0, 2.0, false, 1500));
@@ -975,16 +980,6 @@ mod tests {
     fn pooling_window_records_gives_the_hand_figures() {
         // The positions of `moments_hand_computed`, one accumulator per window,
         // pooled through the records report.json keeps (sums and per-position KLs).
-        let pos = |kl: f64, nll: f64, same: bool, n_context: usize| PositionKl {
-            kl,
-            reference_top_mass: 0.9,
-            same_top1: same,
-            confident_flip: !same,
-            nll,
-            reference_nll: 1.0,
-            delta_p: (-nll).exp() - (-1.0f64).exp(),
-            n_context,
-        };
         let windows = [vec![pos(1.0, 1.0, true, 0), pos(3.0, 2.0, false, 1500)], vec![pos(2.0, 1.5, true, 5000), pos(f64::NAN, 1.0, true, 5001)]];
         let mut pooled = KlAccumulator::default();
         for w in &windows {

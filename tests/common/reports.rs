@@ -1,5 +1,6 @@
 //! Reports built from the writer's typed structs (`report::Report`), for
-//! the tests of `compare` and `merge` that need many windows and no model.
+//! the tests of `compare` and `merge` that need many windows and no model,
+//! and the reading of written reports for the scale-out tests.
 
 use infernix_perplexity::backend::ExecutionSpec;
 use infernix_perplexity::report::{
@@ -90,4 +91,21 @@ pub fn constructed(streams: &[(&str, &str)], n_windows: usize, scored: usize, me
         timing: Timing::default(),
         noise_floor: None,
     }
+}
+
+/// `dir/report.json` as JSON.
+pub fn read_json(dir: &std::path::Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap()
+}
+
+/// A report without its wall times (`timing`, each window's `seconds`): what
+/// a sharded, resumed or multi-worker run must reproduce exactly.
+pub fn without_wall_times(mut r: serde_json::Value) -> serde_json::Value {
+    r.as_object_mut().unwrap().remove("timing");
+    for s in r["results"]["streams"].as_array_mut().unwrap() {
+        for w in s["windows"].as_array_mut().unwrap() {
+            w.as_object_mut().unwrap().remove("seconds");
+        }
+    }
+    r
 }
