@@ -41,6 +41,6 @@ fn main() -> Result<()> {
     })?;
     print!("{}", infernix_perplexity::report::domain_table(&report.results));
     let overall = report.results.overall.context("a scored run has an overall summary")?;
-    println!("overall PPL {:.4} +- {:.4} (clustered by window)", overall.perplexity, overall.ppl_uncertainty_clustered.unwrap_or(f64::NAN));
+    println!("overall PPL {:.4} +- {:.4} (clustered by window)", overall.summary.perplexity, overall.summary.ppl_uncertainty_clustered.unwrap_or(f64::NAN));
     Ok(())
 }

@@ -98,14 +98,24 @@ fn run_inner(cfg: &RunConfig) -> Result<Outcome> {
         info!("dry run: wrote {}", path.display());
         return Ok(Outcome::Success);
     };
+    if let Some(kl) = &report.results.kl_divergence {
+        report::worst::write_markdown(&cfg.output, &report::worst::markdown(kl, &report.artifact.public_name))?;
+    }
+    if cfg.plots {
+        for p in report::plots::write_run_plots(&cfg.output, &report.results)? {
+            info!("wrote {}", p.display());
+        }
+    }
     print!("{}", report::domain_table(&report.results));
+    // llama-perplexity's closing line, for scripts written for it (its uncertainty: tokens independent).
+    eprintln!("{}", report::llama_cpp_final_estimate(&overall.summary));
     info!(
         "wrote {} ({:.0} tokens/s processed, {:.0} scored)",
         path.display(),
         report.timing.tokens_per_second_processed.unwrap_or(0.0),
         report.timing.tokens_per_second_scored.unwrap_or(0.0)
     );
-    let n_nonfinite = overall.n_nonfinite;
+    let n_nonfinite = overall.summary.n_nonfinite;
     if n_nonfinite > 0 {
         if cfg.allow_nonfinite {
             tracing::warn!("{n_nonfinite} non-finite scores were left out of every mean (--allow-nonfinite)");

@@ -176,6 +176,20 @@ pub struct Args {
     /// `--kl-divergence-base` instead of writing it.
     #[arg(long, requires = "kl_divergence_base")]
     pub kl_divergence: bool,
+    /// Write SVG charts beside report.json: PPL by domain and by position in
+    /// the window; with a reference, KL by position and its histogram.
+    #[arg(long)]
+    pub plots: bool,
+    /// Batch-invariance self-check: score the first N windows again, each
+    /// alone (a batch of one, one prefill pass), and record the largest
+    /// |dNLL| and the KL against the batched scores in report.json.
+    #[arg(long, value_name = "N")]
+    pub verify_invariance: Option<usize>,
+    /// Early stop: score windows in a seeded random order and stop once the
+    /// 95 % half-width (clustered by window) of the overall mean NLL falls
+    /// below X nats (docs/report-extras.md).
+    #[arg(long, value_name = "X")]
+    pub target_uncertainty: Option<f64>,
     /// Score only shard K of N (K counted from 0): window g of the plan (stream
     /// order, then window order) is shard g % N's. `infernix-perplexity merge`
     /// joins the N reports into the one a single process writes (docs/cluster.md).

@@ -56,6 +56,12 @@ pub struct RunConfig {
     pub kl_reference: Option<PathBuf>,
     /// `--save-tokens FILE`.
     pub save_tokens: Option<PathBuf>,
+    /// `--plots`: SVG charts beside report.json.
+    pub plots: bool,
+    /// `--verify-invariance N`: windows rescored alone (at least 1).
+    pub verify_invariance: Option<usize>,
+    /// `--target-uncertainty X`: the 95 % half-width (nats) to stop at.
+    pub target_uncertainty: Option<f64>,
     /// `--shard K/N`: score only this shard's windows.
     pub shard: Option<Shard>,
     /// `--resume DIR`: per-window checkpoints.
@@ -162,6 +168,7 @@ impl RunConfig {
             Some(dir) => dir.clone(),
             None => PathBuf::from("profiles/perplexity").join(timestamp_utc()),
         };
+        check_report_extras(args)?;
         Ok(Self {
             model: args.model.clone(),
             input,
@@ -181,6 +188,9 @@ impl RunConfig {
             save_top_tokens,
             kl_reference,
             save_tokens: args.save_tokens.clone(),
+            plots: args.plots,
+            verify_invariance: args.verify_invariance,
+            target_uncertainty: args.target_uncertainty,
             shard,
             resume: args.resume.clone(),
             devices,
@@ -211,6 +221,41 @@ impl RunConfig {
         let p = if self.execution.lossless { Precision::F32 } else { Precision::Bf16 };
         ExecutionSpec { matmul_inputs: p, lm_head_inputs: p, ..self.execution.clone() }
     }
+}
+
+/// `--plots`, `--verify-invariance`, `--target-uncertainty`: values and
+/// the combinations that cannot work, refused before any work.
+fn check_report_extras(args: &Args) -> Result<()> {
+    if args.dry_run {
+        for (set, flag) in [(args.plots, "--plots"), (args.verify_invariance.is_some(), "--verify-invariance"), (args.target_uncertainty.is_some(), "--target-uncertainty")] {
+            if set {
+                bail!("{flag} needs scores: drop --dry-run");
+            }
+        }
+    }
+    if args.verify_invariance == Some(0) {
+        bail!("--verify-invariance 0: give the number of windows to rescore alone (at least 1)");
+    }
+    if let Some(x) = args.target_uncertainty {
+        if !(x.is_finite() && x > 0.0) {
+            bail!("--target-uncertainty {x}: the target 95 % half-width must be a positive finite number of nats");
+        }
+        let refused = [
+            (args.save_top_tokens.is_some() || args.kl_divergence_base.is_some(), "--save-top-tokens/--kl-divergence-base (the file covers every window)"),
+            (args.kl_reference.is_some(), "--kl-reference (the reference is read in plan order; early stop on KL is not supported)"),
+            (args.save_tokens.is_some(), "--save-tokens (the file covers every window)"),
+            (args.noise_floor, "--noise-floor (it rescores every window)"),
+            (args.chunks.is_some(), "--chunks (early stop chooses the windows)"),
+            (args.verify_invariance.is_some(), "--verify-invariance (it rescores the plan's first windows, which early stop may skip)"),
+            (args.shard.is_some(), "--shard (early stop chooses windows from the whole plan)"),
+            (args.resume.is_some(), "--resume (early stop keeps no checkpoints)"),
+            (args.devices.is_some(), "--devices (early stop scores one window at a time)"),
+        ];
+        if let Some((_, what)) = refused.iter().find(|(set, _)| *set) {
+            bail!("--target-uncertainty cannot be combined with {what}");
+        }
+    }
+    Ok(())
 }
 
 /// The numeric flags checked together and turned into the run's [`ExecutionSpec`].

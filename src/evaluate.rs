@@ -23,16 +23,21 @@ use crate::model::{load_model, ExpertUsage, ScoreOptions, WindowInput, WindowSco
 use crate::plan::{plan_windows, Shard, Stream, Window};
 use crate::resume::{Checkpoints, PlanStream, ResumePlan};
 use crate::report::{
-    self, ArtifactInfo, BosPolicy, CorpusInfo, DomainResult, Execution, Report, Results, ShardInfo, StreamResult, Timing,
-    ToolInfo, WindowResult, Workload,
+    self, ArtifactInfo, BosPolicy, CorpusInfo, DomainResult, Execution, Overall, Report, Results, ShardInfo, StreamResult,
+    Timing, ToolInfo, WindowResult, Workload,
 };
+use crate::score::bytes::{ByteSummary, TokenBytes, WindowBytes};
+use crate::score::early_stop::{self, EarlyStop};
+use crate::score::invariance::{Invariance, InvarianceAcc};
+use crate::score::position::window_sums;
+use crate::score::topk::TopRecord;
 use crate::score::floor::{alternate_prefill_chunk, NoiseFloor};
 use crate::score::kl::KlSummary;
 use crate::score::paired::PairedWindow;
 use crate::score::{domain_summaries, overall_summary, StreamStats, Summary, WindowScores, WindowStats};
 use crate::text::corpus;
 use crate::text::tokenizer::{token_ids_sha256, TextTokenizer};
-use crate::top_tokens::{window_tokens, TopTokensRun};
+use crate::top_tokens::{compare_with_record, record_of, window_tokens, TopTokensRun};
 use crate::util::signal;
 
 /// What the scoring loop reports as it goes.
@@ -88,6 +93,14 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
         .with_context(|| format!("{}", artifact.path.display()))?;
     let tokenizer = TextTokenizer::from_json(artifact.tokenizer_json(), &meta.tokenizer)
         .with_context(|| format!("{}: tokenizer", artifact.path.display()))?;
+    let control_ids: Vec<u32> = [meta.tokenizer.bos_id, meta.tokenizer.eos_id].into_iter().flatten().collect();
+    let token_bytes = match TokenBytes::from_tokenizer_json(artifact.tokenizer_json(), &control_ids) {
+        Ok(t) => Some(t),
+        Err(e) => {
+            tracing::warn!("{}: no byte figures (scored_bytes, bits_per_byte): {e:#}", artifact.path.display());
+            None
+        }
+    };
     let load_seconds = started.elapsed().as_secs_f64();
 
     let t_tok = Instant::now();
@@ -96,9 +109,9 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
     let mut streams = Vec::with_capacity(texts.len());
     for input in texts {
         signal::check().context("stopped while tokenizing; nothing written")?;
-        let tokens = match input.content {
-            Content::Text(t) => tokenizer.encode(&t).with_context(|| format!("stream {}: tokenize", input.name))?,
-            Content::Tokens(t) => t,
+        let (tokens, text_bytes) = match input.content {
+            Content::Text(t) => (tokenizer.encode(&t).with_context(|| format!("stream {}: tokenize", input.name))?, Some(t.len())),
+            Content::Tokens(t) => (t, None),
         };
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= meta.hparams.n_vocab) {
             bail!("stream {}: token id {bad} is outside the vocabulary ({} tokens)", input.name, meta.hparams.n_vocab);
@@ -108,7 +121,14 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
         let sha = token_ids_sha256(&tokens);
         info!("stream {}: {} tokens, {} windows", input.name, tokens.len(), windows.len());
         tracing::debug!("stream {}: token ids sha256 {sha}", input.name);
-        streams.push(Stream { name: input.name, domain: input.domain, tokens, token_ids_sha256: sha, windows });
+        let byte_counts = token_bytes.as_ref().map(|t| t.stream_counts(&tokens));
+        if let (Some(c), Some(n_text)) = (&byte_counts, text_bytes) {
+            let n_token_bytes: u64 = c.iter().map(|&b| u64::from(b)).sum();
+            if n_token_bytes != n_text as u64 {
+                tracing::warn!("stream {}: its tokens cover {n_token_bytes} bytes, its text has {n_text} (docs/byte-figures.md)", input.name);
+            }
+        }
+        streams.push(Stream { name: input.name, domain: input.domain, tokens, token_ids_sha256: sha, windows, byte_counts, text_bytes });
     }
     let tokenize_seconds = t_tok.elapsed().as_secs_f64();
     // Memory and batching are sized from the whole plan, so a shard runs as the one process would.
@@ -142,7 +162,16 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
         artifact: ArtifactInfo::of(&artifact, cfg.verify),
         workload,
         execution: None,
-        results: Results { overall: None, domains: Vec::new(), streams: Vec::new(), kl_divergence: None, expert_usage: None },
+        results: Results {
+            overall: None,
+            domains: Vec::new(),
+            streams: Vec::new(),
+            by_position: Vec::new(),
+            kl_divergence: None,
+            expert_usage: None,
+            invariance: None,
+            early_stop: None,
+        },
         timing: Timing { load_seconds, tokenize_seconds, ..Default::default() },
         noise_floor: None,
     };
@@ -239,7 +268,12 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
     }
 
     let t_score = Instant::now();
-    let (stats, window_results, stream_kl) = if scorers.is_empty() {
+    let n_resumed = checkpoints.as_ref().map_or(0, |c| c.n_done());
+    let (stats, window_results, stream_kl) = if let Some(x) = cfg.target_uncertainty {
+        let (out, e) = score_early_stop(&streams, scorer.as_mut(), bos, cfg.prefill_chunk, x, on_event)?;
+        report.results.early_stop = Some(e);
+        out
+    } else if scorers.is_empty() {
         score_streams(&streams, scorer.as_mut(), bos, cfg.prefill_chunk, n_seqs, top_tokens.as_mut(), checkpoints.as_mut(), on_event)?
     } else {
         scorers.insert(0, scorer);
@@ -251,18 +285,40 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
     // Before the noise-floor rescoring, which would count its windows again.
     let usages: Vec<_> = std::iter::once(&scorer).chain(scorers.iter()).map(|s| s.expert_usage()).collect();
     report.results.expert_usage = ExpertUsage::sum(usages.iter().map(Option::as_ref))?;
+    if let Some(n) = cfg.verify_invariance {
+        let v = verify_invariance(n, &streams, &window_results, scorer.as_mut(), bos, cfg.prefill_chunk, n_seqs, meta.hparams.n_vocab)?;
+        info!(
+            "batch invariance ({} windows, {} targets alone vs batched): max |dNLL| {:.3e} nats, mean KL {:.3e}, max KL {:.3e}, {} top-1 changes",
+            v.n_windows, v.n_targets, v.max_abs_dnll, v.mean_kl, v.max_kl, v.n_top1_changed
+        );
+        report.results.invariance = Some(v);
+    }
     if cfg.noise_floor {
         report.noise_floor = Some(noise_floor(cfg, &streams, &stats, scorer.as_mut(), bos, n_seqs, on_event)?);
     }
     signal::check().context("stopped after scoring every window; no report written")?;
     // The --save-tokens and --save-top-tokens files are renamed into place here, just before the report.
+    let kl_by_position = top_tokens.as_mut().map(|t| std::mem::take(&mut t.kl_by_position));
     report.results.kl_divergence = top_tokens.map(TopTokensRun::finish).transpose()?.flatten();
+    if let Some(kl) = &mut report.results.kl_divergence {
+        report::worst::add_excerpts(kl, &tokenizer, |name| streams.iter().find(|s| s.name == name).map(|s| s.tokens.as_slice()));
+    }
+    // KL by position needs every position's KL, at hand only when this
+    // process compared every window itself.
+    let mut kl_by_position = kl_by_position;
+    if n_resumed > 0 {
+        if let Some(p) = &mut kl_by_position {
+            p.clear_kl();
+            info!("KL by position in the window is left out: {n_resumed} windows came from --resume checkpoints");
+        }
+    }
 
     let overall = overall_summary(&stats);
     report.results.domains = domain_summaries(&stats)
         .into_iter()
         .map(|(domain, summary)| DomainResult {
             streams: stats.iter().filter(|s| s.domain == domain).count(),
+            bytes: None,
             domain,
             summary,
         })
@@ -282,7 +338,8 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
         tokens_per_second_scored: (scoring_seconds > 0.0).then(|| overall.scored_tokens as f64 / scoring_seconds),
         ..report.timing
     };
-    report.results.overall = Some(overall);
+    report.results.overall = Some(Overall { summary: overall, bytes: None });
+    report::pool_window_figures(&mut report.results, kl_by_position);
     Ok(report)
 }
 
@@ -486,6 +543,9 @@ fn stream_result(s: &Stream, summary: Option<Summary>, windows: Vec<WindowResult
         n_tokens: s.tokens.len(),
         token_ids_sha256: s.token_ids_sha256.clone(),
         summary,
+        text_bytes: s.text_bytes,
+        token_bytes: s.byte_counts.as_ref().map(|c| c.iter().map(|&b| u64::from(b)).sum()),
+        bytes: None,
         kl_divergence: None,
         windows,
     }
@@ -659,23 +719,8 @@ fn score_streams(
                     Some(t) => t.end_window(w, &scores).with_context(|| at(w))?,
                     None => None,
                 };
-                let ws = WindowScores { input_tokens: tokens.len(), nll: scores.iter().map(|r| r.nll).collect() }.stats();
-                let result = WindowResult {
-                    index: w.index,
-                    begin: w.begin,
-                    end: w.end,
-                    first_target: w.first_target,
-                    scored: ws.scored_tokens,
-                    tokens_sha256: report::window_tokens_sha256(tokens),
-                    input_tokens: ws.input_tokens,
-                    n_nonfinite: ws.n_nonfinite,
-                    nll_sum: ws.nll_sum,
-                    nll_sq_sum: ws.nll_sq_sum,
-                    mean_nll: ws.mean_nll(),
-                    perplexity: ws.perplexity(),
-                    seconds,
-                    kl_divergence: window_kl.map(|(record, _)| record),
-                };
+                let nll: Vec<f64> = scores.iter().map(|r| r.nll).collect();
+                let result = window_result(s, w, tokens, nll, seconds, window_kl.map(|(record, _)| record));
                 if let Some(c) = checkpoints.as_deref() {
                     c.save(si, &s.name, &result)?;
                 }
@@ -694,6 +739,163 @@ fn score_streams(
     }
     on_event(Event::Scored);
     Ok((all_stats, all_windows, all_kl))
+}
+
+/// A window's entry in report.json from its NLLs (its byte figures and
+/// position-bucket sums included).
+fn window_result(s: &Stream, w: &Window, tokens: &[u32], nll: Vec<f64>, seconds: f64, kl: Option<crate::score::kl::WindowKl>) -> WindowResult {
+    let wb = s.byte_counts.as_ref().map(|c| WindowBytes::of(&c[w.first_target..w.end], &nll));
+    let by_position = window_sums(w.first_target - w.begin, &nll);
+    let ws = WindowScores { input_tokens: tokens.len(), nll }.stats();
+    WindowResult {
+        index: w.index,
+        begin: w.begin,
+        end: w.end,
+        first_target: w.first_target,
+        scored: ws.scored_tokens,
+        tokens_sha256: report::window_tokens_sha256(tokens),
+        input_tokens: ws.input_tokens,
+        n_nonfinite: ws.n_nonfinite,
+        nll_sum: ws.nll_sum,
+        nll_sq_sum: ws.nll_sq_sum,
+        mean_nll: ws.mean_nll(),
+        perplexity: ws.perplexity(),
+        seconds,
+        bytes: wb.as_ref().map(|b| ByteSummary::over([b])),
+        by_position,
+        kl_divergence: kl,
+    }
+}
+
+/// `--target-uncertainty X`: scores windows one per pass in the seeded order
+/// of `score::early_stop` until the overall mean NLL's 95 % half-width is
+/// below X; returns the scored windows per stream, in plan order.
+fn score_early_stop(
+    streams: &[Stream],
+    scorer: &mut dyn WindowScorer,
+    bos: Option<u32>,
+    prefill_chunk: usize,
+    target: f64,
+    on_event: &mut dyn FnMut(Event<'_>),
+) -> Result<(StreamScores, EarlyStop)> {
+    let opts = ScoreOptions { top_k: 0, prefill_chunk: Some(prefill_chunk) };
+    let order = early_stop::order(&streams.iter().map(|s| s.windows.len()).collect::<Vec<_>>());
+    let n_planned = order.len();
+    on_event(Event::Scoring { n_targets: streams.iter().flat_map(|s| &s.windows).map(Window::scored).sum() });
+    // Per stream, per window: its result (None: not scored).
+    let mut slots: Vec<Vec<Option<WindowResult>>> = streams.iter().map(|s| vec![None; s.windows.len()]).collect();
+    let mut scored: Vec<WindowStats> = Vec::new();
+    let mut half = None;
+    for &(si, wi) in &order {
+        let (s, w) = (&streams[si], &streams[si].windows[wi]);
+        signal::check().with_context(|| format!("stopped after {} of {n_planned} windows (early-stop order); no report written", scored.len()))?;
+        let tokens = window_tokens(&s.tokens, w, bos)?;
+        let input = WindowInput { tokens: &tokens, first_target: w.first_target - w.begin, extra_ids: &[] };
+        let t = Instant::now();
+        let scores = scorer
+            .score_windows(&[input], &opts)
+            .with_context(|| format!("stream {} window {} [{}, {})", s.name, w.index, w.begin, w.end))?
+            .pop()
+            .context("the backend returned no scores")?;
+        let r = window_result(s, w, &tokens, scores.iter().map(|x| x.nll).collect(), t.elapsed().as_secs_f64(), None);
+        scored.push(r.stats());
+        slots[si][wi] = Some(r);
+        on_event(Event::Pass { stream: &s.name, n_scored: w.scored() });
+        half = early_stop::half_width(&scored);
+        if half.is_some_and(|h| h < target) {
+            break;
+        }
+    }
+    let n_scored = scored.len();
+    let reason = match half {
+        Some(h) if h < target => format!(
+            "the 95 % half-width of the overall mean NLL, {h:.3e} nats (window-clustered), fell below --target-uncertainty {target} after {n_scored} of {n_planned} windows"
+        ),
+        Some(h) => format!("every window was scored; the 95 % half-width is {h:.3e} nats, not below --target-uncertainty {target}"),
+        None => format!("every window was scored; {n_scored} windows are too few for the rule (at least {})", early_stop::MIN_WINDOWS),
+    };
+    info!("early stop: {reason}");
+    let (mut all_stats, mut all_windows) = (Vec::new(), Vec::new());
+    for (s, slot) in streams.iter().zip(slots) {
+        let results: Vec<WindowResult> = slot.into_iter().flatten().collect();
+        let st = StreamStats { id: s.name.clone(), domain: s.domain.clone(), windows: results.iter().map(WindowResult::stats).collect() };
+        on_event(Event::Stream { stream: &s.name, summary: &st.summary(), seconds: 0.0 });
+        all_stats.push(st);
+        all_windows.push(results);
+    }
+    on_event(Event::Scored);
+    let info = EarlyStop {
+        target_half_width: target,
+        order: format!("seeded permutation of all {n_planned} windows (ChaCha8, seed {:#x}), one window per pass", early_stop::SEED),
+        seed: early_stop::SEED,
+        min_windows: early_stop::MIN_WINDOWS,
+        n_windows_planned: n_planned,
+        n_windows_scored: n_scored,
+        stopped_early: n_scored < n_planned,
+        reason,
+        half_width: half,
+    };
+    Ok(((all_stats, all_windows, vec![None; streams.len()]), info))
+}
+
+/// `--verify-invariance N`: the first N windows of the plan rescored batched
+/// (as the run batches them, the run's top-k ids asked for) and alone (one
+/// window, prefill chunk = its length), compared target by target
+/// (`score::invariance`); `results` are the run's own windows.
+#[allow(clippy::too_many_arguments)]
+fn verify_invariance(
+    n_max: usize,
+    streams: &[Stream],
+    results: &[Vec<WindowResult>],
+    scorer: &mut dyn WindowScorer,
+    bos: Option<u32>,
+    prefill_chunk: usize,
+    n_seqs: usize,
+    n_vocab: usize,
+) -> Result<Invariance> {
+    let k = crate::score::topk::TOP_K.min(n_vocab);
+    let covers_vocab = k == n_vocab;
+    let mut acc = InvarianceAcc::default();
+    let mut n_left = n_max;
+    for (s, run) in streams.iter().zip(results) {
+        if n_left == 0 {
+            break;
+        }
+        let take = n_left.min(s.windows.len());
+        n_left -= take;
+        for batch in equal_length_batches(&s.windows[..take], n_seqs) {
+            let tokens: Vec<Vec<u32>> = batch.iter().map(|w| window_tokens(&s.tokens, w, bos)).collect::<Result<_>>()?;
+            let inputs: Vec<WindowInput> = batch
+                .iter()
+                .zip(&tokens)
+                .map(|(w, t)| WindowInput { tokens: t, first_target: w.first_target - w.begin, extra_ids: &[] })
+                .collect();
+            let batched = scorer
+                .score_windows(&inputs, &ScoreOptions { top_k: k, prefill_chunk: Some(prefill_chunk) })
+                .with_context(|| format!("--verify-invariance: stream {} batched rescore", s.name))?;
+            for ((w, t), b) in batch.iter().zip(&tokens).zip(batched) {
+                let records: Vec<TopRecord> = b.iter().map(|sc| record_of(sc, k, covers_vocab)).collect::<Result<_>>()?;
+                let extra: Vec<Vec<u32>> = records.iter().map(|r| r.ids.clone()).collect();
+                let one = WindowInput { tokens: t, first_target: w.first_target - w.begin, extra_ids: &extra };
+                let alone = scorer
+                    .score_windows(&[one], &ScoreOptions { top_k: 1, prefill_chunk: Some(t.len()) })
+                    .with_context(|| format!("--verify-invariance: stream {} window {} alone", s.name, w.index))?
+                    .pop()
+                    .context("the backend returned no scores")?;
+                let targets: Vec<(f64, f64, crate::score::kl::PositionKl)> = alone
+                    .iter()
+                    .zip(&b)
+                    .zip(&records)
+                    .enumerate()
+                    .map(|(j, ((a, bs), rec))| (a.nll, bs.nll, compare_with_record(rec, a, covers_vocab, w.first_target + j - w.begin)))
+                    .collect();
+                let batched_sum = WindowScores { input_tokens: t.len(), nll: b.iter().map(|x| x.nll).collect() }.stats().nll_sum;
+                let run_sum = run.iter().find(|r| r.index == w.index).map_or(f64::NAN, |r| r.nll_sum);
+                acc.add_window(&s.name, w.index, w.first_target, &targets, batched_sum, run_sum);
+            }
+        }
+    }
+    Ok(acc.finish(n_seqs, prefill_chunk))
 }
 
 /// Splits `windows` into runs of consecutive windows of equal length, at most

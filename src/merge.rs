@@ -173,7 +173,7 @@ pub fn merge(shards: &[(PathBuf, Report)]) -> Result<Report> {
     let overall = overall_summary(&stats);
     let domains = domain_summaries(&stats)
         .into_iter()
-        .map(|(domain, summary)| DomainResult { streams: stats.iter().filter(|s| s.domain == domain).count(), domain, summary })
+        .map(|(domain, summary)| DomainResult { streams: stats.iter().filter(|s| s.domain == domain).count(), domain, summary, bytes: None })
         .collect();
     let results_streams = streams.into_iter().map(|(st, r)| StreamResult { summary: Some(Summary::over(&st.windows)), ..r }).collect();
     let timing = merged_timing(shards.iter().map(|(_, r)| &r.timing), &overall);
@@ -181,7 +181,10 @@ pub fn merge(shards: &[(PathBuf, Report)]) -> Result<Report> {
     merged.workload.shard = None;
     merged.results.streams = results_streams;
     merged.results.domains = domains;
-    merged.results.overall = Some(overall);
+    merged.results.overall = Some(crate::report::Overall { summary: overall, bytes: None });
+    // Byte figures and NLL by position pool the windows as the writer does; KL by
+    // position needs per-position KLs the shard reports do not hold: left out.
+    crate::report::pool_window_figures(&mut merged.results, None);
     merged.timing = timing;
     // Expert-usage counts are additive over windows, and the shards' windows partition the plan.
     merged.results.expert_usage =

@@ -301,6 +301,11 @@ pub struct Stream {
     pub tokens: Vec<u32>,
     pub token_ids_sha256: String,
     pub windows: Vec<Window>,
+    /// (n_tokens) the UTF-8 bytes each token covers (`score::bytes`); `None`
+    /// when the tokenizer has no byte rule.
+    pub byte_counts: Option<Vec<u32>>,
+    /// Bytes of the stream's text (absent for `--tokens`).
+    pub text_bytes: Option<usize>,
 }
 
 /// `--shard K/N`: shard `index` (0-based, `K`) of `count` (`N`) independent

@@ -22,7 +22,10 @@ use crate::artifact::Artifact;
 use crate::config::{Input, RunConfig};
 use crate::model::TargetScore;
 use crate::report::{CorpusInfo, KlReport, KlReferenceInfo};
-use crate::score::kl::{self, KlAccumulator, KlPositions, KlSummary, OwnPosition, ReferencePosition, WindowKl, WorstPosition};
+use crate::score::kl::{
+    self, KlAccumulator, KlPositions, KlSummary, OwnPosition, ReferencePosition, WindowKl, WorstPosition, WorstWindow,
+};
+use crate::score::position::PositionAccumulator;
 use crate::score::topk::{
     self, FileHeader, InputFingerprint, RunFingerprint, SavedTokens, StreamFingerprint, TopRecord, TopTokensReader,
     TopTokensWriter, WindowFingerprint, TOP_K,
@@ -125,6 +128,11 @@ pub struct TopTokensRun {
     /// The stream being scored (index into the fingerprint's streams).
     stream_index: usize,
     worst: Vec<WorstPosition>,
+    worst_windows: Vec<WorstWindow>,
+    /// KL by position in the window of every compared position (its NLL side unused).
+    pub kl_by_position: PositionAccumulator,
+    /// Every compared position's KL (f32; NaN where excluded), for the histogram.
+    kl_values: Vec<f32>,
 }
 
 impl TopTokensRun {
@@ -184,6 +192,9 @@ impl TopTokensRun {
             overall: KlAccumulator::default(),
             stream_index: 0,
             worst: Vec::new(),
+            worst_windows: Vec::new(),
+            kl_by_position: PositionAccumulator::default(),
+            kl_values: Vec::new(),
         }))
     }
 
@@ -230,7 +241,8 @@ impl TopTokensRun {
 
     /// Writes this window's records and compares it with the reference.
     /// Returns the window's KL record (statistics without quantiles or
-    /// buckets, and the sums) and its per-position KLs.
+    /// buckets, and the sums) and its per-position KLs. Every compared
+    /// position also goes to [`Self::kl_by_position`] and the histogram.
     pub fn end_window(&mut self, w: &Window, scores: &[TargetScore]) -> Result<Option<(WindowKl, KlPositions)>> {
         ensure!(scores.len() == w.scored(), "window {}: {} scores for {} targets", w.index, scores.len(), w.scored());
         let covers_vocab = self.k == self.fingerprint.n_vocab;
@@ -246,6 +258,7 @@ impl TopTokensRun {
         ensure!(records.len() == scores.len(), "window {}: {} reference records for {} scores", w.index, records.len(), scores.len());
         let mut window = KlAccumulator::default();
         let mut positions = KlPositions { first_n_context: w.first_target - w.begin, kl: Vec::with_capacity(scores.len()) };
+        let mut window_max: (f64, usize) = (f64::NEG_INFINITY, w.first_target);
         for (j, (s, rec)) in scores.iter().zip(&records).enumerate() {
             ensure!(
                 s.extra.len() == rec.ids.len(),
@@ -255,18 +268,14 @@ impl TopTokensRun {
                 s.extra.len(),
                 rec.ids.len()
             );
-            let reference = ReferencePosition { ids: &rec.ids, logps: &rec.logps, target_logp: rec.target_logp, log_rest: rec.log_rest };
-            let own = OwnPosition {
-                lse: s.lse,
-                target_logit: s.target_logit,
-                top1: s.top.first().map(|t| t.0),
-                extra_logits: &s.extra,
-                covers_vocab,
-                n_context: w.first_target + j - w.begin,
-            };
-            let p = kl::compare_position(&reference, &own);
+            let p = compare_with_record(rec, s, covers_vocab, w.first_target + j - w.begin);
+            let own_top1 = s.top.first().map(|t| t.0);
             window.add(&p);
             positions.kl.push(KlPositions::value(&p));
+            self.kl_by_position.add_kl(&p);
+            if p.kl.is_finite() && p.kl > window_max.0 {
+                window_max = (p.kl, w.first_target + j);
+            }
             kl::keep_worst(&mut self.worst, kl::N_WORST_POSITIONS, p.kl, || WorstPosition {
                 kl: p.kl,
                 stream: self.fingerprint.streams.get(self.stream_index).map_or_else(String::new, |st| st.name.clone()),
@@ -276,13 +285,30 @@ impl TopTokensRun {
                 reference_top: (0..rec.ids.len().min(3))
                     .map(|i| (rec.ids[i], f64::from(rec.logps[i]).exp(), (f64::from(s.extra[i]) - s.lse).exp()))
                     .collect(),
-                top1: own.top1,
+                top1: own_top1,
                 nll: p.nll,
                 reference_nll: p.reference_nll,
+                text: None,
+                reference_top_text: Vec::new(),
             });
         }
         window.end_window();
+        self.kl_by_position.end_kl_window();
+        self.kl_values.extend_from_slice(&positions.kl);
         let record = window.window_record();
+        let summary = &record.summary;
+        kl::keep_worst(&mut self.worst_windows, kl::N_WORST_WINDOWS, summary.mean, || WorstWindow {
+            mean_kl: summary.mean,
+            stream: self.fingerprint.streams.get(self.stream_index).map_or_else(String::new, |st| st.name.clone()),
+            window: w.index,
+            begin: w.begin,
+            end: w.end,
+            scored: w.scored(),
+            max_kl: window_max.0,
+            max_kl_token_index: window_max.1,
+            mean_nll_delta: summary.mean_nll_delta,
+            text: None,
+        });
         self.add_window(&record, &positions);
         Ok(Some((record, positions)))
     }
@@ -343,6 +369,8 @@ impl TopTokensRun {
             bound: KlReport::BOUND.into(),
             summary,
             worst_positions: self.worst,
+            worst_windows: self.worst_windows,
+            histogram: Some(crate::report::plots::KlHistogram::of(&self.kl_values)),
         }))
     }
 }
@@ -358,4 +386,20 @@ pub fn record_of(s: &TargetScore, k: usize, covers_vocab: bool) -> Result<TopRec
         ids: s.top.iter().map(|t| t.0).collect(),
         logps: s.top.iter().map(|&(_, l)| kl::logp_f32(f64::from(l), s.lse)).collect(),
     })
+}
+
+/// Compares this run's score of one position with a recorded top-k record
+/// (`--kl-reference`, or the batched scores of `--verify-invariance`);
+/// `s.extra` holds this run's logits of `rec.ids`.
+pub fn compare_with_record(rec: &TopRecord, s: &TargetScore, covers_vocab: bool, n_context: usize) -> kl::PositionKl {
+    let reference = ReferencePosition { ids: &rec.ids, logps: &rec.logps, target_logp: rec.target_logp, log_rest: rec.log_rest };
+    let own = OwnPosition {
+        lse: s.lse,
+        target_logit: s.target_logit,
+        top1: s.top.first().map(|t| t.0),
+        extra_logits: &s.extra,
+        covers_vocab,
+        n_context,
+    };
+    kl::compare_position(&reference, &own)
 }

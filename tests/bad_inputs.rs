@@ -402,6 +402,17 @@ fn bad_input_table() {
         e("chunks 0", text_run(vec![os("--chunks"), os("0")]), w(&["--chunks 0"])),
         e("prefill chunk 100", text_run(vec![os("--prefill-chunk"), os("100")]), w(&["--prefill-chunk"])),
         e("batch tokens 0", text_run(vec![os("--batch-tokens"), os("0")]), w(&["--batch-tokens 0"])),
+        // Issue 15: --plots, --verify-invariance, --target-uncertainty, compare --plots.
+        e("verify-invariance 0", text_run(vec![os("--verify-invariance"), os("0")]), w(&["--verify-invariance 0"])),
+        e("target-uncertainty 0", text_run(vec![os("--target-uncertainty"), os("0")]), w(&["--target-uncertainty 0", "positive"])),
+        e("target-uncertainty NaN", text_run(vec![os("--target-uncertainty"), os("NaN")]), w(&["--target-uncertainty NaN"])),
+        e("target-uncertainty inf", text_run(vec![os("--target-uncertainty"), os("inf")]), w(&["--target-uncertainty inf"])),
+        e("target-uncertainty -0.1", text_run(vec![os("--target-uncertainty=-0.1")]), w(&["--target-uncertainty -0.1"])),
+        e("target-uncertainty with --kl-reference", text_run(vec![os("--target-uncertainty"), os("0.1"), os("--kl-reference"), os(&garbage)]), w(&["--target-uncertainty", "--kl-reference"])),
+        e("target-uncertainty with --chunks", text_run(vec![os("--target-uncertainty"), os("0.1"), os("--chunks"), os("2")]), w(&["--target-uncertainty", "--chunks"])),
+        e("target-uncertainty with --noise-floor", text_run(vec![os("--target-uncertainty"), os("0.1"), os("--noise-floor")]), w(&["--target-uncertainty", "--noise-floor"])),
+        e("plots with --dry-run", text_run(vec![os("--plots"), os("--dry-run")]), w(&["--plots", "--dry-run"])),
+        e("verify-invariance with --dry-run", text_run(vec![os("--verify-invariance"), os("2"), os("--dry-run")]), w(&["--verify-invariance", "--dry-run"])),
         // 6 and 11: artifacts.
         e("model missing", vec![os(d.join("nope.ninfer")), os("--text"), os(&text), os("--output"), os(d.join("o"))], w(&["nope.ninfer", "open"])),
         e("model is text", with(vec![os(&a_text), os("--text"), os(&text)], out()), w(&["not-model.ninfer", "magic"])),
@@ -431,6 +442,7 @@ fn bad_input_table() {
         c("--json over BASE", vec![os(&base), os(&base), os("--json"), os(&base)], w(&["--json", "is the BASE"])),
         c("--markdown /dev/full", vec![os(&base), os(&base), os("--markdown"), os(&dev_full)], w(&["--markdown /dev/full", "character device"])),
         c("--alpha 2", vec![os(&base), os(&base), os("--alpha"), os("2")], w(&["--alpha 2"])),
+        c("--plots a file", vec![os(&base), os(&base), os("--plots"), os(&base)], w(&["--plots", "not a folder"])),
         c("--min-top1 NaN", vec![os(&base), os(&base), os("--min-top1"), os("NaN")], w(&["--min-top1"])),
         // Issue 14: --shard and merge.
         e("--shard 0/0", with(vec![m(), os("--text"), os(&text), os("--shard"), os("0/0")], out()), w(&["--shard 0/0", "at least 1"])),

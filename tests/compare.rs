@@ -359,6 +359,8 @@ fn kl_block(mean: f64, top1: f64, flips: usize, reference: &str) -> Value {
         bound: KlReport::BOUND.into(),
         summary,
         worst_positions: Vec::new(),
+        worst_windows: Vec::new(),
+        histogram: None,
     })
     .unwrap()
 }

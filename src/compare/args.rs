@@ -78,6 +78,10 @@ pub struct CompareArgs {
     /// windows (their corpus files must be readable); without it, token ranges.
     #[arg(long, value_name = "ARTIFACT")]
     pub model: Option<PathBuf>,
+    /// Write `window_nll_differences.svg` (each window's NLL change per token
+    /// with the overall mean and its 95 % interval) into DIR (created if missing).
+    #[arg(long, value_name = "DIR")]
+    pub plots: Option<PathBuf>,
     /// Where the corpus files are, for excerpts (else the folder BASE recorded).
     #[arg(long, value_name = "DIR")]
     pub data_root: Option<PathBuf>,

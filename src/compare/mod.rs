@@ -281,6 +281,16 @@ fn check_compare_outputs(args: &CompareArgs) -> Result<()> {
     if let Some(p) = &args.json {
         outputs.push(Named::new("--json", p));
     }
+    let plot = args.plots.as_ref().map(|d| d.join(crate::report::plots::WINDOW_DIFFERENCES));
+    if let (Some(dir), Some(p)) = (&args.plots, &plot) {
+        if dir.exists() && !dir.is_dir() {
+            anyhow::bail!("--plots {}: exists and is not a folder", dir.display());
+        }
+        // A folder still to be created holds nothing to clash with.
+        if dir.is_dir() {
+            outputs.push(Named::new("--plots", p));
+        }
+    }
     check_outputs(&outputs, &[], &inputs)
 }
 
@@ -322,6 +332,15 @@ pub fn run(args: &CompareArgs) -> Result<Comparison> {
         c.notes.extend(notes);
     }
     print!("{}", output::table(&c));
+    if let Some(dir) = &args.plots {
+        // The windows of the paired statistics (finite in both), in pairing order.
+        let rows = input::pair_windows(&base.view, &new.view)?;
+        let per_window: Vec<f64> =
+            rows.iter().filter(|r| r.finite()).map(|r| (r.new_nll_sum - r.base_nll_sum) / r.scored.max(1) as f64).collect();
+        let svg = crate::report::plots::window_differences(&per_window, c.overall.mean_diff, c.overall.mean_diff_ci95)?;
+        std::fs::create_dir_all(dir).with_context(|| format!("--plots {}: create the folder", dir.display()))?;
+        crate::report::plots::write_svg(dir, crate::report::plots::WINDOW_DIFFERENCES, &svg).with_context(|| format!("--plots {}", dir.display()))?;
+    }
     if let Some(p) = &args.markdown {
         crate::util::fs::write_atomic(p, output::markdown(&c).as_bytes()).with_context(|| format!("--markdown {}", p.display()))?;
     }

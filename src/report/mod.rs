@@ -16,8 +16,13 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::artifact::Artifact;
-use crate::score::kl::{KlSummary, WindowKl, WorstPosition};
+use crate::score::bytes::ByteSummary;
+use crate::score::kl::{KlSummary, WindowKl, WorstPosition, WorstWindow};
+use crate::score::position::PositionBucket;
 use crate::score::{Summary, WindowStats};
+
+pub mod plots;
+pub mod worst;
 
 pub const SCHEMA_VERSION: u32 = 4;
 pub const REPORT_FILE: &str = "report.json";
@@ -151,9 +156,12 @@ pub struct Execution {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Results {
-    pub overall: Option<Summary>,
+    pub overall: Option<Overall>,
     pub domains: Vec<DomainResult>,
     pub streams: Vec<StreamResult>,
+    /// NLL (and KL) by position in the window, buckets of 256 (`score::position`).
+    #[serde(skip_serializing_if = "Vec::is_empty", default)]
+    pub by_position: Vec<PositionBucket>,
     /// KL divergence against `--kl-reference` (absent without one).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kl_divergence: Option<KlReport>,
@@ -162,6 +170,12 @@ pub struct Results {
     /// (`model::ExpertUsage`); absent for dense models.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub expert_usage: Option<crate::model::ExpertUsage>,
+    /// `--verify-invariance N`: the first N windows rescored alone against batched.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub invariance: Option<crate::score::invariance::Invariance>,
+    /// `--target-uncertainty X`: how many windows were scored and why it stopped.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub early_stop: Option<crate::score::early_stop::EarlyStop>,
 }
 
 /// `results.kl_divergence`: the run against a recorded top-k reference.
@@ -175,6 +189,14 @@ pub struct KlReport {
     /// The positions with the largest KL (at most `kl::N_WORST_POSITIONS`,
     /// largest first; none with KL 0).
     pub worst_positions: Vec<WorstPosition>,
+    /// The windows with the largest mean KL (at most `kl::N_WORST_WINDOWS`,
+    /// largest first; none with mean KL 0). `worst.md` beside the report
+    /// lists both, readably.
+    #[serde(default)]
+    pub worst_windows: Vec<WorstWindow>,
+    /// Histogram of the per-position KL on a log scale (`report::plots`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub histogram: Option<plots::KlHistogram>,
 }
 
 impl KlReport {
@@ -194,12 +216,24 @@ pub struct KlReferenceInfo {
     pub top_k: usize,
 }
 
+/// `results.overall`: every window of the run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Overall {
+    #[serde(flatten)]
+    pub summary: Summary,
+    /// `scored_bytes`, `bits_per_byte`, `byte_perplexity` (absent when the tokenizer has no byte rule).
+    #[serde(flatten)]
+    pub bytes: Option<ByteSummary>,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DomainResult {
     pub domain: String,
     pub streams: usize,
     #[serde(flatten)]
     pub summary: Summary,
+    #[serde(flatten)]
+    pub bytes: Option<ByteSummary>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -212,6 +246,13 @@ pub struct StreamResult {
     pub token_ids_sha256: String,
     #[serde(flatten)]
     pub summary: Option<Summary>,
+    /// Bytes of the stream's text as read (absent for `--tokens` input).
+    pub text_bytes: Option<usize>,
+    /// Bytes all the stream's tokens cover (`score::bytes`); equals
+    /// `text_bytes` unless the text holds what the tokenizer normalizes away.
+    pub token_bytes: Option<u64>,
+    #[serde(flatten)]
+    pub bytes: Option<ByteSummary>,
     /// KL against `--kl-reference`, with quantiles and context buckets.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kl_divergence: Option<KlSummary>,
@@ -241,6 +282,11 @@ pub struct WindowResult {
     #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub perplexity: f64,
     pub seconds: f64,
+    #[serde(flatten)]
+    pub bytes: Option<ByteSummary>,
+    /// The window's targets by position bucket (`score::position`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub by_position: Vec<crate::score::position::PositionSums>,
     /// KL against `--kl-reference`: statistics (no quantiles, no buckets)
     /// and the sums that pool into the stream's and the run's.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -326,38 +372,89 @@ pub fn read_report(path: &Path, what: &str) -> Result<Report> {
     parse_report(&bytes).with_context(|| format!("{what} {}", path.display()))
 }
 
-/// The stdout table: one row per domain and an `overall` row.
+/// The stdout table: one row per domain and an `overall` row, with the
+/// byte figures (`-` when the tokenizer has no byte rule).
 pub fn domain_table(results: &Results) -> String {
     use std::fmt::Write;
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<16} {:>7} {:>10} {:>10} {:>12} {:>12} {:>12}",
-        "domain", "streams", "scored", "mean_nll", "ppl", "+-(llama)", "+-(windows)"
+        "{:<16} {:>7} {:>10} {:>10} {:>12} {:>12} {:>12} {:>11} {:>8} {:>9}",
+        "domain", "streams", "scored", "mean_nll", "ppl", "+-(llama)", "+-(windows)", "bytes", "bpb", "byte_ppl"
     );
-    let mut row = |name: &str, streams: usize, s: &Summary| {
+    let mut row = |name: &str, streams: usize, s: &Summary, b: Option<&ByteSummary>| {
         let fmt = |u: Option<f64>| u.map_or("-".to_string(), |u| format!("{u:.4}"));
+        let (bytes, bpb, bppl) = b.map_or_else(
+            || ("-".to_string(), "-".to_string(), "-".to_string()),
+            |b| (b.scored_bytes.to_string(), format!("{:.4}", b.bits_per_byte), format!("{:.4}", b.byte_perplexity)),
+        );
         let _ = writeln!(
             out,
-            "{:<16} {:>7} {:>10} {:>10.6} {:>12.4} {:>12} {:>12}",
+            "{:<16} {:>7} {:>10} {:>10.6} {:>12.4} {:>12} {:>12} {:>11} {:>8} {:>9}",
             name,
             streams,
             s.scored_tokens,
             s.mean_nll,
             s.perplexity,
             fmt(s.ppl_uncertainty_llama),
-            fmt(s.ppl_uncertainty_clustered)
+            fmt(s.ppl_uncertainty_clustered),
+            bytes,
+            bpb,
+            bppl
         );
     };
     for d in &results.domains {
-        row(&d.domain, d.streams, &d.summary);
+        row(&d.domain, d.streams, &d.summary, d.bytes.as_ref());
     }
     if let Some(o) = &results.overall {
-        row("overall", results.streams.len(), o);
+        row("overall", results.streams.len(), &o.summary, o.bytes.as_ref());
     }
     out.push_str(
         "+-(llama): llama.cpp's uncertainty of the PPL (tokens independent); \
-         +-(windows): clustered by window (tokens of one window correlated), the one to trust.\n",
+         +-(windows): clustered by window (tokens of one window correlated), the one to trust; \
+         bytes: UTF-8 bytes of the scored targets, bpb: bits per byte, byte_ppl: 2^bpb.\n",
     );
     out
+}
+
+/// llama-perplexity's closing line, `Final estimate: PPL = X +/- Y` (its
+/// `%.4lf` and `%.5lf`, its uncertainty: tokens taken as independent), so
+/// scripts written for llama.cpp read this program's stderr unchanged.
+pub fn llama_cpp_final_estimate(s: &Summary) -> String {
+    format!("Final estimate: PPL = {:.4} +/- {:.5}", s.perplexity, s.ppl_uncertainty_llama.unwrap_or(f64::NAN))
+}
+
+/// Pools, from the windows' records in plan order, what the windows alone
+/// determine beyond the token summaries: the byte figures of every stream,
+/// domain and the overall row (`score::bytes`; only when every window has
+/// them), and `by_position` (NLL by position in the window). `kl` brings KL
+/// by position, which needs every position's KL (the scoring run's own
+/// accumulator; `None` in a merge). Writer and `merge` both call this.
+pub fn pool_window_figures(results: &mut Results, kl: Option<crate::score::position::PositionAccumulator>) {
+    use crate::score::bytes::WindowBytes;
+    let windows = || results.streams.iter().flat_map(|s| &s.windows);
+    let have = windows().next().is_some() && windows().all(|w| w.bytes.is_some());
+    let of = |s: &StreamResult| -> Vec<WindowBytes> {
+        s.windows.iter().filter_map(|w| w.bytes.as_ref().map(|b| WindowBytes::of_record(b, w.nll_sum))).collect()
+    };
+    let domains: Vec<Option<ByteSummary>> = results
+        .domains
+        .iter()
+        .map(|d| have.then(|| ByteSummary::over(&results.streams.iter().filter(|s| s.domain == d.domain).flat_map(of).collect::<Vec<_>>())))
+        .collect();
+    let overall = have.then(|| ByteSummary::over(&results.streams.iter().flat_map(of).collect::<Vec<_>>()));
+    let mut positions = kl.unwrap_or_default();
+    for w in windows() {
+        positions.add_window(&w.by_position);
+    }
+    results.by_position = positions.buckets();
+    for s in &mut results.streams {
+        s.bytes = have.then(|| ByteSummary::over(&of(s)));
+    }
+    for (d, b) in results.domains.iter_mut().zip(domains) {
+        d.bytes = b;
+    }
+    if let Some(o) = &mut results.overall {
+        o.bytes = overall;
+    }
 }

@@ -657,7 +657,10 @@ impl KlAccumulator {
 }
 
 /// Positions with the largest KL the report names.
-pub const N_WORST_POSITIONS: usize = 10;
+pub const N_WORST_POSITIONS: usize = 50;
+
+/// Windows with the largest mean KL the report names.
+pub const N_WORST_WINDOWS: usize = 20;
 
 /// One of a run's largest-KL positions, with what moved there.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -677,16 +680,60 @@ pub struct WorstPosition {
     pub nll: f64,
     #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
     pub reference_nll: f64,
+    /// The decoded text around it, the predicted token in `[[ ]]` (`report::worst`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+    /// The decoded text of each `reference_top` id, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reference_top_text: Vec<String>,
 }
 
-/// Keeps `worst` the `n` largest finite, positive KLs seen, largest first
-/// (the earlier position first among equals). `make` builds the entry only
+/// One of a run's windows with the largest mean KL.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorstWindow {
+    /// Mean KL of the window's finite positions.
+    pub mean_kl: f64,
+    pub stream: String,
+    pub window: usize,
+    pub begin: usize,
+    pub end: usize,
+    pub scored: usize,
+    /// The window's largest KL and the stream index of its predicted token.
+    pub max_kl: f64,
+    pub max_kl_token_index: usize,
+    /// Mean target NLL change against the reference, nats.
+    #[serde(deserialize_with = "crate::util::json::f64_or_nan")]
+    pub mean_nll_delta: f64,
+    /// The decoded text around `max_kl_token_index` (`report::worst`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+}
+
+/// What [`keep_worst`] ranks by.
+pub trait Ranked {
+    fn rank_key(&self) -> f64;
+}
+
+impl Ranked for WorstPosition {
+    fn rank_key(&self) -> f64 {
+        self.kl
+    }
+}
+
+impl Ranked for WorstWindow {
+    fn rank_key(&self) -> f64 {
+        self.mean_kl
+    }
+}
+
+/// Keeps `worst` the `n` largest finite, positive keys seen, largest first
+/// (the earlier entry first among equals). `make` builds the entry only
 /// when it is kept.
-pub fn keep_worst(worst: &mut Vec<WorstPosition>, n: usize, kl: f64, make: impl FnOnce() -> WorstPosition) {
-    if !(kl.is_finite() && kl > 0.0) || (worst.len() >= n && worst.last().is_some_and(|w| w.kl >= kl)) {
+pub fn keep_worst<T: Ranked>(worst: &mut Vec<T>, n: usize, kl: f64, make: impl FnOnce() -> T) {
+    if !(kl.is_finite() && kl > 0.0) || (worst.len() >= n && worst.last().is_some_and(|w| w.rank_key() >= kl)) {
         return;
     }
-    let at = worst.partition_point(|w| w.kl >= kl);
+    let at = worst.partition_point(|w| w.rank_key() >= kl);
     worst.insert(at, make());
     worst.truncate(n);
 }
@@ -1022,6 +1069,8 @@ mod tests {
             top1: None,
             nll: 0.0,
             reference_nll: 0.0,
+            text: None,
+            reference_top_text: Vec::new(),
         };
         let mut worst = Vec::new();
         for (i, kl) in [0.1, 0.0, 0.5, f64::NAN, 0.3, 0.5, f64::INFINITY, 0.2, 0.05].into_iter().enumerate() {

@@ -24,9 +24,13 @@
 //! statistics of two scorings of the same windows) and `floor` (the noise
 //! floor built on them). This module does not write reports or tables.
 
+pub mod bytes;
+pub mod early_stop;
 pub mod floor;
+pub mod invariance;
 pub mod kl;
 pub mod paired;
+pub mod position;
 pub mod stats;
 pub mod topk;
 

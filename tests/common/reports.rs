@@ -33,6 +33,8 @@ pub fn constructed(streams: &[(&str, &str)], n_windows: usize, scored: usize, me
                         mean_nll: m,
                         perplexity: m.exp(),
                         seconds: 0.5,
+                        bytes: None,
+                        by_position: Vec::new(),
                         kl_divergence: None,
                     }
                 })
@@ -43,6 +45,9 @@ pub fn constructed(streams: &[(&str, &str)], n_windows: usize, scored: usize, me
                 n_tokens: n_windows * 512,
                 token_ids_sha256: format!("{:064x}", s + 7),
                 summary: None,
+                text_bytes: None,
+                token_bytes: None,
+                bytes: None,
                 kl_divergence: None,
                 windows,
             }
@@ -82,7 +87,7 @@ pub fn constructed(streams: &[(&str, &str)], n_windows: usize, scored: usize, me
             spec: ExecutionSpec::lossless(1024),
             details: serde_json::json!({}),
         }),
-        results: Results { overall: None, domains: Vec::new(), streams, kl_divergence: None, expert_usage: None },
+        results: Results { overall: None, domains: Vec::new(), streams, by_position: Vec::new(), kl_divergence: None, expert_usage: None, invariance: None, early_stop: None },
         timing: Timing::default(),
         noise_floor: None,
     }
