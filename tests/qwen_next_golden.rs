@@ -1,7 +1,9 @@
 //! qwen3next (Gated DeltaNet layers interleaved with gated full attention,
 //! routed experts plus a gated shared expert) against Hugging Face
 //! transformers: the tiny seeded checkpoint of `tools/qwen_next_golden.py` is
-//! rebuilt here as a Hugging Face folder, converted, and scored on the CPU
+//! rebuilt here as a Hugging Face folder and as a GGUF twin (llama.cpp's
+//! tensor names and keys as gguf-py assigns them, recorded in the golden
+//! file, and llama.cpp's conversion transforms), converted, and scored on the CPU
 //! backend in one pass and in several prefill passes per window (the KV cache,
 //! the recurrent state and the convolution history carried across passes).
 //! Compared per position with `tests/data/qwen_next_golden.json`
@@ -12,6 +14,7 @@ use std::path::{Path, PathBuf};
 
 use infernix_perplexity::artifact::{Architecture, Artifact};
 use infernix_perplexity::backend::BackendKind;
+use infernix_perplexity::convert::gguf::{GgufValue, GgufWriter};
 use infernix_perplexity::convert::{convert, ConvertOptions};
 use infernix_perplexity::model::{load_model, ScoreOptions, TargetScore};
 use serde_json::{json, Value};
@@ -61,6 +64,127 @@ fn folder(dir: &Path, name: &str, edit: &dyn Fn(&mut Value, &mut Vec<Tensor>)) -
     let p = dir.join(name);
     seeded::write_folder(&p, &cfg, &ts);
     p
+}
+
+fn usize_of(cfg: &Value, k: &str) -> usize {
+    cfg[k].as_u64().unwrap_or_else(|| panic!("config {k}")) as usize
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+}
+
+fn bytes_of(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// A GGUF tensor being written: name, dims (innermost first), ggml type, bytes.
+type GgufTensor = (String, Vec<u64>, u32, Vec<u8>);
+
+/// The GGUF twin as llama.cpp's converter (`conversion/qwen.py`,
+/// `Qwen3NextModel`) writes it, with the names and keys gguf-py assigned
+/// (from the golden file): F32 tensors; `A_log` as `-exp(A_log)` (in f32,
+/// as torch computes it there); conv taps squeezed to `(C, K)`; every
+/// `norm.weight` but `linear_attn.norm` plus 1; `in_proj_qkvz` regrouped
+/// into `attn_qkv` and `attn_gate`; expert banks stacked expert-major; both
+/// `attention.recurrent_layers` and `full_attention_interval`.
+fn write_gguf(g: &Value, path: &Path, edit: &dyn Fn(&mut Vec<(String, GgufValue)>, &mut Vec<GgufTensor>)) {
+    let cfg = &g["config"];
+    let names = &g["gguf"]["tensors"];
+    let keys = &g["gguf"]["keys"];
+    let hf = seeded::tensors_of(&g["tensors"]);
+    let (n_e, d) = (usize_of(cfg, "num_experts"), usize_of(cfg, "hidden_size"));
+    let (nk, nv, dk, dv) = (
+        usize_of(cfg, "linear_num_key_heads"),
+        usize_of(cfg, "linear_num_value_heads"),
+        usize_of(cfg, "linear_key_head_dim"),
+        usize_of(cfg, "linear_value_head_dim"),
+    );
+    let gguf_name = |n: &str| names[n].as_str().unwrap_or_else(|| panic!("no GGUF name for {n}")).to_string();
+    let dims = |shape: &[usize]| -> Vec<u64> { shape.iter().rev().map(|&x| x as u64).collect() };
+    let mut tensors: Vec<GgufTensor> = Vec::new();
+    for (name, shape, bytes) in &hf {
+        if name.contains(".mlp.experts.") {
+            continue;
+        }
+        if name.ends_with("in_proj_qkvz.weight") {
+            let (per, rdv) = (2 * dk + 2 * nv / nk * dv, nv / nk * dv);
+            let rows = |lo: usize, n: usize| -> Vec<u8> {
+                (0..nk).flat_map(|gk| bytes[(gk * per + lo) * d * 4..(gk * per + lo + n) * d * 4].to_vec()).collect()
+            };
+            let mut qkv = rows(0, dk);
+            qkv.extend(rows(dk, dk));
+            qkv.extend(rows(2 * dk, rdv));
+            let pair = names[name.as_str()].as_array().unwrap();
+            tensors.push((pair[0].as_str().unwrap().into(), vec![d as u64, (nk * (2 * dk + rdv)) as u64], 0, qkv));
+            tensors.push((pair[1].as_str().unwrap().into(), vec![d as u64, (nk * rdv) as u64], 0, rows(2 * dk + rdv, rdv)));
+            continue;
+        }
+        let (shape, bytes) = if name.ends_with(".A_log") {
+            (shape.clone(), bytes_of(&f32s(bytes).iter().map(|v| -v.exp()).collect::<Vec<_>>()))
+        } else if name.ends_with("conv1d.weight") {
+            (vec![shape[0], shape[2]], bytes.clone())
+        } else if name.ends_with("norm.weight") && !name.ends_with("linear_attn.norm.weight") {
+            (shape.clone(), bytes_of(&f32s(bytes).iter().map(|v| v + 1.0).collect::<Vec<_>>()))
+        } else {
+            (shape.clone(), bytes.clone())
+        };
+        tensors.push((gguf_name(name), dims(&shape), 0, bytes));
+    }
+    for l in 0..usize_of(cfg, "num_hidden_layers") {
+        for proj in ["gate_proj", "up_proj", "down_proj"] {
+            let gguf = gguf_name(&format!("model.layers.{l}.mlp.experts.{proj}"));
+            let one = hf.iter().find(|t| t.0 == format!("model.layers.{l}.mlp.experts.0.{proj}.weight")).unwrap();
+            let mut bank = Vec::new();
+            for e in 0..n_e {
+                let n = format!("model.layers.{l}.mlp.experts.{e}.{proj}.weight");
+                bank.extend_from_slice(&hf.iter().find(|t| t.0 == n).unwrap().2);
+            }
+            tensors.push((gguf, vec![one.1[1] as u64, one.1[0] as u64, n_e as u64], 0, bank));
+        }
+    }
+    let k = |name: &str| keys[name].as_str().unwrap().to_string();
+    let u32v = |v: usize| GgufValue::U32(v as u32);
+    let n_vocab = usize_of(cfg, "vocab_size");
+    let mut vocab = vec![GgufValue::String("<unk>".into())];
+    vocab.extend((1..n_vocab).map(|i| GgufValue::String(format!("t{i}"))));
+    let recurrent: Vec<GgufValue> =
+        cfg["layer_types"].as_array().unwrap().iter().map(|t| GgufValue::Bool(t == "linear_attention")).collect();
+    let head_dim = usize_of(cfg, "head_dim");
+    let mut metadata = vec![
+        ("general.architecture".to_string(), GgufValue::String(k("architecture"))),
+        ("general.name".to_string(), GgufValue::String("tiny qwen3next twin".into())),
+        (k("block_count"), u32v(usize_of(cfg, "num_hidden_layers"))),
+        (k("context_length"), u32v(usize_of(cfg, "max_position_embeddings"))),
+        (k("embedding_length"), u32v(d)),
+        (k("feed_forward_length"), u32v(usize_of(cfg, "intermediate_size"))),
+        (k("expert_feed_forward_length"), u32v(usize_of(cfg, "moe_intermediate_size"))),
+        (k("expert_shared_feed_forward_length"), u32v(usize_of(cfg, "shared_expert_intermediate_size"))),
+        (k("expert_count"), u32v(n_e)),
+        (k("expert_used_count"), u32v(usize_of(cfg, "num_experts_per_tok"))),
+        (k("head_count"), u32v(usize_of(cfg, "num_attention_heads"))),
+        (k("head_count_kv"), u32v(usize_of(cfg, "num_key_value_heads"))),
+        (k("key_length"), u32v(head_dim)),
+        (k("value_length"), u32v(head_dim)),
+        (k("layer_norm_rms_epsilon"), GgufValue::F32(cfg["rms_norm_eps"].as_f64().unwrap() as f32)),
+        (k("rope_freq_base"), GgufValue::F32(cfg["rope_theta"].as_f64().unwrap() as f32)),
+        (k("rope_dimension_count"), u32v((head_dim as f64 * cfg["partial_rotary_factor"].as_f64().unwrap()) as usize)),
+        (k("recurrent_layers"), GgufValue::Array(recurrent)),
+        (k("full_attention_interval"), u32v(usize_of(cfg, "full_attention_interval"))),
+        (k("ssm_conv_kernel"), u32v(usize_of(cfg, "linear_conv_kernel_dim"))),
+        (k("ssm_state_size"), u32v(dk)),
+        (k("ssm_group_count"), u32v(nk)),
+        (k("ssm_time_step_rank"), u32v(nv)),
+        (k("ssm_inner_size"), u32v(nv * dv)),
+        ("tokenizer.ggml.model".to_string(), GgufValue::String("gpt2".into())),
+        ("tokenizer.ggml.pre".to_string(), GgufValue::String("default".into())),
+        ("tokenizer.ggml.tokens".to_string(), GgufValue::Array(vocab)),
+        ("tokenizer.ggml.merges".to_string(), GgufValue::Array(vec![])),
+        ("tokenizer.ggml.add_bos_token".to_string(), GgufValue::Bool(false)),
+    ];
+    edit(&mut metadata, &mut tensors);
+    let w = GgufWriter { metadata, tensors: tensors.iter().map(|(n, d, ty, b)| (n.clone(), d.clone(), *ty, b.as_slice())).collect() };
+    w.write(path).unwrap();
 }
 
 /// Converts `source` to `out` and scores the golden tokens on the CPU in
@@ -127,6 +251,41 @@ fn qwen3next_hf_folder_matches_transformers_in_one_and_several_passes() {
         let (_, passes, counts) = score(&src, &tmp.path().join(format!("c{chunk}.ninfer")), Some(chunk));
         check_scores(&format!("qwen3next, passes of {chunk}"), &passes);
         assert_eq!(counts, golden_counts(), "passes of {chunk}: routing counts");
+    }
+}
+
+/// The GGUF twin scores within the bound in several passes, with the same
+/// routing counts, the same hyperparameters and the same tensors as the
+/// Hugging Face folder's artifact (byte for byte; `ssm_a`, which llama.cpp
+/// computes as `-exp` in f32 and we in f64, within one f32 step).
+#[test]
+fn qwen3next_gguf_twin_matches_transformers_and_the_hf_artifact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let g = golden();
+    let (hub, _, _) = score(&folder(tmp.path(), "hub", &|_, _| {}), &tmp.path().join("hub.ninfer"), None);
+    let path = tmp.path().join("twin.gguf");
+    write_gguf(&g, &path, &|_, _| {});
+    let (twin, scores, counts) = score(&path, &tmp.path().join("twin.ninfer"), Some(20));
+    check_scores("qwen3next, GGUF twin (llama.cpp names and transforms), passes of 20", &scores);
+    assert_eq!(counts, golden_counts());
+    let mut want = hub.meta.hparams.clone();
+    want.rms_eps = want.rms_eps as f32 as f64;
+    assert_eq!(twin.meta.hparams, want, "GGUF and Hugging Face hyperparameters");
+    let table = |a: &Artifact| {
+        let mut t: Vec<_> = a.meta.tensors.iter().map(|t| (t.name.clone(), t.shape.clone(), t.format)).collect();
+        t.sort();
+        t
+    };
+    assert_eq!(table(&hub), table(&twin), "tensor names, shapes and formats");
+    for t in &hub.meta.tensors {
+        let (a, b) = (hub.tensor(&t.name).unwrap(), twin.tensor(&t.name).unwrap());
+        if t.name.ends_with(".ssm_a") {
+            for (x, y) in f32s(a.bytes).iter().zip(f32s(b.bytes)) {
+                assert!((x - y).abs() <= x.abs() * f32::EPSILON, "{}: {x} vs {y}", t.name);
+            }
+        } else {
+            assert_eq!(a.bytes, b.bytes, "tensor {} differs between the sources", t.name);
+        }
     }
 }
 
@@ -235,6 +394,24 @@ fn bad_qwen3next_sources_fail_with_one_line_naming_file_and_field() {
     let p = folder(tmp.path(), "attn_heads", &|c, _| c["num_attention_heads"] = json!(2));
     cases.push(("attention heads contradicting the gated q_proj", p, vec!["blk.1.attn_q.weight".into(), "n_heads".into()]));
 
+    let g = golden();
+    let set = |k: &'static str, v: u32| {
+        move |m: &mut Vec<(String, GgufValue)>, _: &mut Vec<GgufTensor>| {
+            m.iter_mut().find(|(key, _)| key == k).unwrap_or_else(|| panic!("{k}")).1 = GgufValue::U32(v);
+        }
+    };
+    let p = tmp.path().join("heads.gguf");
+    write_gguf(&g, &p, &set("qwen3next.ssm.time_step_rank", 3));
+    cases.push(("GGUF: value heads not a multiple of key heads", p.clone(), vec![p.display().to_string(), "qwen3next.ssm.time_step_rank 3".into()]));
+    let p = tmp.path().join("missing.gguf");
+    write_gguf(&g, &p, &|_, ts| ts.retain(|t| t.0 != "blk.0.ssm_conv1d.weight"));
+    cases.push(("GGUF: missing linear-attention tensor", p.clone(), vec![p.display().to_string(), "tensor blk.0.ssm_conv1d.weight is missing".into()]));
+    let p = tmp.path().join("layer_type.gguf");
+    write_gguf(&g, &p, &|m, _| {
+        m.iter_mut().find(|(k, _)| k == "qwen3next.attention.recurrent_layers").unwrap().1 =
+            GgufValue::Array(vec![GgufValue::U32(1), GgufValue::U32(2), GgufValue::U32(1)]);
+    });
+    cases.push(("GGUF: layer types that are not flags", p.clone(), vec![p.display().to_string(), "recurrent_layers[0]".into()]));
     for (what, source, want) in cases {
         let out = tmp.path().join("out.ninfer");
         let o = std::process::Command::new(env!("CARGO_BIN_EXE_ninfer-convert"))

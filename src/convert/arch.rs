@@ -33,7 +33,7 @@ pub fn hparams_from_gguf(g: &GgufFile, arch: Architecture, n_vocab: usize, tied:
     let d_head = opt_u("attention.key_length").unwrap_or(d_model / n_heads);
     let d_head_v = opt_u("attention.value_length").unwrap_or(d_head);
     let moe = match arch {
-        Architecture::Qwen3Moe => Some(moe_from_gguf(g, a)?),
+        Architecture::Qwen3Moe | Architecture::Qwen3Next => Some(moe_from_gguf(g, a)?),
         _ => None,
     };
     // A MoE model has no dense FFN: its feed_forward_length is informational.
@@ -105,10 +105,64 @@ pub fn hparams_from_gguf(g: &GgufFile, arch: Architecture, n_vocab: usize, tied:
             }
         }
         Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => {}
-        Architecture::Qwen3Next => bail!("{}: qwen3next GGUF files are not supported yet (Hugging Face folders are)", g.path.display()),
+        Architecture::Qwen3Next => hp.hybrid = Some(hybrid_from_gguf(g, a, n_layers)?),
     }
     apply_family_flags(&mut hp, arch);
     Ok(hp)
+}
+
+/// The layer schedule and DeltaNet geometry of a qwen3next GGUF, from the
+/// keys llama.cpp writes and reads: `ssm.group_count` (key heads),
+/// `ssm.time_step_rank` (value heads), `ssm.state_size` (key width),
+/// `ssm.inner_size` (value heads times value width), `ssm.conv_kernel`,
+/// `expert_shared_feed_forward_length`, and `attention.recurrent_layers`
+/// (per layer) or else `full_attention_interval` (default 4; layer `i` is
+/// full attention when `(i + 1) % interval == 0`).
+fn hybrid_from_gguf(g: &GgufFile, a: &str, n_layers: usize) -> Result<HybridParams> {
+    let file = g.path.display();
+    let need = |k: &str| -> Result<usize> {
+        let key = format!("{a}.{k}");
+        let v = g.get(&key).with_context(|| format!("{file}: metadata {key} is missing (a {a} model needs it)"))?;
+        v.as_u64().map(|v| v as usize).with_context(|| format!("{file}: metadata {key} is not an unsigned integer"))
+    };
+    let (n_k_heads, n_v_heads) = (need("ssm.group_count")?, need("ssm.time_step_rank")?);
+    if n_k_heads == 0 || n_v_heads % n_k_heads != 0 {
+        bail!("{file}: metadata {a}.ssm.time_step_rank {n_v_heads} is not a multiple of {a}.ssm.group_count {n_k_heads}");
+    }
+    let inner = need("ssm.inner_size")?;
+    if n_v_heads == 0 || inner % n_v_heads != 0 {
+        bail!("{file}: metadata {a}.ssm.inner_size {inner} is not a multiple of {a}.ssm.time_step_rank {n_v_heads}");
+    }
+    let key = format!("{a}.attention.recurrent_layers");
+    let linear_layers = match g.get(&key) {
+        Some(v) => {
+            let arr = v.as_array().with_context(|| format!("{file}: metadata {key} is not an array"))?;
+            if arr.len() < n_layers {
+                bail!("{file}: metadata {key} has {} entries for {a}.block_count {n_layers}", arr.len());
+            }
+            arr[..n_layers]
+                .iter()
+                .enumerate()
+                .map(|(i, x)| x.as_bool().with_context(|| format!("{file}: metadata {key}[{i}] is not a bool (a known layer type)")))
+                .collect::<Result<Vec<bool>>>()?
+        }
+        None => {
+            let every = g.get(&format!("{a}.full_attention_interval")).and_then(|v| v.as_u64()).unwrap_or(4) as usize;
+            if every == 0 {
+                bail!("{file}: metadata {a}.full_attention_interval is 0");
+            }
+            (0..n_layers).map(|i| (i + 1) % every != 0).collect()
+        }
+    };
+    Ok(HybridParams {
+        linear_layers,
+        n_k_heads,
+        n_v_heads,
+        d_k: need("ssm.state_size")?,
+        d_v: inner / n_v_heads,
+        conv_kernel: need("ssm.conv_kernel")?,
+        d_ffn_shared: need("expert_shared_feed_forward_length")?,
+    })
 }
 
 /// The expert geometry of a MoE GGUF: `<arch>.expert_count` and
