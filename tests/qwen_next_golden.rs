@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 
 #[path = "common/seeded.rs"]
 mod seeded;
-use seeded::{worst, Tensor};
+use seeded::{f64s, worst, Tensor};
 
 /// Absolute tolerance on NLL, log-sum-exp and target logit per position
 /// (nats): the bound. The golden is float64 throughout (every
@@ -33,17 +33,6 @@ const TOL: f64 = 1e-6;
 fn golden() -> Value {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/qwen_next_golden.json");
     serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap()
-}
-
-fn f64s(v: &Value) -> Vec<f64> {
-    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
-}
-
-fn tokens(g: &Value) -> Vec<u32> {
-    let t: Vec<u32> = g["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
-    let formula: Vec<u32> = (0..48u32).map(|j| (31 * j * j + 17 * j + 3) % 256).collect();
-    assert_eq!(t, formula, "golden token sequence");
-    t
 }
 
 fn golden_counts() -> Vec<Vec<u64>> {
@@ -193,38 +182,16 @@ fn score(source: &Path, out: &Path, chunk: Option<usize>) -> (Artifact, Vec<Targ
     convert(source, out, &ConvertOptions::default()).unwrap();
     let artifact = Artifact::open(out).unwrap();
     artifact.verify().unwrap();
-    let toks = tokens(&golden());
+    let toks = seeded::golden_tokens(&golden());
     let mut m = load_model(&artifact, BackendKind::Cpu(Default::default()), 1.0).unwrap();
     let s = m.score_window(&toks, 1, &ScoreOptions { top_k: 0, prefill_chunk: chunk }, &[]).unwrap();
     let usage = m.expert_usage().expect("a MoE model reports expert usage");
     (artifact, s, usage.layers.iter().map(|l| l.routed.clone()).collect())
 }
 
-/// The worst |ours - golden| over NLL, log-sum-exp and target logit; panics past `TOL`.
+/// Scores against the golden's; panics past `TOL`.
 fn check_scores(what: &str, scores: &[TargetScore]) -> f64 {
-    let g = golden();
-    let fields = [
-        ("nll", scores.iter().map(|s| s.nll).collect::<Vec<_>>()),
-        ("lse", scores.iter().map(|s| s.lse).collect()),
-        ("target_logit", scores.iter().map(|s| s.target_logit).collect()),
-    ];
-    let mut report = Vec::new();
-    let mut worst_all = 0f64;
-    for (field, ours) in fields {
-        let want = f64s(&g[field]);
-        let (d, at) = worst(&ours, &want);
-        worst_all = worst_all.max(d);
-        report.push(format!(
-            "{field}: worst |diff| {d:.3e} at position {at} (ours {:.12}, golden {:.12}), {:.0}% of the {TOL:e} budget",
-            ours[at],
-            want[at],
-            100.0 * d / TOL
-        ));
-    }
-    let report = report.join("\n  ");
-    eprintln!("{what}:\n  {report}");
-    assert!(worst_all <= TOL, "{what} disagrees with transformers:\n  {report}");
-    worst_all
+    seeded::check_scores_against(what, scores, &golden(), TOL)
 }
 
 #[test]
@@ -376,23 +343,23 @@ fn batching_windows_changes_nothing_and_cuda_refuses_qwen3next() {
 #[test]
 fn bad_qwen3next_sources_fail_with_one_line_naming_file_and_field() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut cases: Vec<(&str, PathBuf, Vec<String>)> = Vec::new();
+    let mut cases: Vec<(String, PathBuf, Vec<String>)> = Vec::new();
     let p = folder(tmp.path(), "layer_type", &|c, _| c["layer_types"][1] = json!("mamba"));
-    cases.push(("unknown layer type", p, vec!["config.json".into(), "layer_types[1]".into(), "mamba".into()]));
+    cases.push(("unknown layer type".into(), p, vec!["config.json".into(), "layer_types[1]".into(), "mamba".into()]));
     let p = folder(tmp.path(), "missing", &|_, ts| ts.retain(|t| t.0 != "model.layers.2.linear_attn.out_proj.weight"));
-    cases.push(("missing linear-attention tensor", p.clone(), vec![p.display().to_string(), "tensor blk.2.ssm_out.weight is missing".into()]));
+    cases.push(("missing linear-attention tensor".into(), p.clone(), vec![p.display().to_string(), "tensor blk.2.ssm_out.weight is missing".into()]));
     let p = folder(tmp.path(), "heads", &|c, _| c["linear_num_value_heads"] = json!(3));
-    cases.push(("value heads not a multiple of key heads", p, vec!["config.json".into(), "linear_num_value_heads 3".into()]));
+    cases.push(("value heads not a multiple of key heads".into(), p, vec!["config.json".into(), "linear_num_value_heads 3".into()]));
     let p = folder(tmp.path(), "key_dim", &|c, _| c["linear_key_head_dim"] = json!(4));
     cases.push((
-        "key head width contradicting in_proj_qkvz",
+        "key head width contradicting in_proj_qkvz".into(),
         p,
         vec!["model.safetensors".into(), "in_proj_qkvz".into(), "linear_key_head_dim 4".into()],
     ));
     let p = folder(tmp.path(), "v_heads", &|c, _| c["linear_num_value_heads"] = json!(2));
-    cases.push(("value heads contradicting in_proj_qkvz", p, vec!["in_proj_qkvz".into(), "linear_num_value_heads 2".into()]));
+    cases.push(("value heads contradicting in_proj_qkvz".into(), p, vec!["in_proj_qkvz".into(), "linear_num_value_heads 2".into()]));
     let p = folder(tmp.path(), "attn_heads", &|c, _| c["num_attention_heads"] = json!(2));
-    cases.push(("attention heads contradicting the gated q_proj", p, vec!["blk.1.attn_q.weight".into(), "n_heads".into()]));
+    cases.push(("attention heads contradicting the gated q_proj".into(), p, vec!["blk.1.attn_q.weight".into(), "n_heads".into()]));
 
     let g = golden();
     let set = |k: &'static str, v: u32| {
@@ -402,33 +369,15 @@ fn bad_qwen3next_sources_fail_with_one_line_naming_file_and_field() {
     };
     let p = tmp.path().join("heads.gguf");
     write_gguf(&g, &p, &set("qwen3next.ssm.time_step_rank", 3));
-    cases.push(("GGUF: value heads not a multiple of key heads", p.clone(), vec![p.display().to_string(), "qwen3next.ssm.time_step_rank 3".into()]));
+    cases.push(("GGUF: value heads not a multiple of key heads".into(), p.clone(), vec![p.display().to_string(), "qwen3next.ssm.time_step_rank 3".into()]));
     let p = tmp.path().join("missing.gguf");
     write_gguf(&g, &p, &|_, ts| ts.retain(|t| t.0 != "blk.0.ssm_conv1d.weight"));
-    cases.push(("GGUF: missing linear-attention tensor", p.clone(), vec![p.display().to_string(), "tensor blk.0.ssm_conv1d.weight is missing".into()]));
+    cases.push(("GGUF: missing linear-attention tensor".into(), p.clone(), vec![p.display().to_string(), "tensor blk.0.ssm_conv1d.weight is missing".into()]));
     let p = tmp.path().join("layer_type.gguf");
     write_gguf(&g, &p, &|m, _| {
         m.iter_mut().find(|(k, _)| k == "qwen3next.attention.recurrent_layers").unwrap().1 =
             GgufValue::Array(vec![GgufValue::U32(1), GgufValue::U32(2), GgufValue::U32(1)]);
     });
-    cases.push(("GGUF: layer types that are not flags", p.clone(), vec![p.display().to_string(), "recurrent_layers[0]".into()]));
-    for (what, source, want) in cases {
-        let out = tmp.path().join("out.ninfer");
-        let o = std::process::Command::new(env!("CARGO_BIN_EXE_ninfer-convert"))
-            .arg(&source)
-            .arg("--out")
-            .arg(&out)
-            .current_dir(tmp.path())
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
-        let ctx = format!("{what}: stderr {stderr:?}");
-        assert_eq!(o.status.code(), Some(2), "exit code, {ctx}");
-        assert_eq!(stderr.trim_end().lines().count(), 1, "one stderr line, {ctx}");
-        assert!(!stderr.contains("panicked"), "{ctx}");
-        for w in &want {
-            assert!(stderr.contains(w.as_str()), "want {w:?}, {ctx}");
-        }
-        assert!(!out.exists(), "{what}: an artifact was written");
-    }
+    cases.push(("GGUF: layer types that are not flags".into(), p.clone(), vec![p.display().to_string(), "recurrent_layers[0]".into()]));
+    seeded::assert_convert_fails(env!("CARGO_BIN_EXE_ninfer-convert"), tmp.path(), &cases);
 }

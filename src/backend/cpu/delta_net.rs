@@ -15,6 +15,7 @@
 
 use anyhow::{ensure, Result};
 
+use super::ops::{sigmoid, silu};
 use super::CpuTensor;
 use crate::backend::{DeltaNetParams, DeltaNetWeights, PassRows, RecurrentState};
 
@@ -152,7 +153,7 @@ pub fn causal_conv_silu(x: &[f32], w: &[f32], n_channels: usize, width: usize, h
             for j in 0..width {
                 acc += w[c * width + j] as f64 * all[(t + j) * n_channels + c] as f64;
             }
-            out[t * n_channels + c] = (acc / (1.0 + (-acc).exp())) as f32;
+            out[t * n_channels + c] = silu(acc) as f32;
         }
     }
     history.copy_from_slice(&all[n * n_channels..]);
@@ -227,7 +228,7 @@ pub fn delta_net_layer(
                 let (kg, i) = (h / group, h % group);
                 let b = row[kg * 2 * group + i] as f64;
                 let alpha = row[kg * 2 * group + group + i] as f64;
-                beta.push((1.0 / (1.0 + (-b).exp())) as f32);
+                beta.push(sigmoid(b) as f32);
                 g.push((w.a[h] as f64 * softplus(alpha + w.dt_bias[h] as f64)) as f32);
             }
         }
@@ -239,8 +240,7 @@ pub fn delta_net_layer(
             let ms = o.iter().map(|&x| x as f64 * x as f64).sum::<f64>() / dv as f64;
             let inv = 1.0 / (ms + p.eps).sqrt();
             for (((d, &x), &zj), &wj) in dst.iter_mut().zip(o).zip(z).zip(&w.norm) {
-                let zj = zj as f64;
-                *d = (wj as f64 * x as f64 * inv * zj / (1.0 + (-zj).exp())) as f32;
+                *d = (wj as f64 * x as f64 * inv * silu(zj as f64)) as f32;
             }
         }
     }

@@ -418,7 +418,7 @@ impl Backend for CpuBackend {
             let g = &gate.data[r * gate.n_cols..(r + 1) * gate.n_cols];
             for (j, v) in row.iter_mut().enumerate() {
                 let gj = g[if gate.n_cols == 1 { 0 } else { j }] as f64;
-                *v = (*v as f64 / (1.0 + (-gj).exp())) as f32;
+                *v = (*v as f64 * ops::sigmoid(gj)) as f32;
             }
         }
         Ok(())
