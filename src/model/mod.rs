@@ -176,6 +176,15 @@ fn check_hparams(hp: &HParams) -> Result<()> {
         hp.d_head
     );
     ensure!(hp.rope_scale > 0.0, "hparams: rope_scale {} is not positive", hp.rope_scale);
+    if let Some(h) = &hp.hybrid {
+        ensure!(
+            h.linear_layers.len() == hp.n_layers && hp.moe.is_some(),
+            "hparams: a hybrid schedule of {} layers for {} layers (routed experts: {})",
+            h.linear_layers.len(),
+            hp.n_layers,
+            hp.moe.is_some()
+        );
+    }
     Ok(())
 }
 
