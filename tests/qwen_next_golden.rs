@@ -70,6 +70,9 @@ fn bytes_of(v: &[f32]) -> Vec<u8> {
 /// A GGUF tensor being written: name, dims (innermost first), ggml type, bytes.
 type GgufTensor = (String, Vec<u64>, u32, Vec<u8>);
 
+/// A deliberate change to a GGUF twin's metadata and tensors before it is written.
+type GgufEdit<'a> = dyn Fn(&mut Vec<(String, GgufValue)>, &mut Vec<GgufTensor>) + 'a;
+
 /// The GGUF twin as llama.cpp's converter (`conversion/qwen.py`,
 /// `Qwen3NextModel`) writes it, with the names and keys gguf-py assigned
 /// (from the golden file): F32 tensors; `A_log` as `-exp(A_log)` (in f32,
@@ -77,7 +80,7 @@ type GgufTensor = (String, Vec<u64>, u32, Vec<u8>);
 /// `norm.weight` but `linear_attn.norm` plus 1; `in_proj_qkvz` regrouped
 /// into `attn_qkv` and `attn_gate`; expert banks stacked expert-major; both
 /// `attention.recurrent_layers` and `full_attention_interval`.
-fn write_gguf(g: &Value, path: &Path, edit: &dyn Fn(&mut Vec<(String, GgufValue)>, &mut Vec<GgufTensor>)) {
+fn write_gguf(g: &Value, path: &Path, edit: &GgufEdit<'_>) {
     let cfg = &g["config"];
     let names = &g["gguf"]["tensors"];
     let keys = &g["gguf"]["keys"];
