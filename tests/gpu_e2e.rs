@@ -114,7 +114,7 @@ fn tiny_hparams(arch: Architecture) -> HParams {
         qk_norm: false,
         post_norms: false,
         tied_embeddings: false,
-        moe: None,
+        moe: None, hybrid: None,
     };
     match arch {
         Architecture::Llama => {
@@ -142,6 +142,7 @@ fn tiny_hparams(arch: Architecture) -> HParams {
             hp.rope_dim = 32; // partial rotary
         }
         Architecture::Qwen3Moe => panic!("the routed-expert forward is checked by tests/qwen_moe_golden.rs"),
+        Architecture::Qwen3Next => panic!("the hybrid forward is checked by tests/qwen_next_golden.rs"),
     }
     hp
 }

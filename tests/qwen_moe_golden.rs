@@ -20,7 +20,7 @@ use serde_json::{json, Value};
 
 #[path = "common/seeded.rs"]
 mod seeded;
-use seeded::{worst, Tensor};
+use seeded::{f64s, worst, Tensor};
 
 /// Absolute tolerance on NLL, log-sum-exp and target logit per position
 /// (nats): the bound. The golden is float64 throughout (transformers'
@@ -31,17 +31,6 @@ const TOL: f64 = 1e-6;
 fn golden() -> Value {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/qwen_moe_golden.json");
     serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap()
-}
-
-fn f64s(v: &Value) -> Vec<f64> {
-    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
-}
-
-fn tokens(g: &Value) -> Vec<u32> {
-    let t: Vec<u32> = g["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
-    let formula: Vec<u32> = (0..48u32).map(|j| (31 * j * j + 17 * j + 3) % 256).collect();
-    assert_eq!(t, formula, "golden token sequence");
-    t
 }
 
 fn usize_of(cfg: &Value, k: &str) -> usize {
@@ -149,7 +138,7 @@ fn score(source: &Path, out: &Path, chunk: Option<usize>) -> (Artifact, Vec<Targ
     convert(source, out, &ConvertOptions::default()).unwrap();
     let artifact = Artifact::open(out).unwrap();
     artifact.verify().unwrap();
-    let toks = tokens(&golden());
+    let toks = seeded::golden_tokens(&golden());
     let mut m = load_model(&artifact, BackendKind::Cpu(Default::default()), 1.0).unwrap();
     let s = m.score_window(&toks, 1, &ScoreOptions { top_k: 0, prefill_chunk: chunk }, &[]).unwrap();
     let usage = m.expert_usage().expect("a MoE model reports expert usage");
@@ -163,28 +152,7 @@ fn check_scores(what: &str, scores: &[TargetScore]) -> f64 {
 
 /// [`check_scores`] against the golden section `g` (its `nll`, `lse`, `target_logit`).
 fn check_scores_against(what: &str, scores: &[TargetScore], g: &Value) -> f64 {
-    let fields = [
-        ("nll", scores.iter().map(|s| s.nll).collect::<Vec<_>>()),
-        ("lse", scores.iter().map(|s| s.lse).collect()),
-        ("target_logit", scores.iter().map(|s| s.target_logit).collect()),
-    ];
-    let mut report = Vec::new();
-    let mut worst_all = 0f64;
-    for (field, ours) in fields {
-        let want = f64s(&g[field]);
-        let (d, at) = worst(&ours, &want);
-        worst_all = worst_all.max(d);
-        report.push(format!(
-            "{field}: worst |diff| {d:.3e} at position {at} (ours {:.12}, golden {:.12}), {:.0}% of the {TOL:e} budget",
-            ours[at],
-            want[at],
-            100.0 * d / TOL
-        ));
-    }
-    let report = report.join("\n  ");
-    eprintln!("{what}:\n  {report}");
-    assert!(worst_all <= TOL, "{what} disagrees with transformers:\n  {report}");
-    worst_all
+    seeded::check_scores_against(what, scores, g, TOL)
 }
 
 fn golden_counts() -> Vec<Vec<u64>> {
@@ -366,27 +334,7 @@ fn bad_moe_sources_fail_with_one_line_naming_file_and_field() {
     let p = gguf_case("gguf_no_count", &|m, _| m.retain(|(k, _)| k != "qwen3moe.expert_count"));
     cases.push(("GGUF: expert_count absent".into(), p.clone(), vec![p.display().to_string(), "qwen3moe.expert_count is missing".into()]));
 
-    for (what, source, want) in cases {
-        let out = tmp.path().join("out.ninfer");
-        let o = std::process::Command::new(env!("CARGO_BIN_EXE_ninfer-convert"))
-            .arg(&source)
-            .arg("--out")
-            .arg(&out)
-            .current_dir(tmp.path())
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
-        let ctx = format!("{what}: stderr {stderr:?}");
-        assert_eq!(o.status.code(), Some(2), "exit code, {ctx}");
-        assert_eq!(stderr.trim_end().lines().count(), 1, "one stderr line, {ctx}");
-        assert!(!stderr.contains("panicked"), "{ctx}");
-        for w in &want {
-            assert!(stderr.contains(w.as_str()), "want {w:?}, {ctx}");
-        }
-        assert!(!out.exists(), "{what}: an artifact was written");
-        let stray: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().filter_map(|e| e.ok()).map(|e| e.file_name()).filter(|n| n.to_string_lossy().contains("tmp")).collect();
-        assert!(stray.is_empty(), "{what}: left behind {stray:?}");
-    }
+    seeded::assert_convert_fails(env!("CARGO_BIN_EXE_ninfer-convert"), tmp.path(), &cases);
 }
 
 /// The CUDA backend refuses routed experts and MXFP4 by name, before any

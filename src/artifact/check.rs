@@ -37,6 +37,13 @@ fn gguf_key(field: &str) -> &'static str {
         "moe.n_experts" => "expert_count",
         "moe.n_experts_used" => "expert_used_count",
         "moe.d_ffn_expert" => "expert_feed_forward_length",
+        "hybrid.linear_layers" => "full_attention_interval",
+        "hybrid.n_k_heads" => "ssm.group_count",
+        "hybrid.n_v_heads" => "ssm.time_step_rank",
+        "hybrid.d_k" => "ssm.state_size",
+        "hybrid.d_v" => "ssm.inner_size / ssm.time_step_rank",
+        "hybrid.conv_kernel" => "ssm.conv_kernel",
+        "hybrid.d_ffn_shared" => "expert_shared_feed_forward_length",
         _ => "derived",
     }
 }
@@ -104,6 +111,31 @@ pub fn check_ranges(hp: &HParams) -> Result<()> {
             bail!("{} = {}: must be in 1..=16777216", key("moe.d_ffn_expert"), m.d_ffn_expert);
         }
     }
+    if let Some(h) = &hp.hybrid {
+        for (f, v) in [
+            ("hybrid.n_k_heads", h.n_k_heads),
+            ("hybrid.n_v_heads", h.n_v_heads),
+            ("hybrid.d_k", h.d_k),
+            ("hybrid.d_v", h.d_v),
+            ("hybrid.d_ffn_shared", h.d_ffn_shared),
+        ] {
+            if !(1..=1 << 24).contains(&v) {
+                bail!("{} = {v}: must be in 1..=16777216", key(f));
+            }
+        }
+        if h.n_v_heads % h.n_k_heads != 0 {
+            bail!("{} = {}: must be a multiple of hparams.hybrid.n_k_heads = {}", key("hybrid.n_v_heads"), h.n_v_heads, h.n_k_heads);
+        }
+        if !(1..=64).contains(&h.conv_kernel) {
+            bail!("{} = {}: must be in 1..=64", key("hybrid.conv_kernel"), h.conv_kernel);
+        }
+        if h.linear_layers.len() != hp.n_layers {
+            bail!("{}: {} entries for hparams.n_layers = {} layers", key("hybrid.linear_layers"), h.linear_layers.len(), hp.n_layers);
+        }
+        if hp.moe.is_none() {
+            bail!("hparams.hybrid without hparams.moe: the hybrid schedule is only known with routed experts (qwen3next)");
+        }
+    }
     if let Some(l) = hp.sliding_window.iter().position(|w| *w == Some(0)) {
         bail!("hparams.sliding_window[{l}] (GGUF {}) = 0: a sliding window holds at least the query's own position", gguf_key("sliding_window"));
     }
@@ -149,13 +181,51 @@ pub fn check_hparams<'a>(
     }
     for l in 0..hp.n_layers {
         let w = |n: &str| blk(l, &format!("{n}.weight"));
-        for n in ["attn_norm", "ffn_norm"] {
+        // llama.cpp names qwen3next's pre-FFN norm post_attention_norm.
+        let ffn_norm = if hp.hybrid.is_some() { "post_attention_norm" } else { "ffn_norm" };
+        for n in ["attn_norm", ffn_norm] {
             want(&w(n), &[d])?;
         }
-        want(&w("attn_q"), &[q, d])?;
-        want(&w("attn_k"), &[k, d])?;
-        want(&w("attn_v"), &[v, d])?;
-        want(&w("attn_output"), &[d, o_in])?;
+        let linear = hp.hybrid.as_ref().filter(|h| h.linear_layers[l]);
+        if let Some(h) = linear {
+            let (nv, vd, c) = (h.n_v_heads as u64, (h.n_v_heads * h.d_v) as u64, h.conv_channels() as u64);
+            let lin_want = |name: &str, shape: &[u64]| -> Result<()> {
+                match shape_of(name) {
+                    Some(got) if got == shape => Ok(()),
+                    Some(got) => bail!(
+                        "tensor {name} has shape {got:?}, the hyperparameters (hparams.hybrid n_k_heads, n_v_heads, d_k, d_v, conv_kernel \
+                         = {}, {}, {}, {}, {}; d_model {d}) imply {shape:?}",
+                        h.n_k_heads,
+                        h.n_v_heads,
+                        h.d_k,
+                        h.d_v,
+                        h.conv_kernel
+                    ),
+                    None => bail!("tensor {name} is missing (layer {l} is a linear-attention layer in hparams.hybrid.linear_layers)"),
+                }
+            };
+            lin_want(&w("attn_qkv"), &[c, d])?;
+            lin_want(&w("attn_gate"), &[vd, d])?;
+            lin_want(&w("ssm_ba"), &[2 * nv, d])?;
+            lin_want(&w("ssm_conv1d"), &[c, h.conv_kernel as u64])?;
+            lin_want(&blk(l, "ssm_a"), &[nv])?;
+            lin_want(&blk(l, "ssm_dt.bias"), &[nv])?;
+            lin_want(&w("ssm_norm"), &[h.d_v as u64])?;
+            lin_want(&w("ssm_out"), &[d, vd])?;
+        } else {
+            // A gated query (qwen3next): per head, d_head query rows then d_head gate rows.
+            want(&w("attn_q"), &[if hp.hybrid.is_some() { 2 * q } else { q }, d])?;
+            want(&w("attn_k"), &[k, d])?;
+            want(&w("attn_v"), &[v, d])?;
+            want(&w("attn_output"), &[d, o_in])?;
+        }
+        if let Some(h) = &hp.hybrid {
+            let fs = h.d_ffn_shared as u64;
+            want(&w("ffn_gate_inp_shexp"), &[1, d])?;
+            want(&w("ffn_gate_shexp"), &[fs, d])?;
+            want(&w("ffn_up_shexp"), &[fs, d])?;
+            want(&w("ffn_down_shexp"), &[d, fs])?;
+        }
         match &hp.moe {
             None => {
                 want(&w("ffn_gate"), &[f, d])?;
@@ -186,7 +256,7 @@ pub fn check_hparams<'a>(
             want(&blk(l, "attn_k.bias"), &[k])?;
             want(&blk(l, "attn_v.bias"), &[v])?;
         }
-        if hp.qk_norm {
+        if hp.qk_norm && linear.is_none() {
             want(&w("attn_q_norm"), &[hp.d_head as u64])?;
             want(&w("attn_k_norm"), &[hp.d_head as u64])?;
         }
@@ -237,7 +307,7 @@ mod tests {
             qk_norm: false,
             post_norms: false,
             tied_embeddings: true,
-            moe: None,
+            moe: None, hybrid: None,
         }
     }
 

@@ -16,6 +16,9 @@ pub enum Architecture {
     Qwen3,
     /// Qwen3-MoE: qwen3 attention, every FFN a routed mixture of experts.
     Qwen3Moe,
+    /// Qwen3-Next: Gated DeltaNet layers interleaved with gated full
+    /// attention (partial RoPE, QK norm), routed experts plus a gated shared expert.
+    Qwen3Next,
 }
 
 impl Architecture {
@@ -26,6 +29,7 @@ impl Architecture {
             "qwen2" => Some(Self::Qwen2),
             "qwen3" => Some(Self::Qwen3),
             "qwen3moe" => Some(Self::Qwen3Moe),
+            "qwen3next" => Some(Self::Qwen3Next),
             _ => None,
         }
     }
@@ -37,13 +41,14 @@ impl Architecture {
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
             Self::Qwen3Moe => "qwen3moe",
+            Self::Qwen3Next => "qwen3next",
         }
     }
 
     /// Every architecture we run, for messages (`llama, gemma3, ...`).
-    pub const ALL: [Self; 5] = [Self::Llama, Self::Gemma3, Self::Qwen2, Self::Qwen3, Self::Qwen3Moe];
+    pub const ALL: [Self; 6] = [Self::Llama, Self::Gemma3, Self::Qwen2, Self::Qwen3, Self::Qwen3Moe, Self::Qwen3Next];
 
-    /// `llama, gemma3, qwen2, qwen3, qwen3moe`.
+    /// `llama, gemma3, qwen2, qwen3, qwen3moe, qwen3next`.
     pub fn names() -> String {
         Self::ALL.map(Self::name).join(", ")
     }
@@ -65,6 +70,38 @@ pub struct MoeParams {
     /// Renormalize the top-k probabilities to sum to 1 (config `norm_topk_prob`;
     /// llama.cpp always does for qwen3moe).
     pub norm_topk_prob: bool,
+}
+
+/// The hybrid layer schedule of Qwen3-Next and the geometry of its Gated
+/// DeltaNet (linear-attention) layers. Full-attention layers of such a model
+/// are gated: `attn_q` holds per head `d_head` query rows then `d_head`
+/// gate rows, and the attention output is multiplied by `sigmoid(gate)`.
+/// Every MoE layer adds a shared SwiGLU expert of width `d_ffn_shared`
+/// scaled by `sigmoid(h · ffn_gate_inp_shexp)`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HybridParams {
+    /// Per layer: `true` for a Gated DeltaNet layer, `false` for full attention
+    /// (config `layer_types`, else every `full_attention_interval`-th layer is full).
+    pub linear_layers: Vec<bool>,
+    /// Query/key heads of a DeltaNet layer (config `linear_num_key_heads`, GGUF `ssm.group_count`).
+    pub n_k_heads: usize,
+    /// Value heads (config `linear_num_value_heads`, GGUF `ssm.time_step_rank`).
+    pub n_v_heads: usize,
+    /// Per-head key width (config `linear_key_head_dim`, GGUF `ssm.state_size`).
+    pub d_k: usize,
+    /// Per-head value width (config `linear_value_head_dim`; GGUF `ssm.inner_size / time_step_rank`).
+    pub d_v: usize,
+    /// Width of the causal convolution (config `linear_conv_kernel_dim`, GGUF `ssm.conv_kernel`).
+    pub conv_kernel: usize,
+    /// Width of the shared expert (config `shared_expert_intermediate_size`).
+    pub d_ffn_shared: usize,
+}
+
+impl HybridParams {
+    /// Channels of the causal convolution: q, k (`n_k_heads * d_k` each) and v (`n_v_heads * d_v`).
+    pub fn conv_channels(&self) -> usize {
+        2 * self.n_k_heads * self.d_k + self.n_v_heads * self.d_v
+    }
 }
 
 /// How rotary embeddings pair dimensions.
@@ -135,6 +172,10 @@ pub struct HParams {
     /// absent for dense models (and from their JSON).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe: Option<MoeParams>,
+    /// The Qwen3-Next layer schedule and DeltaNet geometry; absent otherwise
+    /// (and from the JSON of other models).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hybrid: Option<HybridParams>,
 }
 
 /// The tokenizer's policy; the tokenizer.json itself is a blob in the file.

@@ -234,6 +234,55 @@ pub struct Expert<M> {
     pub down: M,
 }
 
+/// One Gated DeltaNet layer (Qwen3-Next's linear attention) as the backend
+/// runs it after the input projections: `qkv` `(n, conv_channels)` (q of
+/// `n_k_heads * d_k`, k of the same, v of `n_v_heads * d_v`, llama.cpp's
+/// `attn_qkv` order), `z` `(n, n_v_heads * d_v)` (the output gate), `ba`
+/// `(n, 2 * n_v_heads)` in transformers' per-key-head order (for key head
+/// `g`, the `n_v_heads / n_k_heads` beta inputs, then as many alpha inputs).
+#[derive(Debug)]
+pub struct DeltaNetWeights<V> {
+    /// `(conv_channels * conv_kernel)`: channel-major taps of the depthwise causal convolution.
+    pub conv: V,
+    /// `(n_v_heads)`: `A = -exp(A_log)` (llama.cpp's `ssm_a`).
+    pub a: V,
+    /// `(n_v_heads)`: the time-step bias (`dt_bias`, llama.cpp's `ssm_dt.bias`).
+    pub dt_bias: V,
+    /// `(d_v)`: the gated RMSNorm weight shared by every value head (`ssm_norm`; plain, not `1 + w`).
+    pub norm: V,
+}
+
+/// Geometry of a Gated DeltaNet layer (see [`crate::artifact::meta::HybridParams`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DeltaNetParams {
+    pub n_k_heads: usize,
+    pub n_v_heads: usize,
+    pub d_k: usize,
+    pub d_v: usize,
+    pub conv_kernel: usize,
+    /// Epsilon of the gated RMSNorm.
+    pub eps: f64,
+}
+
+/// The state a Gated DeltaNet layer carries from one prefill pass of a
+/// window to the next, as attention carries its KV cache: the last
+/// `conv_kernel - 1` convolution inputs and the recurrent state. Host memory,
+/// in f64 for the state (the CPU oracle's precision). Zero at a window's start.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecurrentState {
+    /// `(conv_kernel - 1, conv_channels)`
+    pub conv: Vec<f32>,
+    /// `(n_v_heads, d_k, d_v)`
+    pub ssm: Vec<f64>,
+}
+
+impl RecurrentState {
+    pub fn new(p: &DeltaNetParams) -> Self {
+        let channels = 2 * p.n_k_heads * p.d_k + p.n_v_heads * p.d_v;
+        Self { conv: vec![0.0; (p.conv_kernel - 1) * channels], ssm: vec![0.0; p.n_v_heads * p.d_k * p.d_v] }
+    }
+}
+
 /// The ops a device provides. Every op checks the shapes it is given and
 /// names the op and the values in its error.
 pub trait Backend {
@@ -333,6 +382,34 @@ pub trait Backend {
             p.n_experts,
             p.top_k
         )
+    }
+
+    /// In place, `x[i, j] *= sigmoid(gate[i, j])`, or `sigmoid(gate[i, 0])`
+    /// when `gate` has one column (Qwen3-Next's attention gate and shared-expert
+    /// gate). The default refuses: only the CPU reference implements it so far.
+    fn sigmoid_mul(&self, _x: &mut Self::Act, _gate: &Self::Act) -> Result<()> {
+        bail!("{}: sigmoid gating (qwen3next) is not supported on this backend: use --backend cpu", self.describe())
+    }
+
+    /// One Gated DeltaNet layer after its input projections (see
+    /// [`DeltaNetWeights`] for the inputs): causal convolution + SiLU over
+    /// `qkv`, `beta = sigmoid(b)`, `g = A * softplus(alpha + dt_bias)`, the
+    /// gated delta rule with L2-normed q and k, then per value head
+    /// `norm · rmsnorm(o) · silu(z)`. Window `s` of the pass reads and updates
+    /// `states[s]`. -> `(n, n_v_heads * d_v)`, before the out-projection.
+    /// The default refuses: only the CPU reference implements it so far.
+    #[allow(clippy::too_many_arguments)]
+    fn delta_net(
+        &self,
+        _qkv: &Self::Act,
+        _z: &Self::Act,
+        _ba: &Self::Act,
+        _w: &DeltaNetWeights<Self::Vector>,
+        _p: &DeltaNetParams,
+        _states: &mut [RecurrentState],
+        _rows: PassRows,
+    ) -> Result<Self::Act> {
+        bail!("{}: Gated DeltaNet linear attention (qwen3next) is not supported on this backend: use --backend cpu", self.describe())
     }
 
     /// The fused LM head: for each `rows[r]` of `x` `(n, d_model)` (already

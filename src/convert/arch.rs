@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
 use super::gguf::GgufFile;
-use crate::artifact::meta::{Activation, Architecture, HParams, MoeParams, RopeStyle};
+use crate::artifact::meta::{Activation, Architecture, HParams, HybridParams, MoeParams, RopeStyle};
 
 /// Gemma-3: every sixth layer is global, the others slide (llama.cpp `set_swa_pattern(6)`).
 const GEMMA3_SWA_PATTERN: usize = 6;
@@ -33,7 +33,7 @@ pub fn hparams_from_gguf(g: &GgufFile, arch: Architecture, n_vocab: usize, tied:
     let d_head = opt_u("attention.key_length").unwrap_or(d_model / n_heads);
     let d_head_v = opt_u("attention.value_length").unwrap_or(d_head);
     let moe = match arch {
-        Architecture::Qwen3Moe => Some(moe_from_gguf(g, a)?),
+        Architecture::Qwen3Moe | Architecture::Qwen3Next => Some(moe_from_gguf(g, a)?),
         _ => None,
     };
     // A MoE model has no dense FFN: its feed_forward_length is informational.
@@ -83,6 +83,7 @@ pub fn hparams_from_gguf(g: &GgufFile, arch: Architecture, n_vocab: usize, tied:
         post_norms: false,
         tied_embeddings: tied,
         moe,
+        hybrid: None,
     };
     match arch {
         Architecture::Llama => {
@@ -104,9 +105,64 @@ pub fn hparams_from_gguf(g: &GgufFile, arch: Architecture, n_vocab: usize, tied:
             }
         }
         Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => {}
+        Architecture::Qwen3Next => hp.hybrid = Some(hybrid_from_gguf(g, a, n_layers)?),
     }
     apply_family_flags(&mut hp, arch);
     Ok(hp)
+}
+
+/// The layer schedule and DeltaNet geometry of a qwen3next GGUF, from the
+/// keys llama.cpp writes and reads: `ssm.group_count` (key heads),
+/// `ssm.time_step_rank` (value heads), `ssm.state_size` (key width),
+/// `ssm.inner_size` (value heads times value width), `ssm.conv_kernel`,
+/// `expert_shared_feed_forward_length`, and `attention.recurrent_layers`
+/// (per layer) or else `full_attention_interval` (default 4; layer `i` is
+/// full attention when `(i + 1) % interval == 0`).
+fn hybrid_from_gguf(g: &GgufFile, a: &str, n_layers: usize) -> Result<HybridParams> {
+    let file = g.path.display();
+    let need = |k: &str| -> Result<usize> {
+        let key = format!("{a}.{k}");
+        let v = g.get(&key).with_context(|| format!("{file}: metadata {key} is missing (a {a} model needs it)"))?;
+        v.as_u64().map(|v| v as usize).with_context(|| format!("{file}: metadata {key} is not an unsigned integer"))
+    };
+    let (n_k_heads, n_v_heads) = (need("ssm.group_count")?, need("ssm.time_step_rank")?);
+    if n_k_heads == 0 || n_v_heads % n_k_heads != 0 {
+        bail!("{file}: metadata {a}.ssm.time_step_rank {n_v_heads} is not a multiple of {a}.ssm.group_count {n_k_heads}");
+    }
+    let inner = need("ssm.inner_size")?;
+    if n_v_heads == 0 || inner % n_v_heads != 0 {
+        bail!("{file}: metadata {a}.ssm.inner_size {inner} is not a multiple of {a}.ssm.time_step_rank {n_v_heads}");
+    }
+    let key = format!("{a}.attention.recurrent_layers");
+    let linear_layers = match g.get(&key) {
+        Some(v) => {
+            let arr = v.as_array().with_context(|| format!("{file}: metadata {key} is not an array"))?;
+            if arr.len() < n_layers {
+                bail!("{file}: metadata {key} has {} entries for {a}.block_count {n_layers}", arr.len());
+            }
+            arr[..n_layers]
+                .iter()
+                .enumerate()
+                .map(|(i, x)| x.as_bool().with_context(|| format!("{file}: metadata {key}[{i}] is not a bool (a known layer type)")))
+                .collect::<Result<Vec<bool>>>()?
+        }
+        None => {
+            let every = g.get(&format!("{a}.full_attention_interval")).and_then(|v| v.as_u64()).unwrap_or(4) as usize;
+            if every == 0 {
+                bail!("{file}: metadata {a}.full_attention_interval is 0");
+            }
+            (0..n_layers).map(|i| (i + 1) % every != 0).collect()
+        }
+    };
+    Ok(HybridParams {
+        linear_layers,
+        n_k_heads,
+        n_v_heads,
+        d_k: need("ssm.state_size")?,
+        d_v: inner / n_v_heads,
+        conv_kernel: need("ssm.conv_kernel")?,
+        d_ffn_shared: need("expert_shared_feed_forward_length")?,
+    })
 }
 
 /// The expert geometry of a MoE GGUF: `<arch>.expert_count` and
@@ -171,7 +227,7 @@ fn apply_family_flags(hp: &mut HParams, arch: Architecture) {
             hp.post_norms = true;
         }
         Architecture::Qwen2 => hp.qkv_bias = true,
-        Architecture::Qwen3 | Architecture::Qwen3Moe => hp.qk_norm = true,
+        Architecture::Qwen3 | Architecture::Qwen3Moe | Architecture::Qwen3Next => hp.qk_norm = true,
     }
 }
 
@@ -193,7 +249,10 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture> {
         "qwen2" => Architecture::Qwen2,
         "qwen3" => Architecture::Qwen3,
         "qwen3_moe" => Architecture::Qwen3Moe,
-        other => bail!("config.json: model_type {other:?} is not supported (llama, gemma3, gemma3_text, qwen2, qwen3, qwen3_moe)"),
+        "qwen3_next" => Architecture::Qwen3Next,
+        other => bail!(
+            "config.json: model_type {other:?} is not supported (llama, gemma3, gemma3_text, qwen2, qwen3, qwen3_moe, qwen3_next)"
+        ),
     })
 }
 
@@ -224,7 +283,7 @@ pub fn hparams_from_config(cfg_root: &Value, arch: Architecture, tied: bool) -> 
         },
     };
     let moe = match arch {
-        Architecture::Qwen3Moe => Some(moe_from_config(cfg)?),
+        Architecture::Qwen3Moe | Architecture::Qwen3Next => Some(moe_from_config(cfg)?),
         _ => None,
     };
     let d_ffn = match (cfg_usize(cfg, "intermediate_size"), moe) {
@@ -259,6 +318,7 @@ pub fn hparams_from_config(cfg_root: &Value, arch: Architecture, tied: bool) -> 
         post_norms: false,
         tied_embeddings: tied,
         moe,
+        hybrid: None,
     };
     match arch {
         Architecture::Llama => {}
@@ -279,9 +339,73 @@ pub fn hparams_from_config(cfg_root: &Value, arch: Architecture, tied: bool) -> 
             hp.attn_scale = 1.0 / q.sqrt();
         }
         Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => {}
+        Architecture::Qwen3Next => {
+            hp.hybrid = Some(hybrid_from_config(cfg, n_layers)?);
+            let factor = cfg_f64(cfg, "partial_rotary_factor")
+                .or_else(|| cfg.pointer("/rope_parameters/partial_rotary_factor").and_then(Value::as_f64))
+                .unwrap_or(QWEN3NEXT_PARTIAL_ROTARY);
+            hp.rope_dim = (d_head as f64 * factor) as usize;
+        }
     }
     apply_family_flags(&mut hp, arch);
     Ok(hp)
+}
+
+/// Qwen3-Next: the rotated fraction of each head when the config names none
+/// (transformers' and llama.cpp's default).
+const QWEN3NEXT_PARTIAL_ROTARY: f64 = 0.25;
+/// Qwen3-Next: every fourth layer is full attention when the config has no
+/// `layer_types` (transformers' default `full_attention_interval`).
+const QWEN3NEXT_FULL_ATTENTION_INTERVAL: usize = 4;
+
+/// The layer schedule and DeltaNet geometry of a Qwen3-Next `config.json`:
+/// `layer_types` (each `linear_attention` or `full_attention`; anything else
+/// is refused by index and value), else layer `i` is full attention when
+/// `(i + 1) % full_attention_interval == 0`, as transformers and llama.cpp
+/// derive it.
+fn hybrid_from_config(cfg: &Value, n_layers: usize) -> Result<HybridParams> {
+    let need = |k: &str| cfg_usize(cfg, k).with_context(|| format!("config.json: field {k} is missing (a qwen3_next model needs it)"));
+    let linear_layers = match cfg.get("layer_types").filter(|v| !v.is_null()) {
+        Some(v) => {
+            let types = v.as_array().context("config.json: field layer_types is not a list")?;
+            if types.len() != n_layers {
+                bail!("config.json: field layer_types has {} entries, num_hidden_layers is {n_layers}", types.len());
+            }
+            types
+                .iter()
+                .enumerate()
+                .map(|(i, t)| match t.as_str() {
+                    Some("linear_attention") => Ok(true),
+                    Some("full_attention") => Ok(false),
+                    _ => bail!("config.json: field layer_types[{i}] {t} is not a known layer type (linear_attention, full_attention)"),
+                })
+                .collect::<Result<Vec<bool>>>()?
+        }
+        None => {
+            let every = cfg_usize(cfg, "full_attention_interval").unwrap_or(QWEN3NEXT_FULL_ATTENTION_INTERVAL);
+            if every == 0 {
+                bail!("config.json: field full_attention_interval is 0");
+            }
+            (0..n_layers).map(|i| (i + 1) % every != 0).collect()
+        }
+    };
+    let h = HybridParams {
+        linear_layers,
+        n_k_heads: need("linear_num_key_heads")?,
+        n_v_heads: need("linear_num_value_heads")?,
+        d_k: need("linear_key_head_dim")?,
+        d_v: need("linear_value_head_dim")?,
+        conv_kernel: need("linear_conv_kernel_dim")?,
+        d_ffn_shared: need("shared_expert_intermediate_size")?,
+    };
+    if h.n_k_heads == 0 || h.n_v_heads % h.n_k_heads != 0 {
+        bail!(
+            "config.json: field linear_num_value_heads {} is not a multiple of linear_num_key_heads {}",
+            h.n_v_heads,
+            h.n_k_heads
+        );
+    }
+    Ok(h)
 }
 
 /// A Hugging Face tensor name as the artifact's GGUF-style name, or `None`
@@ -298,6 +422,14 @@ pub fn hf_tensor_name(arch: Architecture, name: &str) -> Option<String> {
     let rest = name.strip_prefix("model.layers.")?;
     let (layer, rest) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
+    if arch == Architecture::Qwen3Next {
+        // Parameters without a `.weight` suffix, under llama.cpp's names.
+        match rest {
+            "linear_attn.A_log" => return Some(format!("blk.{layer}.ssm_a")),
+            "linear_attn.dt_bias" => return Some(format!("blk.{layer}.ssm_dt.bias")),
+            _ => {}
+        }
+    }
     let (stem, suffix) = rest.rsplit_once('.')?;
     let mapped = match (stem, arch) {
         ("input_layernorm", _) => "attn_norm",
@@ -307,14 +439,22 @@ pub fn hf_tensor_name(arch: Architecture, name: &str) -> Option<String> {
         ("self_attn.o_proj", _) => "attn_output",
         ("self_attn.q_norm", _) => "attn_q_norm",
         ("self_attn.k_norm", _) => "attn_k_norm",
-        ("post_attention_layernorm", Architecture::Gemma3) => "post_attention_norm",
+        ("post_attention_layernorm", Architecture::Gemma3 | Architecture::Qwen3Next) => "post_attention_norm",
         ("post_attention_layernorm", _) => "ffn_norm",
         ("pre_feedforward_layernorm", Architecture::Gemma3) => "ffn_norm",
         ("post_feedforward_layernorm", Architecture::Gemma3) => "post_ffw_norm",
         ("mlp.gate_proj", _) => "ffn_gate",
         ("mlp.up_proj", _) => "ffn_up",
         ("mlp.down_proj", _) => "ffn_down",
-        ("mlp.gate", Architecture::Qwen3Moe) => "ffn_gate_inp",
+        ("mlp.gate", Architecture::Qwen3Moe | Architecture::Qwen3Next) => "ffn_gate_inp",
+        ("linear_attn.in_proj_ba", Architecture::Qwen3Next) => "ssm_ba",
+        ("linear_attn.conv1d", Architecture::Qwen3Next) => "ssm_conv1d",
+        ("linear_attn.norm", Architecture::Qwen3Next) => "ssm_norm",
+        ("linear_attn.out_proj", Architecture::Qwen3Next) => "ssm_out",
+        ("mlp.shared_expert.gate_proj", Architecture::Qwen3Next) => "ffn_gate_shexp",
+        ("mlp.shared_expert.up_proj", Architecture::Qwen3Next) => "ffn_up_shexp",
+        ("mlp.shared_expert.down_proj", Architecture::Qwen3Next) => "ffn_down_shexp",
+        ("mlp.shared_expert_gate", Architecture::Qwen3Next) => "ffn_gate_inp_shexp",
         _ => return None,
     };
     Some(format!("blk.{layer}.{mapped}.{suffix}"))
@@ -372,7 +512,7 @@ impl ExpertBank {
 
 /// The expert bank a Hugging Face tensor of a MoE model feeds, or `None`.
 pub fn hf_expert_part(arch: Architecture, name: &str) -> Option<ExpertPart> {
-    if arch != Architecture::Qwen3Moe {
+    if !matches!(arch, Architecture::Qwen3Moe | Architecture::Qwen3Next) {
         return None;
     }
     let rest = name.strip_prefix("model.layers.")?;

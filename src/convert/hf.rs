@@ -12,6 +12,14 @@
 //! assembled in memory before the artifact is written, so converting a MoE
 //! folder needs about its expert bytes in RAM (a GGUF source needs none:
 //! its banks are already contiguous and are borrowed from the map).
+//!
+//! Qwen3-Next folders (qwen3_next) become llama.cpp's layout: each
+//! `linear_attn.in_proj_qkvz` (rows grouped per key head as q, k, v, z) is
+//! split into `attn_qkv` (all q rows, all k rows, all v rows) and
+//! `attn_gate` (all z rows), rows moved whole with their bytes unchanged;
+//! `A_log` is stored as F32 `ssm_a = -exp(A_log)`; the zero-centered norms
+//! as F32 `1 + w` (not the gated `ssm_norm`); `conv1d` `(C, 1, K)` as
+//! `(C, K)`.
 
 use std::borrow::Cow;
 use std::fs::File;
@@ -24,7 +32,7 @@ use safetensors::{Dtype, SafeTensors};
 use super::arch::{ExpertBank, ExpertPart, ExpertTensor};
 use super::{apply_layers, arch, select_layer_name, source_file, tokenizer, ConvertOptions, CONVERTER};
 use crate::artifact::format::TensorFormat;
-use crate::artifact::meta::{Architecture, ArtifactMeta, Component, HParams, Provenance};
+use crate::artifact::meta::{Architecture, ArtifactMeta, Component, HParams, HybridParams, Provenance};
 use crate::artifact::names::OUTPUT;
 use crate::artifact::writer::{write_artifact, TensorSource};
 
@@ -81,6 +89,11 @@ pub fn convert_hf(folder: &Path, out: &Path, opts: &ConvertOptions) -> Result<Ar
     let mut tensors: Vec<TensorSource<'_>> = Vec::new();
     let mut experts: Vec<ExpertSource<'_>> = Vec::new();
     let mut skipped = Vec::new();
+    // Qwen3-Next's DeltaNet geometry, to reorder in_proj_qkvz while reading.
+    let hybrid = match arch {
+        Architecture::Qwen3Next => arch::hparams_from_config(&cfg, arch, true).with_context(|| cfg_path.display().to_string())?.hybrid,
+        _ => None,
+    };
     for (f, map) in files.iter().zip(&maps) {
         sources.push(source_file(f, map));
         let st = SafeTensors::deserialize(map).map_err(|e| anyhow!("{}: header: {e}", f.display()))?;
@@ -99,6 +112,15 @@ pub fn convert_hf(folder: &Path, out: &Path, opts: &ConvertOptions) -> Result<Ar
                 experts.push(ExpertSource { part, file: f.clone(), hf_name: hf_name.to_string(), format, shape, bytes: view.data() });
                 continue;
             }
+            if let (Some(h), Some(layer)) = (&hybrid, qkvz_layer(hf_name)) {
+                for (name, shape, bytes) in split_qkvz(h, layer, format, view.shape(), view.data())
+                    .with_context(|| format!("{}: tensor {hf_name}", f.display()))?
+                {
+                    let Some(name) = select_layer_name(&name, &opts.layers) else { continue };
+                    tensors.push(TensorSource { name, component: Component::Text, format, shape, bytes: Cow::Owned(bytes) });
+                }
+                continue;
+            }
             let (name, component) = match (arch::hf_tensor_name(arch, hf_name), component_of(hf_name)) {
                 (Some(n), _) => (n, Component::Text),
                 (None, Some(c)) => (hf_name.to_string(), c),
@@ -108,12 +130,24 @@ pub fn convert_hf(folder: &Path, out: &Path, opts: &ConvertOptions) -> Result<Ar
                 }
             };
             let Some(name) = select_layer_name(&name, &opts.layers) else { continue };
-            let shape: Vec<u64> = view.shape().iter().map(|&d| d as u64).collect();
-            let (format, bytes) = if arch == Architecture::Gemma3 && component == Component::Text && is_gemma_norm(&name) {
+            let mut shape: Vec<u64> = view.shape().iter().map(|&d| d as u64).collect();
+            let text = component == Component::Text;
+            let (format, bytes) = if arch == Architecture::Gemma3 && text && is_gemma_norm(&name) {
                 (TensorFormat::F32, Cow::Owned(gemma_norm_plus_one(format, view.data())))
+            } else if arch == Architecture::Qwen3Next && text && is_gemma_norm(&name) && !name.ends_with("ssm_norm.weight") {
+                // Qwen3NextRMSNorm multiplies by 1 + w, as Gemma's does (the gated ssm_norm does not).
+                (TensorFormat::F32, Cow::Owned(gemma_norm_plus_one(format, view.data())))
+            } else if arch == Architecture::Qwen3Next && name.ends_with(".ssm_a") {
+                // llama.cpp stores A = -exp(A_log).
+                let a: Vec<u8> = f32_values(format, view.data()).iter().flat_map(|&v| (-(v as f64).exp() as f32).to_le_bytes()).collect();
+                (TensorFormat::F32, Cow::Owned(a))
             } else {
                 (format, Cow::Borrowed(view.data()))
             };
+            if arch == Architecture::Qwen3Next && name.ends_with("ssm_conv1d.weight") && shape.len() == 3 && shape[1] == 1 {
+                // Conv1d's (channels, 1, width): the middle axis is the group's single input channel.
+                shape.remove(1);
+            }
             tensors.push(TensorSource { name, component, format, shape, bytes });
         }
     }
@@ -255,12 +289,57 @@ fn expert_banks<'a>(
     Ok(out)
 }
 
-/// `1 + w` as F32 little-endian bytes.
-fn gemma_norm_plus_one(format: TensorFormat, bytes: &[u8]) -> Vec<u8> {
-    let values: Vec<f32> = match format {
+/// The values of an F32, F16 or BF16 tensor.
+fn f32_values(format: TensorFormat, bytes: &[u8]) -> Vec<f32> {
+    match format {
         TensorFormat::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
         TensorFormat::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
         _ => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+    }
+}
+
+/// `1 + w` as F32 little-endian bytes.
+fn gemma_norm_plus_one(format: TensorFormat, bytes: &[u8]) -> Vec<u8> {
+    f32_values(format, bytes).iter().flat_map(|v| (1.0 + v).to_le_bytes()).collect()
+}
+
+/// The layer of a Qwen3-Next `linear_attn.in_proj_qkvz.weight`.
+fn qkvz_layer(hf_name: &str) -> Option<usize> {
+    let rest = hf_name.strip_prefix("model.layers.")?.strip_suffix(".linear_attn.in_proj_qkvz.weight")?;
+    rest.parse().ok()
+}
+
+/// A tensor made at conversion: GGUF-style name, shape, bytes.
+type MadeTensor = (String, Vec<u64>, Vec<u8>);
+
+/// `in_proj_qkvz` `(n_k_heads * (2 d_k + 2 r d_v), d_model)`, `r = n_v_heads /
+/// n_k_heads`, grouped per key head as `[q, k, v, z]` (transformers'
+/// `fix_query_key_value_ordering`), as llama.cpp stores it: `attn_qkv` (all
+/// q rows, then all k rows, then all v rows) and `attn_gate` (all z rows).
+/// Rows are moved whole, their bytes unchanged.
+fn split_qkvz(h: &HybridParams, layer: usize, format: TensorFormat, shape: &[usize], bytes: &[u8]) -> Result<[MadeTensor; 2]> {
+    let (nk, dk, rdv) = (h.n_k_heads, h.d_k, h.n_v_heads / h.n_k_heads * h.d_v);
+    let per_group = 2 * dk + 2 * rdv;
+    let [rows, cols] = shape else { bail!("shape {shape:?} is not 2-D") };
+    if *rows != nk * per_group {
+        bail!(
+            "shape {shape:?}: {rows} rows, config.json (linear_num_key_heads {nk}, linear_key_head_dim {dk}, linear_num_value_heads {}, \
+             linear_value_head_dim {}) implies {}",
+            h.n_v_heads,
+            h.d_v,
+            nk * per_group
+        );
+    }
+    let row_bytes = format.row_bytes(*cols)?;
+    let part = |lo: usize, n: usize| -> Vec<u8> {
+        (0..nk).flat_map(|g| bytes[(g * per_group + lo) * row_bytes..(g * per_group + lo + n) * row_bytes].iter().copied()).collect()
     };
-    values.iter().flat_map(|v| (1.0 + v).to_le_bytes()).collect()
+    let mut qkv = part(0, dk);
+    qkv.extend(part(dk, dk));
+    qkv.extend(part(2 * dk, rdv));
+    let z = part(2 * dk + rdv, rdv);
+    Ok([
+        (format!("blk.{layer}.attn_qkv.weight"), vec![(nk * (2 * dk + rdv)) as u64, *cols as u64], qkv),
+        (format!("blk.{layer}.attn_gate.weight"), vec![(nk * rdv) as u64, *cols as u64], z),
+    ])
 }

@@ -89,11 +89,16 @@ fn convert_gguf(path: &Path, out: &Path, opts: &ConvertOptions) -> Result<Artifa
             anyhow!("{}", ctx(format!("tensor {}: block format {} is not supported", t.name, TensorFormat::ggml_type_name(t.ggml_type))))
         })?;
         let Some(name) = select_layer_name(&t.name, &opts.layers) else { continue };
+        let mut shape = t.shape();
+        if arch == Architecture::Qwen3Next && name.ends_with("ffn_gate_inp_shexp.weight") && shape.len() == 1 {
+            // llama.cpp declares the shared-expert gate as {n_embd}: a (1, d_model) matrix.
+            shape.insert(0, 1);
+        }
         tensors.push(TensorSource {
             name,
             component: Component::Text,
             format,
-            shape: t.shape(),
+            shape,
             bytes: Cow::Borrowed(g.tensor_bytes(t)),
         });
     }

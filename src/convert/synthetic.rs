@@ -181,7 +181,7 @@ pub fn write_synthetic(
         qk_norm: false,
         post_norms: false,
         tied_embeddings: geo.tied,
-        moe: None,
+        moe: None, hybrid: None,
     };
     let tok_bytes = std::fs::read(tokenizer_source).with_context(|| format!("read {}", tokenizer_source.display()))?;
     let meta = ArtifactMeta {

@@ -16,6 +16,16 @@
 //!   renormalized weights, sum in ascending expert order; `moe`). Routing
 //!   counts per layer and expert accumulate over every pass
 //!   ([`WindowScorer::expert_usage`]).
+//! - `qwen3next` (`hp.hybrid`): the layer schedule mixes Gated DeltaNet
+//!   layers (`qkv = h·Wqkvᵀ`, `z`, `ba`, then [`Backend::delta_net`], then
+//!   `ssm_out`) with gated full attention (qwen3's, with the query's gate
+//!   half: `attn · sigmoid(gate)` before `Wo`; partial RoPE through
+//!   `rope_dim`); every FFN is qwen3moe's routed experts plus a shared
+//!   expert scaled by `sigmoid(h·w)` (`hybrid`). Its zero-centered norms are
+//!   stored as `1 + w` at conversion; the pre-FFN norm is llama.cpp's
+//!   `post_attention_norm`. A DeltaNet layer's recurrent state and
+//!   convolution history carry across the passes of a window exactly as the
+//!   KV cache does, and are zeroed at each window's start.
 //!
 //! Per layer: `h = norm(x)`; `q, k, v = h·Wqᵀ, h·Wkᵀ, h·Wvᵀ` (+ bias); QK norm;
 //! RoPE; attention through the KV cache; `o = attn·Woᵀ` (post-norm);
@@ -41,9 +51,11 @@ use crate::artifact::{Artifact, TensorView};
 use crate::backend::cuda::{CudaBackend, Route};
 use crate::backend::{
     AttnParams, Backend, BackendKind, ExecutionInfo, Expert, HeadRequest, KvGeometry, MoeRouting, PassRows, Precision,
-    RopeParams, Yarn, MAX_TOP_K,
+    RecurrentState, RopeParams, Yarn, MAX_TOP_K,
 };
+use hybrid::{DeltaNetLayer, SharedExpert};
 
+pub mod hybrid;
 pub mod moe;
 pub use moe::{ExpertUsage, LayerExpertUsage};
 
@@ -86,6 +98,22 @@ pub struct ScoreOptions {
 /// Everything a layer reads.
 struct Layer<B: Backend> {
     attn_norm: B::Vector,
+    mixer: Mixer<B>,
+    /// Norms of the attention output and the FFN output (gemma3).
+    post_norms: Option<[B::Vector; 2]>,
+    ffn_norm: B::Vector,
+    ffn: Ffn<B>,
+}
+
+/// A layer's token mixer.
+enum Mixer<B: Backend> {
+    Attention(Attention<B>),
+    /// A Gated DeltaNet layer (qwen3next).
+    DeltaNet(DeltaNetLayer<B>),
+}
+
+/// Softmax attention through the KV cache.
+struct Attention<B: Backend> {
     wq: B::Matrix,
     wk: B::Matrix,
     wv: B::Matrix,
@@ -94,10 +122,8 @@ struct Layer<B: Backend> {
     bias: Option<[B::Vector; 3]>,
     /// Q and K per-head norms (gemma3, qwen3).
     qk_norm: Option<[B::Vector; 2]>,
-    /// Norms of the attention output and the FFN output (gemma3).
-    post_norms: Option<[B::Vector; 2]>,
-    ffn_norm: B::Vector,
-    ffn: Ffn<B>,
+    /// `(n_heads * d_head, d_model)`: the output gate, `attn · sigmoid(h·Wgᵀ)` (qwen3next).
+    gate: Option<B::Matrix>,
     attn: AttnParams,
     rope: RopeParams,
 }
@@ -107,7 +133,8 @@ enum Ffn<B: Backend> {
     /// `down(act(gate h) * up h)`.
     Dense { gate: B::Matrix, up: B::Matrix, down: B::Matrix },
     /// Routed experts: router `(n_experts, d_model)`, one [`Expert`] each.
-    Moe { router: B::Matrix, experts: Vec<Expert<B::Matrix>>, routing: MoeRouting },
+    /// With qwen3next's gated shared expert added.
+    Moe { router: B::Matrix, experts: Vec<Expert<B::Matrix>>, routing: MoeRouting, shared: Option<SharedExpert<B>> },
 }
 
 /// A loaded model on backend `B`.
@@ -124,6 +151,8 @@ pub struct Transformer<B: Backend> {
     cache_geometry: Option<KvGeometry>,
     /// Per MoE layer, rows routed to each expert so far (empty for dense models).
     expert_counts: Vec<Vec<u64>>,
+    /// Per DeltaNet layer (by slot), one state per window of the pass.
+    recurrent: Vec<Vec<RecurrentState>>,
 }
 
 fn check_hparams(hp: &HParams) -> Result<()> {
@@ -147,6 +176,15 @@ fn check_hparams(hp: &HParams) -> Result<()> {
         hp.d_head
     );
     ensure!(hp.rope_scale > 0.0, "hparams: rope_scale {} is not positive", hp.rope_scale);
+    if let Some(h) = &hp.hybrid {
+        ensure!(
+            h.linear_layers.len() == hp.n_layers && hp.moe.is_some(),
+            "hparams: a hybrid schedule of {} layers for {} layers (routed experts: {})",
+            h.linear_layers.len(),
+            hp.n_layers,
+            hp.moe.is_some()
+        );
+    }
     Ok(())
 }
 
@@ -181,37 +219,72 @@ impl<B: Backend> Transformer<B> {
             ensure!(view.entry.shape == [n as u64], "tensor {name}: shape {:?}, expected [{n}]", view.entry.shape);
             backend.load_vector(&view)
         };
-        let (d, d_q, d_k, d_v) =
-            (hp.d_model, hp.n_heads * hp.d_head, hp.n_kv_heads * hp.d_head, hp.n_kv_heads * hp.d_head_v);
+        let (d, d_q, d_k, d_v) = (hp.d_model, hp.n_heads * hp.d_head, hp.n_kv_heads * hp.d_head, hp.n_kv_heads * hp.d_head_v);
         let embd = matrix(names::TOKEN_EMBD, hp.n_vocab, d)?;
         let head = if hp.tied_embeddings { None } else { Some(matrix(names::OUTPUT, hp.n_vocab, d)?) };
         let output_norm = vector(names::OUTPUT_NORM, d)?;
         let mut layers = Vec::with_capacity(hp.n_layers);
+        let mut n_linear = 0;
         for l in 0..hp.n_layers {
             let n = |s: &str| blk(l, s);
             let window = hp.sliding_window[l];
+            let linear = hp.hybrid.as_ref().filter(|h| h.linear_layers[l]);
+            let mixer = if let Some(h) = linear {
+                n_linear += 1;
+                Mixer::DeltaNet(hybrid::load_delta_net(&backend, tensor, l, n_linear - 1, &hp, h)?)
+            } else {
+                let (wq, gate) = match &hp.hybrid {
+                    Some(_) => {
+                        let (q, g) = hybrid::load_gated_q(&backend, &tensor(&n("attn_q.weight"))?, &hp)?;
+                        (q, Some(g))
+                    }
+                    None => (matrix(&n("attn_q.weight"), d_q, d)?, None),
+                };
+                Mixer::Attention(Attention {
+                    wq,
+                    gate,
+                    wk: matrix(&n("attn_k.weight"), d_k, d)?,
+                    wv: matrix(&n("attn_v.weight"), d_v, d)?,
+                    wo: matrix(&n("attn_output.weight"), d, hp.n_heads * hp.d_head_v)?,
+                    bias: if hp.qkv_bias {
+                        Some([vector(&n("attn_q.bias"), d_q)?, vector(&n("attn_k.bias"), d_k)?, vector(&n("attn_v.bias"), d_v)?])
+                    } else {
+                        None
+                    },
+                    qk_norm: if hp.qk_norm {
+                        Some([vector(&n("attn_q_norm.weight"), hp.d_head)?, vector(&n("attn_k_norm.weight"), hp.d_head)?])
+                    } else {
+                        None
+                    },
+                    attn: AttnParams {
+                        n_heads: hp.n_heads,
+                        n_kv_heads: hp.n_kv_heads,
+                        d_head: hp.d_head,
+                        d_head_v: hp.d_head_v,
+                        scale: hp.attn_scale,
+                        window,
+                        softcap: hp.attn_softcap,
+                    },
+                    // Sliding-window layers use the local base and no scaling (gemma3).
+                    rope: RopeParams {
+                        style: hp.rope_style,
+                        base: if window.is_some() { hp.rope_base_local } else { hp.rope_base },
+                        scale: if window.is_some() { 1.0 } else { hp.rope_scale },
+                        rope_dim: hp.rope_dim,
+                        yarn: None,
+                    },
+                })
+            };
             layers.push(Layer {
                 attn_norm: vector(&n("attn_norm.weight"), d)?,
-                wq: matrix(&n("attn_q.weight"), d_q, d)?,
-                wk: matrix(&n("attn_k.weight"), d_k, d)?,
-                wv: matrix(&n("attn_v.weight"), d_v, d)?,
-                wo: matrix(&n("attn_output.weight"), d, hp.n_heads * hp.d_head_v)?,
-                bias: if hp.qkv_bias {
-                    Some([vector(&n("attn_q.bias"), d_q)?, vector(&n("attn_k.bias"), d_k)?, vector(&n("attn_v.bias"), d_v)?])
-                } else {
-                    None
-                },
-                qk_norm: if hp.qk_norm {
-                    Some([vector(&n("attn_q_norm.weight"), hp.d_head)?, vector(&n("attn_k_norm.weight"), hp.d_head)?])
-                } else {
-                    None
-                },
+                mixer,
                 post_norms: if hp.post_norms {
                     Some([vector(&n("post_attention_norm.weight"), d)?, vector(&n("post_ffw_norm.weight"), d)?])
                 } else {
                     None
                 },
-                ffn_norm: vector(&n("ffn_norm.weight"), d)?,
+                // llama.cpp names qwen3next's pre-FFN norm post_attention_norm.
+                ffn_norm: vector(&n(if hp.hybrid.is_some() { "post_attention_norm.weight" } else { "ffn_norm.weight" }), d)?,
                 ffn: match &hp.moe {
                     None => Ffn::Dense {
                         gate: matrix(&n("ffn_gate.weight"), hp.d_ffn, d)?,
@@ -227,24 +300,11 @@ impl<B: Backend> Transformer<B> {
                             norm_topk_prob: m.norm_topk_prob,
                             activation: hp.activation,
                         },
+                        shared: match &hp.hybrid {
+                            Some(h) => Some(hybrid::load_shared_expert(&backend, tensor, l, &hp, h)?),
+                            None => None,
+                        },
                     },
-                },
-                attn: AttnParams {
-                    n_heads: hp.n_heads,
-                    n_kv_heads: hp.n_kv_heads,
-                    d_head: hp.d_head,
-                    d_head_v: hp.d_head_v,
-                    scale: hp.attn_scale,
-                    window,
-                    softcap: hp.attn_softcap,
-                },
-                // Sliding-window layers use the local base and no scaling (gemma3).
-                rope: RopeParams {
-                    style: hp.rope_style,
-                    base: if window.is_some() { hp.rope_base_local } else { hp.rope_base },
-                    scale: if window.is_some() { 1.0 } else { hp.rope_scale },
-                    rope_dim: hp.rope_dim,
-                    yarn: None,
                 },
             });
         }
@@ -252,7 +312,20 @@ impl<B: Backend> Transformer<B> {
             Some(m) => vec![vec![0; m.n_experts]; hp.n_layers],
             None => Vec::new(),
         };
-        Ok(Self { backend, arch, hp, embd, head, output_norm, layers, cache: None, cache_geometry: None, expert_counts })
+        let recurrent = vec![Vec::new(); n_linear];
+        Ok(Self {
+            backend,
+            arch,
+            hp,
+            embd,
+            head,
+            output_norm,
+            layers,
+            cache: None,
+            cache_geometry: None,
+            expert_counts,
+            recurrent,
+        })
     }
 
     /// YaRN of `factor` on every full-attention layer (sliding-window layers
@@ -268,6 +341,9 @@ impl<B: Backend> Transformer<B> {
             "--rope-yarn-factor {factor}: the artifact records no trained context (context_length 0)"
         );
         for layer in &mut self.layers {
+            let Mixer::Attention(layer) = &mut layer.mixer else {
+                continue;
+            };
             if layer.attn.window.is_none() {
                 let r = &mut layer.rope;
                 r.yarn = Some(Yarn::new(factor, self.hp.context_length, r.base, r.rope_dim));
@@ -299,7 +375,9 @@ impl<B: Backend> Transformer<B> {
     /// [`score_window`](Self::score_window) would give it alone: rows never
     /// mix, so batching changes no number. One result per window, in order.
     pub fn score_windows(&mut self, windows: &[WindowInput], opts: &ScoreOptions) -> Result<Vec<Vec<TargetScore>>> {
-        let Some(first) = windows.first() else { return Ok(Vec::new()) };
+        let Some(first) = windows.first() else {
+            return Ok(Vec::new());
+        };
         let n = first.tokens.len();
         ensure!(n > 0, "score_windows: empty window");
         ensure!(opts.top_k <= MAX_TOP_K, "score_windows: top_k {} exceeds {MAX_TOP_K}", opts.top_k);
@@ -323,6 +401,12 @@ impl<B: Backend> Transformer<B> {
         let chunk = opts.prefill_chunk.unwrap_or(n);
         ensure!(chunk > 0, "score_windows: prefill chunk of 0 tokens");
         self.ensure_cache(n, windows.len())?;
+        // Every window starts from empty recurrent state, as from an empty KV cache.
+        for layer in &self.layers {
+            if let Mixer::DeltaNet(dn) = &layer.mixer {
+                self.recurrent[dn.slot] = vec![RecurrentState::new(&dn.params); windows.len()];
+            }
+        }
 
         let mut scores: Vec<Vec<TargetScore>> = windows.iter().map(|w| Vec::with_capacity(n - w.first_target)).collect();
         for pos0 in (0..n).step_by(chunk) {
@@ -367,7 +451,12 @@ impl<B: Backend> Transformer<B> {
             }
         }
         for (s, (w, sc)) in windows.iter().zip(&scores).enumerate() {
-            ensure!(sc.len() == n - w.first_target, "score_windows: window {s}: {} scores for {} targets", sc.len(), n - w.first_target);
+            ensure!(
+                sc.len() == n - w.first_target,
+                "score_windows: window {s}: {} scores for {} targets",
+                sc.len(),
+                n - w.first_target
+            );
         }
         Ok(scores)
     }
@@ -429,25 +518,19 @@ impl<B: Backend> Transformer<B> {
         for (l, layer) in self.layers.iter().enumerate() {
             let fail = || format!("layer {l}");
             let h = b.rms_norm(&x, &layer.attn_norm, hp.rms_eps).with_context(fail)?;
-            // (n, n_heads * d_head), (n, n_kv_heads * d_head), (n, n_kv_heads * d_head_v)
-            let mut q = b.matmul(&h, &layer.wq).with_context(fail)?;
-            let mut k = b.matmul(&h, &layer.wk).with_context(fail)?;
-            let mut v = b.matmul(&h, &layer.wv).with_context(fail)?;
-            if let Some([bq, bk, bv]) = &layer.bias {
-                b.add_bias(&mut q, bq)?;
-                b.add_bias(&mut k, bk)?;
-                b.add_bias(&mut v, bv)?;
-            }
-            if let Some([nq, nk]) = &layer.qk_norm {
-                b.rms_norm_heads(&mut q, nq, hp.d_head, hp.rms_eps).with_context(fail)?;
-                b.rms_norm_heads(&mut k, nk, hp.d_head, hp.rms_eps).with_context(fail)?;
-            }
-            b.rope(&mut q, hp.n_heads, hp.d_head, rows, &layer.rope).with_context(fail)?;
-            b.rope(&mut k, hp.n_kv_heads, hp.d_head, rows, &layer.rope).with_context(fail)?;
-            // (n, n_heads * d_head_v)
-            let a = b.attention(cache, l, &q, &k, &v, rows, &layer.attn).with_context(fail)?;
             // (n, d_model)
-            let mut o = b.matmul(&a, &layer.wo).with_context(fail)?;
+            let mut o = match &layer.mixer {
+                Mixer::Attention(at) => attend(b, hp, cache, l, at, &h, rows).with_context(fail)?,
+                Mixer::DeltaNet(dn) => {
+                    // (n, conv_channels), (n, n_v_heads * d_v), (n, 2 * n_v_heads)
+                    let qkv = b.matmul(&h, &dn.qkv).with_context(fail)?;
+                    let z = b.matmul(&h, &dn.z).with_context(fail)?;
+                    let ba = b.matmul(&h, &dn.ba).with_context(fail)?;
+                    let states = self.recurrent.get_mut(dn.slot).context("forward: no recurrent state")?;
+                    let y = b.delta_net(&qkv, &z, &ba, &dn.weights, &dn.params, states, rows).with_context(fail)?;
+                    b.matmul(&y, &dn.out).with_context(fail)?
+                }
+            };
             if let Some([post_attn, _]) = &layer.post_norms {
                 o = b.rms_norm(&o, post_attn, hp.rms_eps)?;
             }
@@ -461,11 +544,19 @@ impl<B: Backend> Transformer<B> {
                     let g = b.gated_ffn(&h, gate, up, hp.activation).with_context(fail)?;
                     b.matmul(&g, down).with_context(fail)?
                 }
-                Ffn::Moe { router, experts, routing } => {
+                Ffn::Moe { router, experts, routing, shared } => {
                     // (n, n_experts)
                     let logits = b.matmul(&h, router).with_context(fail)?;
                     let counts = self.expert_counts.get_mut(l).context("forward: no expert counters")?;
-                    b.moe_ffn(&h, &logits, experts, routing, counts).with_context(fail)?
+                    let mut y = b.moe_ffn(&h, &logits, experts, routing, counts).with_context(fail)?;
+                    if let Some(s) = shared {
+                        // (n, d_ffn_shared), then (n, d_model) scaled by (n, 1)
+                        let g = b.gated_act(&b.matmul(&h, &s.gate)?, &b.matmul(&h, &s.up)?, hp.activation)?;
+                        let mut sh = b.matmul(&g, &s.down).with_context(fail)?;
+                        b.sigmoid_mul(&mut sh, &b.matmul(&h, &s.gate_inp)?).with_context(fail)?;
+                        b.add_assign(&mut y, &sh)?;
+                    }
+                    y
                 }
             };
             if let Some([_, post_ffn]) = &layer.post_norms {
@@ -475,6 +566,41 @@ impl<B: Backend> Transformer<B> {
         }
         Ok(x)
     }
+}
+
+/// Attention of one layer over the KV cache: `h` `(n, d_model)` -> `(n, d_model)`.
+fn attend<B: Backend>(
+    b: &B,
+    hp: &HParams,
+    cache: &mut B::KvCache,
+    l: usize,
+    layer: &Attention<B>,
+    h: &B::Act,
+    rows: PassRows,
+) -> Result<B::Act> {
+    let fail = || format!("layer {l}");
+    // (n, n_heads * d_head), (n, n_kv_heads * d_head), (n, n_kv_heads * d_head_v)
+    let mut q = b.matmul(h, &layer.wq).with_context(fail)?;
+    let mut k = b.matmul(h, &layer.wk).with_context(fail)?;
+    let mut v = b.matmul(h, &layer.wv).with_context(fail)?;
+    if let Some([bq, bk, bv]) = &layer.bias {
+        b.add_bias(&mut q, bq)?;
+        b.add_bias(&mut k, bk)?;
+        b.add_bias(&mut v, bv)?;
+    }
+    if let Some([nq, nk]) = &layer.qk_norm {
+        b.rms_norm_heads(&mut q, nq, hp.d_head, hp.rms_eps).with_context(fail)?;
+        b.rms_norm_heads(&mut k, nk, hp.d_head, hp.rms_eps).with_context(fail)?;
+    }
+    b.rope(&mut q, hp.n_heads, hp.d_head, rows, &layer.rope).with_context(fail)?;
+    b.rope(&mut k, hp.n_kv_heads, hp.d_head, rows, &layer.rope).with_context(fail)?;
+    // (n, n_heads * d_head_v)
+    let mut a = b.attention(cache, l, &q, &k, &v, rows, &layer.attn).with_context(fail)?;
+    if let Some(gate) = &layer.gate {
+        b.sigmoid_mul(&mut a, &b.matmul(h, gate)?).with_context(fail)?;
+    }
+    // (n, d_model)
+    b.matmul(&a, &layer.wo).with_context(fail)
 }
 
 /// What the scorer holds: a loaded model on some backend, behind one
@@ -532,7 +658,7 @@ where
 }
 
 /// Refuses, before any device is opened, what the CUDA backend cannot run
-/// yet: the routed-expert architectures and the CPU-only block formats
+/// yet: qwen3next, the routed-expert architectures and the CPU-only block formats
 /// (MXFP4). The message names the architecture or the tensor and format.
 pub fn check_cuda_support(artifact: &Artifact) -> Result<()> {
     let meta = &artifact.meta;
@@ -544,6 +670,13 @@ pub fn check_cuda_support(artifact: &Artifact) -> Result<()> {
             t.format
         );
     }
+    ensure!(
+        meta.hparams.hybrid.is_none(),
+        "{}: architecture {} (Gated DeltaNet linear attention, gated full attention, shared expert) is not supported on the \
+         CUDA backend yet: use --backend cpu",
+        artifact.path.display(),
+        meta.architecture.name()
+    );
     ensure!(
         meta.hparams.moe.is_none(),
         "{}: architecture {} (routed mixture of experts) is not supported on the CUDA backend yet: use --backend cpu",

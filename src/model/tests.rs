@@ -47,7 +47,7 @@ fn hparams(arch: Architecture) -> HParams {
         qk_norm: false,
         post_norms: false,
         tied_embeddings: false,
-        moe: None,
+        moe: None, hybrid: None,
     };
     match arch {
         Architecture::Llama => {
@@ -78,6 +78,7 @@ fn hparams(arch: Architecture) -> HParams {
             hp.rope_dim = 6; // partial rotary
         }
         Architecture::Qwen3Moe => panic!("the routed-expert forward is checked by tests/qwen_moe_golden.rs"),
+        Architecture::Qwen3Next => panic!("the hybrid forward is checked by tests/qwen_next_golden.rs"),
     }
     hp
 }
@@ -420,7 +421,14 @@ fn yarn_goes_to_full_attention_layers_only_and_changes_scores() {
     let opts = ScoreOptions { top_k: 0, prefill_chunk: None };
     let native = load(Architecture::Gemma3, &t).score_window(&toks, 1, &opts, &[]).unwrap();
     let m = load(Architecture::Gemma3, &t).with_rope_yarn(2.0).unwrap();
-    let yarns: Vec<bool> = m.layers.iter().map(|l| l.rope.yarn.is_some()).collect();
+    let yarns: Vec<bool> = m
+        .layers
+        .iter()
+        .map(|l| match &l.mixer {
+            super::Mixer::Attention(a) => a.rope.yarn.is_some(),
+            super::Mixer::DeltaNet(_) => panic!("gemma3 has no DeltaNet layer"),
+        })
+        .collect();
     assert_eq!(yarns, vec![false, true, false]);
     let mut m = m;
     let scaled = m.score_window(&toks, 1, &opts, &[]).unwrap();

@@ -1,14 +1,17 @@
 //! The Rust twin of the seeded weight generator of `tools/qwen_golden.py`
-//! (also used by `tools/qwen_moe_golden.py`) and the Hugging Face folder
-//! pieces the golden tests rebuild: tensors from a golden file's records
-//! (each checked against its SHA-256), the WordLevel `tokenizer.json`, and
-//! the safetensors/config writer.
+//! (also used by `tools/qwen_moe_golden.py` and `tools/qwen_next_golden.py`)
+//! and the Hugging Face folder pieces the golden tests rebuild: tensors from
+//! a golden file's records (each checked against its SHA-256), the WordLevel
+//! `tokenizer.json`, and the safetensors/config writer; and what the
+//! mixture-of-experts goldens share: the per-position score check and the
+//! bad-source runner of `ninfer-convert`.
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use infernix_perplexity::artifact::container::sha256_hex;
+use infernix_perplexity::model::TargetScore;
 use safetensors::tensor::{serialize_to_file, TensorView};
 use safetensors::Dtype;
 use serde_json::{json, Value};
@@ -92,4 +95,70 @@ pub fn write_folder(dir: &Path, config: &Value, tensors: &[Tensor]) {
 pub fn worst(ours: &[f64], want: &[f64]) -> (f64, usize) {
     assert_eq!(ours.len(), want.len());
     ours.iter().zip(want).map(|(a, b)| (a - b).abs()).enumerate().fold((0.0, 0), |w, (i, d)| if d > w.0 { (d, i) } else { w })
+}
+
+/// The numbers of a JSON array.
+pub fn f64s(v: &Value) -> Vec<f64> {
+    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+}
+
+/// A golden file's token sequence, checked against the scripts' formula.
+pub fn golden_tokens(g: &Value) -> Vec<u32> {
+    let t: Vec<u32> = g["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+    let formula: Vec<u32> = (0..48u32).map(|j| (31 * j * j + 17 * j + 3) % 256).collect();
+    assert_eq!(t, formula, "golden token sequence");
+    t
+}
+
+/// Per field (NLL, log-sum-exp, target logit) the worst |ours - golden| of
+/// the golden section `g`; prints them and panics past `tol`. -> the worst.
+pub fn check_scores_against(what: &str, scores: &[TargetScore], g: &Value, tol: f64) -> f64 {
+    let fields = [
+        ("nll", scores.iter().map(|s| s.nll).collect::<Vec<_>>()),
+        ("lse", scores.iter().map(|s| s.lse).collect()),
+        ("target_logit", scores.iter().map(|s| s.target_logit).collect()),
+    ];
+    let mut report = Vec::new();
+    let mut worst_all = 0f64;
+    for (field, ours) in fields {
+        let want = f64s(&g[field]);
+        let (d, at) = worst(&ours, &want);
+        worst_all = worst_all.max(d);
+        report.push(format!(
+            "{field}: worst |diff| {d:.3e} at position {at} (ours {:.12}, golden {:.12}), {:.0}% of the {tol:e} budget",
+            ours[at],
+            want[at],
+            100.0 * d / tol
+        ));
+    }
+    let report = report.join("\n  ");
+    eprintln!("{what}:\n  {report}");
+    assert!(worst_all <= tol, "{what} disagrees with transformers:\n  {report}");
+    worst_all
+}
+
+/// Runs `ninfer-convert` (`exe`) on each `(what, source, wanted substrings)`
+/// in `dir`: exit 2, one stderr line holding every wanted substring, no
+/// panic, no artifact and no temporary file left behind.
+pub fn assert_convert_fails(exe: &str, dir: &Path, cases: &[(String, PathBuf, Vec<String>)]) {
+    for (what, source, want) in cases {
+        let out = dir.join("out.ninfer");
+        let o = std::process::Command::new(exe).arg(source).arg("--out").arg(&out).current_dir(dir).output().unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+        let ctx = format!("{what}: stderr {stderr:?}");
+        assert_eq!(o.status.code(), Some(2), "exit code, {ctx}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "one stderr line, {ctx}");
+        assert!(!stderr.contains("panicked"), "{ctx}");
+        for w in want {
+            assert!(stderr.contains(w.as_str()), "want {w:?}, {ctx}");
+        }
+        assert!(!out.exists(), "{what}: an artifact was written");
+        let stray: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name())
+            .filter(|n| n.to_string_lossy().contains("tmp"))
+            .collect();
+        assert!(stray.is_empty(), "{what}: left behind {stray:?}");
+    }
 }

@@ -17,7 +17,7 @@ pub fn write_tiny(path: &Path) -> ArtifactMeta {
         rms_eps: 1e-5, rope_base: 1e4, rope_base_local: 1e4, rope_scale: 1.0, rope_dim: 32,
         rope_style: RopeStyle::Neox, sliding_window: vec![None], context_length: 64, embed_scale: 1.0,
         attn_scale: 0.17, attn_softcap: None, final_softcap: None, activation: Activation::Silu,
-        qkv_bias: false, qk_norm: false, post_norms: false, tied_embeddings: true, moe: None,
+        qkv_bias: false, qk_norm: false, post_norms: false, tied_embeddings: true, moe: None, hybrid: None,
     };
     let meta = ArtifactMeta {
         architecture: Architecture::Llama,

@@ -4,12 +4,20 @@
 //! across calls, so a window run in several prefill passes gives the same
 //! numbers as one pass.
 //!
-//! This is the oracle of those two ops only. It is **not wired into a model**
-//! yet: `qwen3next` artifacts are refused at conversion (docs/architectures.md).
-//! Checked against transformers' `torch_recurrent_gated_delta_rule` and its
-//! depthwise causal `conv1d` in float64 by `tests/delta_net_golden.rs`.
+//! [`delta_net_layer`] is the CPU definition of
+//! [`Backend::delta_net`](crate::backend::Backend::delta_net): the whole
+//! mixing step of a Qwen3-Next linear-attention layer between its input
+//! projections and its out-projection (convolution, gates, recurrence, gated
+//! per-head RMSNorm). The two ops are checked against transformers'
+//! `torch_recurrent_gated_delta_rule` and its depthwise causal `conv1d` in
+//! float64 by `tests/delta_net_golden.rs`; the layer, inside the model, by
+//! `tests/qwen_next_golden.rs`.
 
 use anyhow::{ensure, Result};
+
+use super::ops::{sigmoid, silu};
+use super::CpuTensor;
+use crate::backend::{DeltaNetParams, DeltaNetWeights, PassRows, RecurrentState};
 
 /// Shapes of one Gated DeltaNet layer: `n_k_heads` query/key heads of
 /// `d_k`, `n_v_heads` value heads of `d_v`; value head `h` reads key head
@@ -145,11 +153,98 @@ pub fn causal_conv_silu(x: &[f32], w: &[f32], n_channels: usize, width: usize, h
             for j in 0..width {
                 acc += w[c * width + j] as f64 * all[(t + j) * n_channels + c] as f64;
             }
-            out[t * n_channels + c] = (acc / (1.0 + (-acc).exp())) as f32;
+            out[t * n_channels + c] = silu(acc) as f32;
         }
     }
     history.copy_from_slice(&all[n * n_channels..]);
     Ok(out)
+}
+
+/// `ln(1 + e^x)` in f64, as torch's `softplus` (beta 1, linear above threshold 20).
+fn softplus(x: f64) -> f64 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// See [`Backend::delta_net`](crate::backend::Backend::delta_net). Window
+/// `s` of the pass is rows `s * n_tokens ..` and carries `states[s]`.
+pub fn delta_net_layer(
+    qkv: &CpuTensor,
+    z: &CpuTensor,
+    ba: &CpuTensor,
+    w: &DeltaNetWeights<Vec<f32>>,
+    p: &DeltaNetParams,
+    states: &mut [RecurrentState],
+    rows: PassRows,
+) -> Result<CpuTensor> {
+    let (nk, nv, dk, dv) = (p.n_k_heads, p.n_v_heads, p.d_k, p.d_v);
+    ensure!(nk > 0 && nv % nk == 0, "delta_net: {nv} value heads do not share {nk} key heads evenly");
+    let (kd, vd) = (nk * dk, nv * dv);
+    let channels = 2 * kd + vd;
+    let n = rows.n_rows();
+    let shape_ok = |t: &CpuTensor, cols: usize| t.n_rows == n && t.n_cols == cols;
+    ensure!(
+        shape_ok(qkv, channels) && shape_ok(z, vd) && shape_ok(ba, 2 * nv),
+        "delta_net: qkv {} x {}, z {} x {}, ba {} x {}; a pass of {n} rows of {p:?} needs {channels}, {vd}, {}",
+        qkv.n_rows,
+        qkv.n_cols,
+        z.n_rows,
+        z.n_cols,
+        ba.n_rows,
+        ba.n_cols,
+        2 * nv
+    );
+    ensure!(
+        w.conv.len() == channels * p.conv_kernel && w.a.len() == nv && w.dt_bias.len() == nv && w.norm.len() == dv,
+        "delta_net: weights of {}, {}, {}, {} values for {p:?}",
+        w.conv.len(),
+        w.a.len(),
+        w.dt_bias.len(),
+        w.norm.len()
+    );
+    ensure!(states.len() >= rows.n_seqs, "delta_net: {} recurrent states for {} windows", states.len(), rows.n_seqs);
+    let shape = DeltaNetShape { n_k_heads: nk, n_v_heads: nv, d_k: dk, d_v: dv, qk_l2norm: true };
+    let group = nv / nk;
+    let t = rows.n_tokens;
+    let mut out = vec![0f32; n * vd];
+    for (s, state) in states.iter_mut().take(rows.n_seqs).enumerate() {
+        let r = s * t..(s + 1) * t;
+        // (t, channels)
+        let mixed = causal_conv_silu(&qkv.data[r.start * channels..r.end * channels], &w.conv, channels, p.conv_kernel, &mut state.conv)?;
+        let (mut q, mut k, mut v) = (Vec::with_capacity(t * kd), Vec::with_capacity(t * kd), Vec::with_capacity(t * vd));
+        for row in mixed.chunks_exact(channels) {
+            q.extend_from_slice(&row[..kd]);
+            k.extend_from_slice(&row[kd..2 * kd]);
+            v.extend_from_slice(&row[2 * kd..]);
+        }
+        // (t, n_v_heads): value head h = g * group + i reads ba[g * 2 * group + i] (beta) and
+        // ba[g * 2 * group + group + i] (alpha).
+        let (mut beta, mut g) = (Vec::with_capacity(t * nv), Vec::with_capacity(t * nv));
+        for row in ba.data[r.start * 2 * nv..r.end * 2 * nv].chunks_exact(2 * nv) {
+            for h in 0..nv {
+                let (kg, i) = (h / group, h % group);
+                let b = row[kg * 2 * group + i] as f64;
+                let alpha = row[kg * 2 * group + group + i] as f64;
+                beta.push(sigmoid(b) as f32);
+                g.push((w.a[h] as f64 * softplus(alpha + w.dt_bias[h] as f64)) as f32);
+            }
+        }
+        // (t, n_v_heads * d_v)
+        let o = gated_delta_rule(&q, &k, &v, &g, &beta, &shape, &mut state.ssm)?;
+        let zs = &z.data[r.start * vd..r.end * vd];
+        let dst = &mut out[r.start * vd..r.end * vd];
+        for ((dst, o), z) in dst.chunks_exact_mut(dv).zip(o.chunks_exact(dv)).zip(zs.chunks_exact(dv)) {
+            let ms = o.iter().map(|&x| x as f64 * x as f64).sum::<f64>() / dv as f64;
+            let inv = 1.0 / (ms + p.eps).sqrt();
+            for (((d, &x), &zj), &wj) in dst.iter_mut().zip(o).zip(z).zip(&w.norm) {
+                *d = (wj as f64 * x as f64 * inv * silu(zj as f64)) as f32;
+            }
+        }
+    }
+    CpuTensor::new(n, vd, out)
 }
 
 #[cfg(test)]

@@ -40,8 +40,8 @@ use rayon::prelude::*;
 use crate::artifact::meta::Activation;
 use crate::artifact::TensorView;
 use crate::backend::{
-    AttnParams, Backend, ExecutionInfo, ExecutionSpec, Expert, HeadRequest, KvGeometry, MoeRouting, PassRows, Precision,
-    RopeParams, RowScore,
+    AttnParams, Backend, DeltaNetParams, DeltaNetWeights, ExecutionInfo, ExecutionSpec, Expert, HeadRequest, KvGeometry, MoeRouting, PassRows, Precision,
+    RecurrentState, RopeParams, RowScore,
 };
 use crate::kv::{ElemCodec, KvFormat, RowCodec};
 
@@ -402,6 +402,39 @@ impl Backend for CpuBackend {
         counts: &mut [u64],
     ) -> Result<CpuTensor> {
         self.moe_ffn_cpu(x, router_logits, experts, p, counts)
+    }
+
+    fn sigmoid_mul(&self, x: &mut CpuTensor, gate: &CpuTensor) -> Result<()> {
+        ensure!(
+            gate.n_rows == x.n_rows && (gate.n_cols == x.n_cols || gate.n_cols == 1),
+            "sigmoid_mul: gate is {} x {}, x is {} x {} (same shape, or one gate column)",
+            gate.n_rows,
+            gate.n_cols,
+            x.n_rows,
+            x.n_cols
+        );
+        let d = x.n_cols.max(1);
+        for (r, row) in x.data.chunks_exact_mut(d).enumerate() {
+            let g = &gate.data[r * gate.n_cols..(r + 1) * gate.n_cols];
+            for (j, v) in row.iter_mut().enumerate() {
+                let gj = g[if gate.n_cols == 1 { 0 } else { j }] as f64;
+                *v = (*v as f64 * ops::sigmoid(gj)) as f32;
+            }
+        }
+        Ok(())
+    }
+
+    fn delta_net(
+        &self,
+        qkv: &CpuTensor,
+        z: &CpuTensor,
+        ba: &CpuTensor,
+        w: &DeltaNetWeights<Vec<f32>>,
+        p: &DeltaNetParams,
+        states: &mut [RecurrentState],
+        rows: PassRows,
+    ) -> Result<CpuTensor> {
+        delta_net::delta_net_layer(qkv, z, ba, w, p, states, rows)
     }
 
     fn score_rows(&self, x: &CpuTensor, rows: &[usize], head: &CpuMatrix, req: &HeadRequest) -> Result<Vec<RowScore>> {

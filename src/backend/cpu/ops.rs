@@ -31,6 +31,11 @@ pub fn silu(x: f64) -> f64 {
     x / (1.0 + (-x).exp())
 }
 
+/// The logistic function `1 / (1 + e^-x)`.
+pub fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
 pub fn activate(act: Activation, x: f64) -> f64 {
     match act {
         Activation::Silu => silu(x),
