@@ -551,7 +551,7 @@ impl<B: Backend> Transformer<B> {
                     let mut y = b.moe_ffn(&h, &logits, experts, routing, counts).with_context(fail)?;
                     if let Some(s) = shared {
                         // (n, d_ffn_shared), then (n, d_model) scaled by (n, 1)
-                        let g = b.gated_act(&b.matmul(&h, &s.gate)?, &b.matmul(&h, &s.up)?, hp.activation)?;
+                        let g = b.gated_ffn(&h, &s.gate, &s.up, hp.activation)?;
                         let mut sh = b.matmul(&g, &s.down).with_context(fail)?;
                         b.sigmoid_mul(&mut sh, &b.matmul(&h, &s.gate_inp)?).with_context(fail)?;
                         b.add_assign(&mut y, &sh)?;
