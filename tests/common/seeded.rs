@@ -3,7 +3,9 @@
 //! and the Hugging Face folder pieces the golden tests rebuild: tensors from
 //! a golden file's records (each checked against its SHA-256), the WordLevel
 //! `tokenizer.json`, and the safetensors/config writer; and what the
-//! mixture-of-experts goldens share: the per-position score check and the
+//! mixture-of-experts goldens share: reading a golden file and its config,
+//! the GGUF twin's common metadata and writer, converting and scoring on the
+//! CPU with the expert counts, the per-position score check and the
 //! bad-source runner of `ninfer-convert`.
 #![allow(dead_code)]
 
@@ -11,7 +13,11 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use infernix_perplexity::artifact::container::sha256_hex;
-use infernix_perplexity::model::TargetScore;
+use infernix_perplexity::artifact::Artifact;
+use infernix_perplexity::backend::BackendKind;
+use infernix_perplexity::convert::gguf::{GgufValue, GgufWriter};
+use infernix_perplexity::convert::{convert, ConvertOptions};
+use infernix_perplexity::model::{load_model, ScoreOptions, TargetScore};
 use safetensors::tensor::{serialize_to_file, TensorView};
 use safetensors::Dtype;
 use serde_json::{json, Value};
@@ -161,4 +167,82 @@ pub fn assert_convert_fails(exe: &str, dir: &Path, cases: &[(String, PathBuf, Ve
             .collect();
         assert!(stray.is_empty(), "{what}: left behind {stray:?}");
     }
+}
+
+/// The golden file `tests/data/{file}`.
+pub fn golden_file(file: &str) -> Value {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(file);
+    serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap()
+}
+
+/// The integer `k` of a golden config.
+pub fn usize_of(cfg: &Value, k: &str) -> usize {
+    cfg[k].as_u64().unwrap_or_else(|| panic!("config {k}")) as usize
+}
+
+/// Per layer, per expert routing counts (a golden's `expert_counts`).
+pub fn counts_of(v: &Value) -> Vec<Vec<u64>> {
+    v.as_array().unwrap().iter().map(|l| l.as_array().unwrap().iter().map(|c| c.as_u64().unwrap()).collect()).collect()
+}
+
+/// A GGUF tensor being written: name, dims (innermost first), ggml type, bytes.
+pub type GgufTensor = (String, Vec<u64>, u32, Vec<u8>);
+
+/// A deliberate change to a GGUF twin's metadata and tensors before it is written.
+pub type GgufEdit<'a> = dyn Fn(&mut Vec<(String, GgufValue)>, &mut Vec<GgufTensor>) + 'a;
+
+/// The metadata every mixture-of-experts twin shares, with llama.cpp's keys
+/// (`keys`: the golden's `gguf.keys`): architecture, name, the dense and
+/// expert geometry, heads, norm epsilon and RoPE base from the config.
+pub fn gguf_moe_metadata(cfg: &Value, keys: &Value, name: &str) -> Vec<(String, GgufValue)> {
+    let k = |key: &str| keys[key].as_str().unwrap_or_else(|| panic!("no GGUF key {key}")).to_string();
+    let u32v = |key: &str| GgufValue::U32(usize_of(cfg, key) as u32);
+    vec![
+        ("general.architecture".to_string(), GgufValue::String(k("architecture"))),
+        ("general.name".to_string(), GgufValue::String(name.into())),
+        (k("block_count"), u32v("num_hidden_layers")),
+        (k("context_length"), u32v("max_position_embeddings")),
+        (k("embedding_length"), u32v("hidden_size")),
+        (k("feed_forward_length"), u32v("intermediate_size")),
+        (k("expert_feed_forward_length"), u32v("moe_intermediate_size")),
+        (k("expert_count"), u32v("num_experts")),
+        (k("expert_used_count"), u32v("num_experts_per_tok")),
+        (k("head_count"), u32v("num_attention_heads")),
+        (k("head_count_kv"), u32v("num_key_value_heads")),
+        (k("key_length"), u32v("head_dim")),
+        (k("value_length"), u32v("head_dim")),
+        (k("layer_norm_rms_epsilon"), GgufValue::F32(cfg["rms_norm_eps"].as_f64().unwrap() as f32)),
+        (k("rope_freq_base"), GgufValue::F32(cfg["rope_theta"].as_f64().unwrap() as f32)),
+    ]
+}
+
+/// Writes a twin to `path`: `metadata` plus a byte-free gpt2 vocabulary of the
+/// golden tokens, after `edit` of the metadata and `tensors`.
+pub fn write_gguf_twin(cfg: &Value, mut metadata: Vec<(String, GgufValue)>, mut tensors: Vec<GgufTensor>, path: &Path, edit: &GgufEdit<'_>) {
+    let mut vocab = vec![GgufValue::String("<unk>".into())];
+    vocab.extend((1..usize_of(cfg, "vocab_size")).map(|i| GgufValue::String(format!("t{i}"))));
+    metadata.extend([
+        ("tokenizer.ggml.model".to_string(), GgufValue::String("gpt2".into())),
+        ("tokenizer.ggml.pre".to_string(), GgufValue::String("default".into())),
+        ("tokenizer.ggml.tokens".to_string(), GgufValue::Array(vocab)),
+        ("tokenizer.ggml.merges".to_string(), GgufValue::Array(vec![])),
+        ("tokenizer.ggml.add_bos_token".to_string(), GgufValue::Bool(false)),
+    ]);
+    edit(&mut metadata, &mut tensors);
+    let w = GgufWriter { metadata, tensors: tensors.iter().map(|(n, d, ty, b)| (n.clone(), d.clone(), *ty, b.as_slice())).collect() };
+    w.write(path).unwrap();
+}
+
+/// Converts `source` into `out` and scores the golden's tokens on the CPU
+/// in passes of `chunk` tokens. -> the artifact, the scores and the expert
+/// counts per layer.
+pub fn score_moe(golden: &Value, source: &Path, out: &Path, chunk: Option<usize>) -> (Artifact, Vec<TargetScore>, Vec<Vec<u64>>) {
+    convert(source, out, &ConvertOptions::default()).unwrap();
+    let artifact = Artifact::open(out).unwrap();
+    artifact.verify().unwrap();
+    let toks = golden_tokens(golden);
+    let mut m = load_model(&artifact, BackendKind::Cpu(Default::default()), 1.0).unwrap();
+    let s = m.score_window(&toks, 1, &ScoreOptions { top_k: 0, prefill_chunk: chunk }, &[]).unwrap();
+    let usage = m.expert_usage().expect("a MoE model reports expert usage");
+    (artifact, s, usage.layers.iter().map(|l| l.routed.clone()).collect())
 }
