@@ -143,16 +143,14 @@ impl KvFormat {
     }
 
     /// The codec of K rows (`d_head` elements). Rotation: every quantized
-    /// format but fp8 rotates K and V; docs/kv-formats.md ("Rotation")
-    /// records the measurement behind each choice.
+    /// format rotates K and V; docs/kv-formats.md ("Rotation") records the
+    /// measurement behind each choice.
     pub fn k(self) -> RowCodec {
         match self {
             Self::F32 => RowCodec::new(ElemCodec::F32, false),
             Self::Bf16 => RowCodec::new(ElemCodec::Bf16, false),
             Self::Int8 | Self::K8v4 => RowCodec::new(ElemCodec::Int8, true),
-            // Unrotated: the CUDA encode and attention (kernels/kv_codec.cu,
-            // attention.cu) do not rotate yet; docs/kv-formats.md ("Rotation").
-            Self::Fp8 => RowCodec::new(ElemCodec::Fp8, false),
+            Self::Fp8 => RowCodec::new(ElemCodec::Fp8, true),
             Self::Nvfp4 => RowCodec::new(ElemCodec::Nvfp4, true),
             Self::K4v2 => RowCodec::new(ElemCodec::Int4G32, true),
             Self::Vq2 => RowCodec::new(ElemCodec::Vq2, true),
@@ -165,9 +163,7 @@ impl KvFormat {
             Self::F32 => RowCodec::new(ElemCodec::F32, false),
             Self::Bf16 => RowCodec::new(ElemCodec::Bf16, false),
             Self::Int8 => RowCodec::new(ElemCodec::Int8, true),
-            // Unrotated: the CUDA encode and attention (kernels/kv_codec.cu,
-            // attention.cu) do not rotate yet; docs/kv-formats.md ("Rotation").
-            Self::Fp8 => RowCodec::new(ElemCodec::Fp8, false),
+            Self::Fp8 => RowCodec::new(ElemCodec::Fp8, true),
             Self::Nvfp4 => RowCodec::new(ElemCodec::Nvfp4, true),
             Self::K8v4 => RowCodec::new(ElemCodec::Int4G32, true),
             Self::K4v2 => RowCodec::new(ElemCodec::Int2G32, true),

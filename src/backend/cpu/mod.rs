@@ -157,10 +157,18 @@ impl CpuBackend {
     }
 
     /// The queries as attention reads them: rounded to bf16 where the CUDA
-    /// default route's tensor-core attention (kernel v2, bf16 or fp8 KV)
-    /// rounds them.
+    /// default route's tensor-core attention (kernel v2, every cache but f32)
+    /// rounds q itself, that is where K is stored unrotated (bf16). Under a
+    /// Hadamard-rotated K (every quantized format, `KvFormat::k`) v2 rounds
+    /// the rotated `Hq` instead, in the basis the CPU cache does not keep, so
+    /// q stays f32 here (int8, fp8 and the rest alike).
+    fn rounds_attention_query(&self) -> bool {
+        self.bf16_matmul_inputs && self.kv_format != KvFormat::F32 && !self.kv_k.rotate
+    }
+
+    /// q through [`Self::rounds_attention_query`].
     fn attention_query<'a>(&self, q: &'a [f32]) -> Cow<'a, [f32]> {
-        if self.bf16_matmul_inputs && matches!(self.kv_format, KvFormat::Bf16 | KvFormat::Fp8) {
+        if self.rounds_attention_query() {
             Cow::Owned(round_bf16(q))
         } else {
             Cow::Borrowed(q)
@@ -470,7 +478,7 @@ impl Backend for CpuBackend {
             details: serde_json::json!({
                 "matmul": matmul,
                 "lm_head": matmul,
-                "attention": if self.bf16_matmul_inputs && self.kv_format == KvFormat::Bf16 {
+                "attention": if self.rounds_attention_query() {
                     "q rounded to bf16 (emulates the CUDA tensor-core attention, kernel v2); f64 softmax"
                 } else {
                     "f32 q; f64 softmax"
@@ -560,6 +568,12 @@ mod tests {
         let fp32_route = CpuBackend::with_kv(KvFormat::Bf16);
         for b in [CpuBackend::default(), f32_kv, fp32_route] {
             assert_eq!(&*b.attention_query(&q), &q[..], "{b:?} runs kernel v1 on CUDA: q stays f32");
+        }
+        // Every quantized format rotates K: v2 rounds Hq, not q, so q stays f32.
+        for f in KvFormat::ALL.into_iter().filter(|f| f.is_quantized()) {
+            assert!(f.k().rotate, "{f}");
+            let b = CpuBackend { bf16_matmul_inputs: true, ..CpuBackend::with_kv(f) };
+            assert_eq!(&*b.attention_query(&q), &q[..], "{f}: rotated K, q stays f32");
         }
     }
 
