@@ -15,6 +15,10 @@
 //! never zeros; the wgmma output is checked against cuBLAS's on every shape (bf16 weights;
 //! a mismatch is printed as MISMATCH and fails the run at the end).
 //!
+//! Then the attention's q, k, v projections (4096 + 1024 + 1024 rows, K 4096)
+//! per format: the fused GEMM (`ops::matmul_qkv_bf16`) against three matmuls
+//! (`QKV` lines).
+//!
 //! Build here: `cargo bench --bench gemm --no-run` (NVCC set); run the
 //! executable on the GPU machine with libcublas on LD_LIBRARY_PATH (see
 //! docs/performance.md). `GEMM_BENCH_M` overrides M.
@@ -182,6 +186,43 @@ fn main() -> Result<()> {
                 "max_abs_diff_vs_cublas_bf16": max_diff,
             }));
         }
+    }
+    // The attention's q, k, v projections of the 8B body (4096 + 1024 + 1024 rows, K 4096):
+    // one fused GEMM over the stacked weights (ops::matmul_qkv_bf16) against three matmuls.
+    let (widths, k) = ([4096usize, 1024, 1024], 4096usize);
+    let flop = 2.0 * (m * widths.iter().sum::<usize>() * k) as f64;
+    let x: Vec<bf16> = (0..m * k).map(|_| bf16::from_f32(twin::normal(&mut rng))).collect();
+    let xd: DeviceBuffer<bf16> = dev.upload(&x)?;
+    drop(x);
+    let mut ys = [dev.alloc_zeros::<f32>(m * widths[0])?, dev.alloc_zeros::<f32>(m * widths[1])?, dev.alloc_zeros::<f32>(m * widths[2])?];
+    println!("QKV {m} x ({widths:?}) x {k}: fused = ops::matmul_qkv_bf16 (one scratch, one GEMM), three = 3 x matmul (wgmma)");
+    for format in FORMATS {
+        let ws = widths.map(|w| QuantMatrix::upload(&dev, format, w, k, &twin::random_matrix(format, w, k, &mut rng)));
+        let [Ok(wq), Ok(wk), Ok(wv)] = ws else { anyhow::bail!("uploading the {format} q/k/v weights") };
+        let w3 = [&wq, &wk, &wv];
+        let three = time_ms(&dev, reps, || {
+            for (w, y) in w3.iter().zip(ys.iter_mut()) {
+                ops::matmul_bf16_with(&dev, MatmulKernel::Wgmma, xd.view(), m, w, y.view_mut(), w.n_rows)?;
+            }
+            Ok(())
+        })?;
+        let fused = time_ms(&dev, reps, || {
+            let [y0, y1, y2] = &mut ys;
+            ops::matmul_qkv_bf16(&dev, xd.view(), m, w3, None, [y0.view_mut(), y1.view_mut(), y2.view_mut()])
+        })?;
+        let sample = dev.download_range(&ys[2], 0..4096)?;
+        ensure!(sample.iter().all(|v| v.is_finite()), "qkv {format}: non-finite output");
+        println!(
+            "QKV {:<5} fused {fused:.3} ms ({:.1} TFLOP/s), three {three:.3} ms ({:.1} TFLOP/s), fused/three {:.3}",
+            format.name(),
+            flop / fused / 1e9,
+            flop / three / 1e9,
+            fused / three
+        );
+        rows.push(serde_json::json!({
+            "shape": "qkv_fused_vs_three", "m": m, "widths": widths, "k": k, "format": format.name(),
+            "fused_ms": fused, "three_ms": three, "fused_tflops": flop / fused / 1e9, "three_tflops": flop / three / 1e9,
+        }));
     }
     if let Some(out) = std::env::var_os("GEMM_BENCH_JSON") {
         std::fs::write(&out, serde_json::to_string_pretty(&rows)?).with_context(|| format!("writing {}", out.to_string_lossy()))?;

@@ -434,3 +434,21 @@ __device__ __forceinline__ void hadamard_rows(float* x, int n_rows, int d, int t
         sync();
     }
 }
+
+// --- gemm ---
+// gemm_bf16_wgmma_qkv's one parameter: y = x · Wᵀ over a fused weight of n = n_q +
+// n_k + n_v rows (the q, k and v projections in one GEMM), each output column sent to
+// its own projection's matrix. a: x (M, K) bf16, box (64 K, 128 rows); b: the fused W
+// (n, K) bf16, box (64 K, 256 rows). Columns [0, col1) go to y[0] (M, col1), [col1,
+// col2) to y[1] (M, col2 - col1), [col2, n) to y[2] (M, n - col2), each contiguous
+// f32, 8-byte aligned, widths even (pairs stored as float2). bias[s]: the (width_s)
+// f32 bias of segment s added to its f32 product with one correctly rounded add (the
+// numbers of add_bias after the matmul), or null for none. Rust twin: ops::GemmQkvParams.
+struct GemmQkvParams {
+    TmaDesc a;
+    TmaDesc b;
+    float* y[3];
+    const float* bias[3];
+    int m, n, k, col1, col2, pad_;
+};
+static_assert(sizeof(GemmQkvParams) == 384 && alignof(GemmQkvParams) == 128, "GemmQkvParams layout (ops::GemmQkvParams)");

@@ -41,6 +41,14 @@
 // products (common.cuh's act, fmul, round to nearest even). CPU twin:
 // tests/gpu_ops/twin.rs matmul_f64 twice, then silu_f64 / gelu_tanh_f64.
 //
+// QKV variant (gemm_bf16_wgmma_qkv, GemmQkvParams): the plain GEMM over the q, k
+// and v weights stacked into one (n_q + n_k + n_v, K) bf16 operand (the scratch
+// the three dequant_bf16_<fmt> write one after another), the epilogue sending each
+// column to its projection's own (M, width) f32 matrix (no split copy) and adding
+// that projection's bias when it has one (qwen2). Per output element the same K
+// order as gemm_bf16_wgmma, so the same bits as three separate GEMMs (then
+// add_bias). CPU twin: tests/gpu_ops/twin.rs matmul_f64 per projection, plus the bias.
+//
 // Launch: persistent, grid min(tiles, SMs) with tiles = ceil(M/128) * ceil(N/256)
 // (gated: ceil(M/128) * ceil(n_ffn/128)),
 // block 384, dynamic shared memory GEMM_SMEM_BYTES (one block per SM); block b
@@ -173,8 +181,10 @@ __device__ __forceinline__ void tile_origin(int tile, int m_tiles, int n_tiles, 
 // P = GemmParams) and the gated one (GATED true, P = GemmGatedParams: each B
 // stage is 128 rows of Wg then the same 128 rows of Wu, so a consumer holds
 // gate columns in d[0..64) and the matching up columns in d[64..128), and the
-// epilogue writes bf16(act(gate) * up) for 128 output columns a tile).
-template <bool GATED, int ACT, typename P>
+// epilogue writes bf16(act(gate) * up) for 128 output columns a tile), and the
+// QKV one (QKV true, P = GemmQkvParams: the plain tile loop, each column stored
+// to its projection's matrix, plus its bias).
+template <bool GATED, int ACT, bool QKV, typename P>
 __device__ __forceinline__ void gemm_tiles(const P& p) {
     extern __shared__ uint8_t gemm_smem_raw[];
     // 1024-byte alignment for the 128-byte swizzle (the launcher adds 1 KiB of slack).
@@ -280,6 +290,32 @@ __device__ __forceinline__ void gemm_tiles(const P& p) {
                         }
                     }
                 }
+            } else if constexpr (QKV) {
+                // Columns come in even pairs and every segment boundary is even: a pair
+                // never straddles two projections.
+#pragma unroll
+                for (int j = 0; j < 32; ++j) {
+                    const int n = col + 8 * j;
+                    if (n >= p.n) continue;
+                    const int s = n >= p.col2 ? 2 : (n >= p.col1 ? 1 : 0);
+                    const int c0 = s == 2 ? p.col2 : (s == 1 ? p.col1 : 0);
+                    const int width = (s == 2 ? p.n : (s == 1 ? p.col2 : p.col1)) - c0;
+                    float* ys = p.y[s];
+                    const float* bs = p.bias[s];
+                    const float b0 = bs ? bs[n - c0] : 0.0f, b1 = bs ? bs[n - c0 + 1] : 0.0f;
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int r = row + 8 * h;
+                        if (r < p.m) {
+                            float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
+                            if (bs) {
+                                v0 = fadd(v0, b0);
+                                v1 = fadd(v1, b1);
+                            }
+                            *reinterpret_cast<float2*>(ys + (long long)r * width + (n - c0)) = make_float2(v0, v1);
+                        }
+                    }
+                }
             } else {
 #pragma unroll
             for (int j = 0; j < 32; ++j) {
@@ -310,15 +346,19 @@ __device__ __forceinline__ void gemm_tiles(const P& p) {
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_bf16_wgmma(const __grid_constant__ GemmParams p) {
-    gemm_tiles<false, 0>(p);
+    gemm_tiles<false, 0, false>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
     gemm_bf16_wgmma_gated_silu(const __grid_constant__ GemmGatedParams p) {
-    gemm_tiles<true, ACT_SILU>(p);
+    gemm_tiles<true, ACT_SILU, false>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
     gemm_bf16_wgmma_gated_gelu(const __grid_constant__ GemmGatedParams p) {
-    gemm_tiles<true, ACT_GELU>(p);
+    gemm_tiles<true, ACT_GELU, false>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_bf16_wgmma_qkv(const __grid_constant__ GemmQkvParams p) {
+    gemm_tiles<false, 0, true>(p);
 }

@@ -174,6 +174,7 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
         },
         timing: Timing { load_seconds, tokenize_seconds, ..Default::default() },
         noise_floor: None,
+        memory: None,
     };
     // --save-tokens is written and --kl-reference checked here, before any scoring.
     let mut top_tokens = TopTokensRun::prepare(cfg, &artifact, report.workload.corpus.as_ref(), &streams, bos)?;
@@ -338,6 +339,8 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
         tokens_per_second_scored: (scoring_seconds > 0.0).then(|| overall.scored_tokens as f64 / scoring_seconds),
         ..report.timing
     };
+    let devices = std::iter::once(&scorer).chain(scorers.iter()).map(|s| s.device_memory()).collect::<Result<Vec<_>>>()?;
+    report.memory = Some(report::MemoryPeaks::now(devices.into_iter().flatten().collect()));
     report.results.overall = Some(Overall { summary: overall, bytes: None });
     report::pool_window_figures(&mut report.results, kl_by_position);
     Ok(report)

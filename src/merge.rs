@@ -186,6 +186,7 @@ pub fn merge(shards: &[(PathBuf, Report)]) -> Result<Report> {
     // position needs per-position KLs the shard reports do not hold: left out.
     crate::report::pool_window_figures(&mut merged.results, None);
     merged.timing = timing;
+    merged.memory = crate::report::MemoryPeaks::merged(shards.iter().map(|(_, r)| r.memory.as_ref()));
     // Expert-usage counts are additive over windows, and the shards' windows partition the plan.
     merged.results.expert_usage =
         crate::model::ExpertUsage::sum(shards.iter().map(|(_, r)| r.results.expert_usage.as_ref())).context("merge: expert_usage")?;

@@ -560,6 +560,80 @@ fn matmul_add_residual_in_the_epilogue() {
     }
 }
 
+/// The q, k and v projections in one GEMM (ops::matmul_qkv_bf16: the three
+/// weights, each in its own stored format, dequantized into one stacked bf16
+/// scratch, one wgmma GEMM whose epilogue writes each column into its
+/// projection's matrix, plus its bias) against the f64 products of the bf16
+/// operands (plus the bias), and bit for bit against three `matmul`s then
+/// `add_bias` on the same device. SmolLM2's widths (576/192/192: segment
+/// boundaries inside a 256-column tile), partial row tiles, mixed formats as in
+/// a Q4_K_M file; a shape below the wgmma M is refused (the backend then runs
+/// the three matmuls).
+#[test]
+fn matmul_qkv_fused_against_three_matmuls() {
+    let Some(dev) = device() else { return };
+    if !dev.has_function(ops::GEMM_WGMMA_KERNEL) {
+        return;
+    }
+    assert!(dev.has_function(ops::GEMM_QKV_KERNEL), "{} missing beside {}", ops::GEMM_QKV_KERNEL, ops::GEMM_WGMMA_KERNEL);
+    let mut rng = rng_for("matmul_qkv");
+    use TensorFormat as F;
+    for (formats, m, widths, k, with_bias) in [
+        ([F::Q4_0, F::Q4_0, F::Q4_0], 300, [576, 192, 192], 576, true),
+        ([F::Q8_0, F::Q8_0, F::Q8_0], 257, [1024, 256, 256], 1056, false),
+        ([F::Q4K, F::Q4K, F::Q6K], 200, [512, 128, 128], 1024, true),
+        ([F::Bf16, F::Bf16, F::Bf16], 128, [256, 64, 64], 512, false),
+    ] {
+        let n: usize = widths.iter().sum();
+        assert!(ops::qkv_fusable(dev, m, widths), "qkv {m} x {widths:?} should take the fused GEMM");
+        let x = randn(&mut rng, m * k, 1.0);
+        let xb: Vec<f32> = x.iter().map(|&v| twin::round_bf16(v)).collect();
+        let xbd = upload_bf16(dev, &x);
+        let mut ws = Vec::new();
+        let mut cpu = Vec::new();
+        let mut biases = Vec::new();
+        for (s, &w) in widths.iter().enumerate() {
+            let bytes = twin::random_matrix(formats[s], w, k, &mut rng);
+            ws.push(QuantMatrix::upload(dev, formats[s], w, k, &bytes).unwrap());
+            let wb: Vec<f32> = twin::dequant_matrix(formats[s], &bytes, w, k).iter().map(|&v| twin::round_bf16(v)).collect();
+            let b = randn(&mut rng, w, 0.5);
+            let prod = twin::matmul_f64(&xb, &wb, m, w, k);
+            cpu.push(if with_bias { prod.iter().enumerate().map(|(i, &p)| p + b[i % w] as f64).collect() } else { prod });
+            biases.push(dev.upload(&b).unwrap());
+        }
+        let mut ys: Vec<DeviceBuffer<f32>> = widths.iter().map(|&w| poisoned::<f32>(dev, m * w)).collect();
+        let bias = with_bias.then(|| [biases[0].view(), biases[1].view(), biases[2].view()]);
+        {
+            let [y0, y1, y2] = &mut ys[..] else { unreachable!() };
+            ops::matmul_qkv_bf16(dev, xbd.view(), m, [&ws[0], &ws[1], &ws[2]], bias, [y0.view_mut(), y1.view_mut(), y2.view_mut()]).unwrap();
+        }
+        let names = formats.map(|f| f.name());
+        for (s, y) in ys.iter().enumerate() {
+            let w = widths[s];
+            let fused = dev.download(y).unwrap();
+            check(&format!("matmul_qkv {} {names:?} proj {s} ({m}x{w} of {n}, K {k}, bias {with_bias})", ops::GEMM_QKV_KERNEL), &fused, &cpu[s], TOL_F32_ACC);
+            let mut p = poisoned::<f32>(dev, m * w);
+            ops::matmul(dev, xbd.view(), m, &ws[s], p.view_mut(), w).unwrap();
+            if with_bias {
+                ops::add_bias(dev, p.view_mut(), biases[s].view()).unwrap();
+            }
+            let unfused = dev.download(&p).unwrap();
+            let n_diff = fused.iter().zip(&unfused).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            println!("QKV {names:?} proj {s} ({m}x{w}): {n_diff} of {} outputs differ from {} + add_bias", m * w, ops::bf16_kernel_for(dev, m, w).name());
+            if ops::bf16_kernel_for(dev, m, w) == ops::MatmulKernel::Wgmma {
+                check(&format!("matmul_qkv proj {s} = matmul (wgmma) + add_bias"), &fused, &to_f64(&unfused), TOL_EXACT);
+            }
+        }
+        let [y0, y1, y2] = &mut ys[..] else { unreachable!() };
+        let short = y1.slice_mut(0..widths[1]).unwrap(); // one row of m
+        assert!(
+            ops::matmul_qkv_bf16(dev, xbd.view(), m, [&ws[0], &ws[1], &ws[2]], None, [y0.view_mut(), short, y2.view_mut()]).is_err(),
+            "a short output is an error"
+        );
+    }
+    assert!(!ops::qkv_fusable(dev, 70, [576, 192, 192]), "M = 70 is below the wgmma kernel's M");
+}
+
 /// The gated FFN input in one pass (ops::matmul_gated_bf16: on sm_90a one wgmma
 /// GEMM over gate and up with act(gate) * up in the epilogue, else two mma.sync
 /// matmuls and gated_<act>_bf16) against act(f64 product) * f64 product of the

@@ -26,7 +26,7 @@ pub mod cpu;
 pub mod cuda;
 
 use anyhow::{bail, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::artifact::meta::{Activation, RopeStyle};
 use crate::artifact::TensorView;
@@ -283,6 +283,17 @@ impl RecurrentState {
     }
 }
 
+/// [`Backend::qkv`] as three matmuls, each followed by its bias.
+pub fn qkv_unfused<B: Backend + ?Sized>(b: &B, h: &B::Act, w: [&B::Matrix; 3], bias: Option<&[B::Vector; 3]>) -> Result<[B::Act; 3]> {
+    let [mut q, mut k, mut v] = [b.matmul(h, w[0])?, b.matmul(h, w[1])?, b.matmul(h, w[2])?];
+    if let Some([bq, bk, bv]) = bias {
+        b.add_bias(&mut q, bq)?;
+        b.add_bias(&mut k, bk)?;
+        b.add_bias(&mut v, bv)?;
+    }
+    Ok([q, k, v])
+}
+
 /// The ops a device provides. Every op checks the shapes it is given and
 /// names the op and the values in its error.
 pub trait Backend {
@@ -321,6 +332,15 @@ pub trait Backend {
 
     /// In place, `x[i, j] += b[j]`.
     fn add_bias(&self, x: &mut Self::Act, b: &Self::Vector) -> Result<()>;
+
+    /// The attention's input projections: `h (n, n_in) · w[s]ᵀ (+ bias[s])` for
+    /// s = q, k, v -> `[(n, n_q), (n, n_k), (n, n_v)]`; the numbers of three
+    /// [`matmul`](Self::matmul)s then [`add_bias`](Self::add_bias), which is the
+    /// default body ([`qkv_unfused`]; the CUDA backend can run one GEMM over
+    /// the three weights stacked, the bias in its epilogue, off by default).
+    fn qkv(&self, h: &Self::Act, w: [&Self::Matrix; 3], bias: Option<&[Self::Vector; 3]>) -> Result<[Self::Act; 3]> {
+        qkv_unfused(self, h, w, bias)
+    }
 
     /// In place, rotates each head of `x` `(rows.n_rows(), n_heads * d_head)`;
     /// row `r` is at position `rows.position(r)`.
@@ -421,6 +441,12 @@ pub trait Backend {
     /// setting that changes a number.
     fn execution(&self) -> ExecutionInfo;
 
+    /// The device memory used so far (a GPU backend); `None` on the CPU, whose
+    /// memory is the process's (report.json `memory.host_peak_rss_bytes`).
+    fn device_memory(&self) -> Result<Option<DeviceMemory>> {
+        Ok(None)
+    }
+
     /// Checks, before any window runs, that a model of `hp`-sized buffers
     /// fits: a KV cache of `kv.n_seqs` slots of `kv.max_pos` positions,
     /// passes of `n_pass_tokens` rows (all windows of a batch together) with
@@ -429,6 +455,23 @@ pub trait Backend {
     fn check_memory(&self, _kv: KvGeometry, _n_pass_tokens: usize, _n_pass_cols: usize, _n_vocab: usize) -> Result<()> {
         Ok(())
     }
+}
+
+/// Device memory of one GPU worker over a run (report.json `memory.devices`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeviceMemory {
+    /// The device in words.
+    pub device: String,
+    /// The allocator's high-water mark: the most bytes the run's device buffers
+    /// (weights, KV cache, activations, bf16 weight scratch) held at once, from the
+    /// default memory pool's `CU_MEMPOOL_ATTR_USED_MEM_HIGH`.
+    pub pool_used_peak_bytes: u64,
+    /// The most bytes that pool reserved from the driver (`CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH`).
+    pub pool_reserved_peak_bytes: u64,
+    /// `total - free` of cuMemGetInfo after scoring: everything resident on the
+    /// device then (this context, its modules, the pool's reserve; other processes too).
+    pub device_used_at_end_bytes: u64,
+    pub device_total_bytes: u64,
 }
 
 /// What a run's report says about where and how the forward pass ran.

@@ -50,7 +50,7 @@ use crate::artifact::names::{self, blk};
 use crate::artifact::{Artifact, TensorView};
 use crate::backend::cuda::{CudaBackend, Route};
 use crate::backend::{
-    AttnParams, Backend, BackendKind, ExecutionInfo, Expert, HeadRequest, KvGeometry, MoeRouting, PassRows, Precision,
+    AttnParams, Backend, BackendKind, DeviceMemory, ExecutionInfo, Expert, HeadRequest, KvGeometry, MoeRouting, PassRows, Precision,
     RecurrentState, RopeParams, Yarn, MAX_TOP_K,
 };
 use hybrid::{DeltaNetLayer, SharedExpert};
@@ -580,14 +580,7 @@ fn attend<B: Backend>(
 ) -> Result<B::Act> {
     let fail = || format!("layer {l}");
     // (n, n_heads * d_head), (n, n_kv_heads * d_head), (n, n_kv_heads * d_head_v)
-    let mut q = b.matmul(h, &layer.wq).with_context(fail)?;
-    let mut k = b.matmul(h, &layer.wk).with_context(fail)?;
-    let mut v = b.matmul(h, &layer.wv).with_context(fail)?;
-    if let Some([bq, bk, bv]) = &layer.bias {
-        b.add_bias(&mut q, bq)?;
-        b.add_bias(&mut k, bk)?;
-        b.add_bias(&mut v, bv)?;
-    }
+    let [mut q, mut k, v] = b.qkv(h, [&layer.wq, &layer.wk, &layer.wv], layer.bias.as_ref()).with_context(fail)?;
     if let Some([nq, nk]) = &layer.qk_norm {
         b.rms_norm_heads(&mut q, nq, hp.d_head, hp.rms_eps).with_context(fail)?;
         b.rms_norm_heads(&mut k, nk, hp.d_head, hp.rms_eps).with_context(fail)?;
@@ -631,6 +624,8 @@ pub trait WindowScorer: Send {
     fn prepare(&mut self, n_max_window: usize, prefill_chunk: usize, max_seqs: usize) -> Result<usize>;
     /// See [`Transformer::expert_usage`].
     fn expert_usage(&self) -> Option<ExpertUsage>;
+    /// The backend's device memory so far ([`Backend::device_memory`]).
+    fn device_memory(&self) -> Result<Option<DeviceMemory>>;
 }
 
 impl<B: Backend> WindowScorer for Transformer<B>
@@ -654,6 +649,9 @@ where
     }
     fn expert_usage(&self) -> Option<ExpertUsage> {
         Transformer::expert_usage(self)
+    }
+    fn device_memory(&self) -> Result<Option<DeviceMemory>> {
+        self.backend.device_memory()
     }
 }
 

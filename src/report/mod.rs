@@ -39,6 +39,54 @@ pub struct Report {
     /// `--noise-floor`: the same windows scored with another prefill chunk.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub noise_floor: Option<crate::score::floor::NoiseFloor>,
+    /// Peak host and device memory of the run (absent in older reports and dry runs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<MemoryPeaks>,
+}
+
+/// Peak memory of a run: the process's peak resident set and, on CUDA, each
+/// GPU worker's allocator high-water mark (see [`crate::backend::DeviceMemory`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MemoryPeaks {
+    /// Peak resident set size of the process, bytes (Linux `VmHWM` of
+    /// /proc/self/status, read after scoring; mmap'd artifact pages count once
+    /// touched); `None` where the kernel does not report it.
+    pub host_peak_rss_bytes: Option<u64>,
+    /// One per GPU worker, in worker order; empty on the CPU backend.
+    pub devices: Vec<crate::backend::DeviceMemory>,
+}
+
+impl MemoryPeaks {
+    /// The process's peak RSS now, with the given devices' figures.
+    pub fn now(devices: Vec<crate::backend::DeviceMemory>) -> Self {
+        let status = std::fs::read_to_string("/proc/self/status").ok();
+        Self { host_peak_rss_bytes: status.as_deref().and_then(vm_hwm_bytes), devices }
+    }
+}
+
+impl MemoryPeaks {
+    /// Shards that ran as separate processes: the largest peak RSS, every shard's
+    /// devices in shard order; `None` unless every shard recorded its memory.
+    pub fn merged<'a>(shards: impl Iterator<Item = Option<&'a MemoryPeaks>>) -> Option<Self> {
+        let mut out = MemoryPeaks { host_peak_rss_bytes: Some(0), devices: Vec::new() };
+        for m in shards {
+            let m = m?;
+            out.host_peak_rss_bytes = match (out.host_peak_rss_bytes, m.host_peak_rss_bytes) {
+                (Some(a), Some(b)) => Some(a.max(b)),
+                _ => None,
+            };
+            out.devices.extend(m.devices.iter().cloned());
+        }
+        Some(out)
+    }
+}
+
+/// The `VmHWM:` line of a /proc/PID/status text, in bytes (the kernel writes kB).
+pub fn vm_hwm_bytes(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let mut it = line["VmHWM:".len()..].split_whitespace();
+    let kb: u64 = it.next()?.parse().ok()?;
+    (it.next() == Some("kB")).then_some(kb * 1024)
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -456,5 +504,57 @@ pub fn pool_window_figures(results: &mut Results, kl: Option<crate::score::posit
     }
     if let Some(o) = &mut results.overall {
         o.bytes = overall;
+    }
+}
+
+#[cfg(test)]
+mod memory_tests {
+    use super::*;
+    use crate::backend::DeviceMemory;
+
+    fn dev(name: &str, used: u64) -> DeviceMemory {
+        DeviceMemory {
+            device: name.into(),
+            pool_used_peak_bytes: used,
+            pool_reserved_peak_bytes: used + 1,
+            device_used_at_end_bytes: used + 2,
+            device_total_bytes: 1 << 40,
+        }
+    }
+
+    #[test]
+    fn vm_hwm_is_read_in_bytes_and_only_in_kb() {
+        let status = "Name:\tinfernix\nVmPeak:\t  999 kB\nVmHWM:\t   4321 kB\nVmRSS:\t  100 kB\n";
+        assert_eq!(vm_hwm_bytes(status), Some(4321 * 1024));
+        assert_eq!(vm_hwm_bytes("VmRSS:\t 5 kB\n"), None);
+        assert_eq!(vm_hwm_bytes("VmHWM:\t 5 MB\n"), None);
+        assert_eq!(vm_hwm_bytes("VmHWM:\t x kB\n"), None);
+    }
+
+    #[test]
+    fn this_process_has_a_peak_rss() {
+        let m = MemoryPeaks::now(Vec::new());
+        if std::path::Path::new("/proc/self/status").exists() {
+            assert!(m.host_peak_rss_bytes.is_some_and(|b| b > 1 << 20), "{m:?}");
+        }
+    }
+
+    #[test]
+    fn merged_shards_take_the_largest_rss_and_every_device() {
+        let a = MemoryPeaks { host_peak_rss_bytes: Some(10), devices: vec![dev("a", 1)] };
+        let b = MemoryPeaks { host_peak_rss_bytes: Some(30), devices: vec![dev("b", 2), dev("c", 3)] };
+        let m = MemoryPeaks::merged([Some(&a), Some(&b)].into_iter()).unwrap();
+        assert_eq!(m.host_peak_rss_bytes, Some(30));
+        assert_eq!(m.devices.iter().map(|d| d.device.as_str()).collect::<Vec<_>>(), ["a", "b", "c"]);
+        assert_eq!(MemoryPeaks::merged([Some(&a), None].into_iter()), None);
+        let unknown = MemoryPeaks { host_peak_rss_bytes: None, devices: Vec::new() };
+        assert_eq!(MemoryPeaks::merged([Some(&a), Some(&unknown)].into_iter()).unwrap().host_peak_rss_bytes, None);
+    }
+
+    #[test]
+    fn memory_round_trips_and_may_be_absent() {
+        let m = MemoryPeaks { host_peak_rss_bytes: Some(7), devices: vec![dev("gpu 0", 5)] };
+        let back: MemoryPeaks = serde_json::from_str(&serde_json::to_string(&m).unwrap()).unwrap();
+        assert_eq!(back, m);
     }
 }

@@ -90,6 +90,7 @@ pub fn constructed(streams: &[(&str, &str)], n_windows: usize, scored: usize, me
         results: Results { overall: None, domains: Vec::new(), streams, by_position: Vec::new(), kl_divergence: None, expert_usage: None, invariance: None, early_stop: None },
         timing: Timing::default(),
         noise_floor: None,
+        memory: None,
     }
 }
 
@@ -98,10 +99,12 @@ pub fn read_json(dir: &std::path::Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap()
 }
 
-/// A report without its wall times (`timing`, each window's `seconds`): what
-/// a sharded, resumed or multi-worker run must reproduce exactly.
+/// A report without its wall times (`timing`, each window's `seconds`) and
+/// its memory peaks (`memory`, measured per process): what a sharded, resumed
+/// or multi-worker run must reproduce exactly.
 pub fn without_wall_times(mut r: serde_json::Value) -> serde_json::Value {
     r.as_object_mut().unwrap().remove("timing");
+    r.as_object_mut().unwrap().remove("memory");
     for s in r["results"]["streams"].as_array_mut().unwrap() {
         for w in s["windows"].as_array_mut().unwrap() {
             w.as_object_mut().unwrap().remove("seconds");

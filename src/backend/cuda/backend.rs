@@ -37,6 +37,13 @@
 //! pass, so no matmul casts its input (the route rounds every matmul input to
 //! bf16 anyway: no number changes). The gated FFN's gate and up products run as
 //! one GEMM with the activation in its epilogue ([`Backend::gated_ffn`]). The
+//! q, k and v projections as one GEMM over their stacked bf16 weights with the
+//! bias in its epilogue ([`Backend::qkv`], `ops::matmul_qkv_bf16`: the same bits
+//! as three) is built, parity-tested and off by default
+//! ([`CudaBackend::set_fused_qkv`]): it measured 1.6-2.2 % slower than three
+//! GEMMs on the 8B shapes with block-quantized weights and 8 % with BF16 (the
+//! stacked copy), and no faster end to end (benches/gemm.rs `QKV` lines,
+//! docs/performance.md). The
 //! residual add after a matmul stays a separate `add_f32`: the GEMM-epilogue add
 //! (`ops::matmul_add_bf16`) measured 5-11 %
 //! slower than the GEMM then the add on the 8B shapes (gpu_ops
@@ -65,7 +72,7 @@ use super::profile::OpProfile;
 use crate::artifact::meta::{Activation, RopeStyle};
 use crate::artifact::TensorView;
 use crate::backend::cpu::{dequant, head::check_request};
-use crate::backend::{AttnParams, Backend, ExecutionInfo, HeadRequest, KvGeometry, PassRows, RopeParams, RowScore};
+use crate::backend::{AttnParams, Backend, DeviceMemory, ExecutionInfo, HeadRequest, KvGeometry, PassRows, RopeParams, RowScore};
 use crate::kv::KvFormat;
 
 /// The numeric route of the CUDA backend.
@@ -176,6 +183,8 @@ pub struct CudaBackend {
     dev: CudaDevice,
     route: Route,
     kv_dtype: KvFormat,
+    /// q, k, v in one GEMM where it applies (off by default; [`CudaBackend::set_fused_qkv`]).
+    fuse_qkv: bool,
     /// Positions 0..len as i32 (RoPE reads a sub-range), grown on demand.
     positions: RefCell<Option<DeviceBuffer<i32>>>,
     /// The LM head's logits tile `(LM_HEAD_TILE_ROWS, n_vocab)`, kept between calls.
@@ -250,7 +259,22 @@ impl CudaBackend {
              the quantized formats run on the default (bf16 tensor-core) route"
         );
         let dev = CudaDevice::open(index)?;
-        Ok(Self { dev, route, kv_dtype, positions: RefCell::new(None), head_scratch: RefCell::new(None), prof: OpProfile::from_env() })
+        Ok(Self {
+            dev,
+            route,
+            kv_dtype,
+            fuse_qkv: false,
+            positions: RefCell::new(None),
+            head_scratch: RefCell::new(None),
+            prof: OpProfile::from_env(),
+        })
+    }
+
+    /// Off by default (measured no faster, see the module doc): q, k and v in
+    /// one GEMM where `ops::qkv_fusable`, the same bits as three matmuls
+    /// (tests/gpu_e2e.rs compares the two through whole windows).
+    pub fn set_fused_qkv(&mut self, on: bool) {
+        self.fuse_qkv = on;
     }
 
     pub fn device(&self) -> &CudaDevice {
@@ -518,6 +542,26 @@ impl Backend for CudaBackend {
         };
         run().with_context(|| format!("matmul {}", w.name))?;
         Ok(y)
+    }
+
+    fn qkv(&self, h: &CudaAct, w: [&CudaMatrix; 3], bias: Option<&[DeviceBuffer<f32>; 3]>) -> Result<[CudaAct; 3]> {
+        let widths = [w[0].q.n_rows, w[1].q.n_rows, w[2].q.n_rows];
+        if !self.fuse_qkv || !self.bf16_matmul_inputs() || !ops::qkv_fusable(&self.dev, h.n_rows, widths) {
+            return crate::backend::qkv_unfused(self, h, w, bias);
+        }
+        let _prof = self.prof.scope(&self.dev, "matmul")?;
+        let names = || format!("qkv {} / {} / {}", w[0].name, w[1].name, w[2].name);
+        for wi in w {
+            ensure!(h.n_cols == wi.q.n_cols, "{}: h has {} columns, {} takes {}", names(), h.n_cols, wi.name, wi.q.n_cols);
+        }
+        let mut ys = [self.new_act(h.n_rows, widths[0])?, self.new_act(h.n_rows, widths[1])?, self.new_act(h.n_rows, widths[2])?];
+        let mut tmp = None;
+        let hb = self.bf16_input(h, &mut tmp)?;
+        let [y0, y1, y2] = &mut ys;
+        let outs = [y0.f32_mut("qkv")?.view_mut(), y1.f32_mut("qkv")?.view_mut(), y2.f32_mut("qkv")?.view_mut()];
+        let bias = bias.map(|[bq, bk, bv]| [bq.view(), bk.view(), bv.view()]);
+        ops::matmul_qkv_bf16(&self.dev, hb, h.n_rows, [&w[0].q, &w[1].q, &w[2].q], bias, outs).with_context(names)?;
+        Ok(ys)
     }
 
     fn add_bias(&self, x: &mut CudaAct, b: &DeviceBuffer<f32>) -> Result<()> {
@@ -831,9 +875,19 @@ impl Backend for CudaBackend {
                         "numbers unchanged (the route rounds every matmul input to bf16 anyway): RMSNorm writes f32 and its bf16 \
                          rounding in one pass (rmsnorm_dual); attention and the gated product are written in bf16 (matmul inputs only); \
                          M >= {} and d_ffn >= {}: gate and up in one wgmma GEMM with act(gate) * up in its epilogue \
-                         (gemm_bf16_wgmma_gated_<act>); the residual add a separate add_f32",
+                         (gemm_bf16_wgmma_gated_<act>); {}; the residual add a separate add_f32",
                         ops::GEMM_WGMMA_MIN_M,
-                        ops::GEMM_WGMMA_MIN_N
+                        ops::GEMM_WGMMA_MIN_N,
+                        if self.fuse_qkv && self.dev.has_function(ops::GEMM_QKV_KERNEL) {
+                            format!(
+                                "M >= {} and n_q + n_k + n_v >= {}: q, k, v in one wgmma GEMM over the three weights dequantized into \
+                                 one stacked bf16 scratch, the bias added in its epilogue (gemm_bf16_wgmma_qkv; the same bits as three)",
+                                ops::GEMM_WGMMA_MIN_M,
+                                ops::GEMM_WGMMA_MIN_N
+                            )
+                        } else {
+                            "q, k, v as three matmuls (the fused QKV GEMM is built but off: measured no faster)".to_string()
+                        }
                     ),
                     Route::Fp32 => "none (f32 everywhere)".to_string(),
                 },
@@ -846,6 +900,19 @@ impl Backend for CudaBackend {
                 }),
             }),
         }
+    }
+
+    fn device_memory(&self) -> Result<Option<DeviceMemory>> {
+        self.dev.synchronize()?;
+        let (used_peak, reserved_peak) = self.dev.pool_high_water()?;
+        let (free, total) = self.dev.mem_info()?;
+        Ok(Some(DeviceMemory {
+            device: self.describe(),
+            pool_used_peak_bytes: used_peak,
+            pool_reserved_peak_bytes: reserved_peak,
+            device_used_at_end_bytes: (total - free) as u64,
+            device_total_bytes: total as u64,
+        }))
     }
 
     fn check_memory(&self, kv: KvGeometry, n_pass_tokens: usize, n_pass_cols: usize, n_vocab: usize) -> Result<()> {

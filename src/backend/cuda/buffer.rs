@@ -3,7 +3,7 @@
 //! a raw device address), and `QuantMatrix` (a weight matrix kept in its
 //! stored block format, rows of `n_cols` elements).
 //!
-//! This module owns allocation and host <-> device copies; kernels see only
+//! This module owns allocation, its high-water marks and host <-> device copies; kernels see only
 //! addresses and lengths, checked by the launchers in `ops`.
 
 use std::marker::PhantomData;
@@ -199,6 +199,31 @@ impl CudaDevice {
             .map_err(|e| anyhow!("copying {}..{} of {} x {} from the GPU: {e}", range.start, range.end, buf.len(), T::NAME))?;
         self.synchronize()?;
         Ok(host)
+    }
+}
+
+impl CudaDevice {
+    /// The high-water marks of the device's default memory pool, the one every
+    /// `DeviceBuffer` is drawn from (`cuMemAllocAsync`): (bytes held by live
+    /// allocations at most, bytes the pool reserved from the driver at most), since
+    /// this process opened the device.
+    pub fn pool_high_water(&self) -> Result<(u64, u64)> {
+        use cudarc::driver::sys;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        self.context().bind_to_thread().map_err(|e| anyhow!("binding the CUDA context: {e}"))?;
+        // SAFETY: the context is current on this thread (bound above); the call writes one handle.
+        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.context().cu_device()) }
+            .result()
+            .map_err(|e| anyhow!("cuDeviceGetDefaultMemPool: {e}"))?;
+        let get = |attr: sys::CUmemPool_attribute| -> Result<u64> {
+            let mut v = 0u64;
+            // SAFETY: the USED/RESERVED_MEM_HIGH attributes write one cuuint64_t.
+            unsafe { sys::cuMemPoolGetAttribute(pool, attr, (&mut v as *mut u64).cast()) }
+                .result()
+                .map_err(|e| anyhow!("cuMemPoolGetAttribute({attr:?}): {e}"))?;
+            Ok(v)
+        };
+        Ok((get(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?, get(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?))
     }
 }
 

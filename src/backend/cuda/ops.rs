@@ -482,6 +482,33 @@ const _: () = assert!(size_of::<GemmGatedParams>() == 512 && align_of::<GemmGate
 // SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
 unsafe impl cudarc::driver::DeviceRepr for GemmGatedParams {}
 
+/// Name of the fused QKV wgmma GEMM (kernels/gemm_sm90a.cu).
+pub const GEMM_QKV_KERNEL: &str = "gemm_bf16_wgmma_qkv";
+
+/// `GemmQkvParams` of kernels/common.cuh (gemm_bf16_wgmma_qkv's one parameter).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GemmQkvParams {
+    /// x: (M, K) bf16, box (64, 128).
+    a: cudarc::driver::sys::CUtensorMap,
+    /// The fused W: (n_q + n_k + n_v, K) bf16, box (64, 256).
+    b: cudarc::driver::sys::CUtensorMap,
+    /// q (M, n_q), k (M, n_k), v (M, n_v) f32, contiguous.
+    y: [u64; 3],
+    /// Each projection's (width) f32 bias, or 0 for none.
+    bias: [u64; 3],
+    m: i32,
+    n: i32,
+    k: i32,
+    /// First column of k (= n_q) and of v (= n_q + n_k) in the fused product.
+    col1: i32,
+    col2: i32,
+    pad_: i32,
+}
+const _: () = assert!(size_of::<GemmQkvParams>() == 384 && align_of::<GemmQkvParams>() == 128);
+// SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
+unsafe impl cudarc::driver::DeviceRepr for GemmQkvParams {}
+
 /// Names of the gated wgmma GEMMs (kernels/gemm_sm90a.cu), one per activation.
 pub fn gemm_gated_kernel(act: Activation) -> &'static str {
     match act {
@@ -635,6 +662,80 @@ pub fn matmul_gated_bf16(
     // 4-byte aligned with n even (checked), as the epilogue's paired stores need.
     unsafe { b.launch(cfg((grid, 1, 1), GEMM_THREADS, GEMM_SMEM_BYTES as u32)) }.map_err(|e| launch_err(name, e))?;
     drop((sg, su));
+    Ok(())
+}
+
+/// Whether `matmul_qkv_bf16` runs the fused GEMM for an x of `m` rows and
+/// projections of `widths` columns (sm_90a, the wgmma sizes, even widths);
+/// otherwise the caller runs three matmuls.
+pub fn qkv_fusable(dev: &CudaDevice, m: usize, widths: [usize; 3]) -> bool {
+    let n: usize = widths.iter().sum();
+    dev.has_function(GEMM_QKV_KERNEL) && bf16_kernel_for(dev, m, n) == MatmulKernel::Wgmma && widths.iter().all(|w| w % 2 == 0)
+}
+
+/// The q, k and v projections of x in one wgmma GEMM: `ys[s] = x · w[s]ᵀ (+
+/// bias[s])`, x (m, K) bf16 contiguous, w[s] (width_s, K) in any stored format,
+/// ys[s] (m, width_s) f32 contiguous, bias[s] (width_s) f32. The three weights
+/// are dequantized (stored BF16: copied) into one (n_q + n_k + n_v, K) bf16
+/// scratch, freed in stream order after the GEMM; the epilogue writes each
+/// column into its projection's matrix. The same bits as three `matmul`s on the
+/// wgmma kernel then `add_bias`. Only when `qkv_fusable` (an error otherwise).
+pub fn matmul_qkv_bf16(
+    dev: &CudaDevice,
+    x: DevView<bf16>,
+    m: usize,
+    w: [&QuantMatrix; 3],
+    bias: Option<[DevView<f32>; 3]>,
+    ys: [DevViewMut<f32>; 3],
+) -> Result<()> {
+    let k = w[0].n_cols;
+    let widths = [w[0].n_rows, w[1].n_rows, w[2].n_rows];
+    let n: usize = widths.iter().sum();
+    ensure!(
+        w.iter().all(|w| w.n_cols == k),
+        "matmul_qkv: q, k, v weights take {}, {}, {} columns",
+        w[0].n_cols,
+        w[1].n_cols,
+        w[2].n_cols
+    );
+    ensure!(qkv_fusable(dev, m, widths), "matmul_qkv: no fused GEMM for M = {m}, widths {widths:?} on this device");
+    ensure!(k % 32 == 0 && x.len() == m * k && x.ptr() % 16 == 0, "matmul_qkv: x has {} elements (m * K = {m} * {k}) or is unaligned", x.len());
+    for (s, y) in ys.iter().enumerate() {
+        ensure!(y.len() == m * widths[s] && y.ptr() % 8 == 0, "matmul_qkv: output {s} has {} elements, m * width = {m} * {}", y.len(), widths[s]);
+    }
+    if let Some(b) = &bias {
+        for (s, b) in b.iter().enumerate() {
+            ensure!(b.len() == widths[s], "matmul_qkv: bias {s} has {} elements, the projection {}", b.len(), widths[s]);
+        }
+    }
+    // (n_q + n_k + n_v, K) bf16: the three weights one after another.
+    let mut scratch = dev.alloc_uninit::<bf16>(n * k)?;
+    let mut row0 = 0;
+    for wi in w {
+        dequant_bf16(dev, wi, scratch.slice_mut(row0 * k..(row0 + wi.n_rows) * k)?)?;
+        row0 += wi.n_rows;
+    }
+    let params = GemmQkvParams {
+        a: tensor_map_bf16(x.ptr(), m, k, GEMM_BM as u32)?,
+        b: tensor_map_bf16(scratch.view().ptr(), n, k, GEMM_BN as u32)?,
+        y: [ys[0].ptr(), ys[1].ptr(), ys[2].ptr()],
+        bias: bias.map_or([0; 3], |b| [b[0].ptr(), b[1].ptr(), b[2].ptr()]),
+        m: i32_of(m, "M")?,
+        n: i32_of(n, "N")?,
+        k: i32_of(k, "K")?,
+        col1: i32_of(widths[0], "n_q")?,
+        col2: i32_of(widths[0] + widths[1], "n_q + n_k")?,
+        pad_: 0,
+    };
+    let f = wgmma_func(dev, GEMM_QKV_KERNEL)?;
+    let grid = wgmma_grid(dev, GEMM_QKV_KERNEL, m.div_ceil(GEMM_BM) * n.div_ceil(GEMM_BN))?;
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&params);
+    // SAFETY: `params` mirrors GemmQkvParams of kernels/common.cuh (size asserted); the tensor
+    // maps cover x (m, k) and the scratch (n, k); each output holds (m, width) f32, 8-byte
+    // aligned with an even width, each bias (width) f32 (all checked above).
+    unsafe { b.launch(cfg((grid, 1, 1), GEMM_THREADS, GEMM_SMEM_BYTES as u32)) }.map_err(|e| launch_err(GEMM_QKV_KERNEL, e))?;
+    drop(scratch);
     Ok(())
 }
 
