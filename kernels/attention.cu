@@ -232,7 +232,7 @@ ATTN_D(256)
 // when it is stored, applied here to the decoded value. No dequantized copy of the
 // cache exists; a poisoned row (NaN scale) decodes to NaN as on the CPU. Rotated rows
 // (AttnArgs::rot; src/kv/hadamard.rs, y = H x stored) stay in the rotated basis:
-// a rotated K is met by staging q as (H q) / n (hadamard_rows in f32 over a
+// a rotated K is met by staging q as (H q) / n (hadamard_rows_d in f32 over a
 // scratch in the K and V stages, the exact power-of-two 1/n, then the bf16
 // rounding), so q·k = ((H q) / n)·y; a rotated V by rotating the output back,
 // O = (H O') / n with O' = Σ p y / l (f32, through the same scratch after the last
@@ -357,10 +357,18 @@ struct DecNvfp4 {  // D/2 bytes of E2M1 nibbles, f32 row scale at D/2, D/16 E4M3
     static __device__ __forceinline__ uint4 load8(const unsigned char* row, int c, const float*) {
         const uint32_t q = *reinterpret_cast<const uint32_t*>(row + c * 4);
         const float S = *reinterpret_cast<const float*>(row + D / 2);
-        const float bs = e4m3_value(row[D / 2 + 4 + c / 2]);
+        // e2m1 nibble (s e1 e0 m) -> E4M3 byte (s 0 0 e1 e0 m 0 0), whose value is the
+        // E2M1 value / 64 exactly (normal and subnormal alike); the 64 goes into the
+        // block scale (bs * 64 exact), and (v / 64) * (bs * 64) = v * bs exactly (a
+        // 2-bit times a 4-bit significand), then * S rounded once, as e2m1_value's path.
+        const float bs64 = __fmul_rn(e4m3_value(row[D / 2 + 4 + c / 2]), 64.0f);
+        auto remap = [](uint32_t x) { return ((x & 0x08080808u) << 4) | ((x & 0x07070707u) << 2); };
+        const uint32_t lo = remap(q & 0x0F0F0F0Fu), hi = remap((q >> 4) & 0x0F0F0F0Fu);
         float v[8];
+        CodeE4m3::cvt4(__byte_perm(lo, hi, 0x5140u), v);      // nibbles 0, 1, 2, 3
+        CodeE4m3::cvt4(__byte_perm(lo, hi, 0x7362u), v + 4);  // nibbles 4, 5, 6, 7
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(__fmul_rn(e2m1_value((q >> (4 * j)) & 0xFu), bs), S);
+        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(__fmul_rn(v[j], bs64), S);
         return pack_bf16x8(v);
     }
 };
@@ -562,7 +570,7 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
         cp_async_commit();
     }
     // K rotated (k = H⁻¹ y, y the stored rotated row): q·k = ((H q) / n)·y, so the
-    // queries are rotated the same way (hadamard_rows in f32, exact 1/n) before the
+    // queries are rotated the same way (hadamard_rows_d in f32, exact 1/n) before the
     // rounding; the K and V stages are the f32 scratch, so this runs before the first
     // tile lands there.
     if (rot_k) {
@@ -572,7 +580,7 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
             if (t0 + r < n_tokens) x = *reinterpret_cast<const float4*>(qb + (long long)(t0 + r) * a.q_stride + c);
             *reinterpret_cast<float4*>(scratch + r * D + c) = x;
         }
-        hadamard_rows(scratch, BQ, D, tid, THREADS, block_sync);
+        hadamard_rows_d<D>(scratch, BQ, tid, THREADS, block_sync);
         stage_q([&](int r, int c) { return make_float2(scratch[r * D + c] * inv_n, scratch[r * D + c + 1] * inv_n); });
         __syncthreads();  // the scratch read before a tile is written over it
     } else {
@@ -770,7 +778,7 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
         }
     }
     if (rot_v) {
-        hadamard_rows(scratch, BQ, D, tid, THREADS, block_sync);
+        hadamard_rows_d<D>(scratch, BQ, tid, THREADS, block_sync);
         for (int i = tid; i < BQ * (D / 2); i += THREADS) {
             const int r = i / (D / 2), c = (i % (D / 2)) * 2;
             if (t0 + r >= n_tokens) continue;

@@ -434,3 +434,27 @@ __device__ __forceinline__ void hadamard_rows(float* x, int n_rows, int d, int t
         sync();
     }
 }
+
+// --- attn ---
+// hadamard_rows for a row length D known at compile time (attention.cu's query and
+// output rotations): the stages unrolled, so the butterfly indices are shifts and
+// masks instead of divisions by a run-time h. The same pairs in the same stage
+// order as hadamard_rows, so the same bits.
+template <int D, typename Sync>
+__device__ __forceinline__ void hadamard_rows_d(float* x, int n_rows, int tid, int n_threads, Sync sync) {
+    constexpr int n = D & -D;
+    constexpr int half = D / 2;
+    sync();
+#pragma unroll
+    for (int h = 1; h < n; h <<= 1) {
+        for (int i = tid; i < n_rows * half; i += n_threads) {
+            const int r = i / half, p = i % half;
+            const int j = (p / h) * 2 * h + (p % h);
+            float* row = x + r * D;
+            const float a = row[j], b = row[j + h];
+            row[j] = __fadd_rn(a, b);
+            row[j + h] = __fsub_rn(a, b);
+        }
+        sync();
+    }
+}
