@@ -144,6 +144,8 @@ fn main() -> Result<()> {
     let shapes = [
         Shape { name: "causal ctx4096 d128 b4 h16", n_seqs: 4, n_tokens: 4096, n_heads: 16, n_kv_heads: 16, d_head: 128, window: 0, targets: Some((350.0, 319.0, 579.0)) },
         Shape { name: "causal ctx4096 d64 b4 h32", n_seqs: 4, n_tokens: 4096, n_heads: 32, n_kv_heads: 32, d_head: 64, window: 0, targets: Some((250.0, 284.0, 420.0)) },
+        Shape { name: "causal ctx512 d128 b32 h16", n_seqs: 32, n_tokens: 512, n_heads: 16, n_kv_heads: 16, d_head: 128, window: 0, targets: None },
+        Shape { name: "causal ctx512 d64 b32 h32", n_seqs: 32, n_tokens: 512, n_heads: 32, n_kv_heads: 32, d_head: 64, window: 0, targets: None },
         Shape { name: "causal ctx4096 d256 b4 h8", n_seqs: 4, n_tokens: 4096, n_heads: 8, n_kv_heads: 8, d_head: 256, window: 0, targets: None },
         Shape { name: "SmolLM2 9/3 d64 ctx4096 b8", n_seqs: 8, n_tokens: 4096, n_heads: 9, n_kv_heads: 3, d_head: 64, window: 0, targets: None },
         Shape { name: "Gemma-3 4/1 d256 ctx4096 b8 win512", n_seqs: 8, n_tokens: 4096, n_heads: 4, n_kv_heads: 1, d_head: 256, window: 512, targets: None },

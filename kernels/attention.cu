@@ -36,6 +36,8 @@
 // D = 256 with an f32 cache: the launcher raises the function's limit).
 #include "common.cuh"
 
+#include <cuda_fp8.h>
+
 #define ATT_BQ 16
 #define ATT_BK 32
 
@@ -204,7 +206,7 @@ ATTN_D(256)
 // kv_encode_<codec> in kv_codec.cu).
 // Algorithm (FlashAttention-2's forward): a block owns BQ = 64 * MT queries of
 // one head, 4 warps of 16 * MT query rows each (MT = m_tiles(D), 1 today, see
-// there), and walks the key tiles of BK = key_tile(D) keys that any of its
+// there), and walks the key tiles of BK = key_tile(D, raw) keys that any of its
 // queries can see. Per tile:
 //   S = Q·Kᵀ      mma.sync m16n8k16 bf16 -> f32; Q is the f32 input rounded to
 //                 bf16 (round to nearest even) once, when the block stages it;
@@ -212,29 +214,34 @@ ATTN_D(256)
 //   online softmax in f32 (row max over the quad with shuffles, ex2.approx);
 //   O += P·V      P rounded to bf16 (the A operand), V from ldmatrix.trans,
 //                 f32 accumulation; l sums the unrounded f32 probabilities.
-// Output = O / l. Q and both K/V stages live in shared memory with rows padded
-// by 8 elements (16 B), which makes every ldmatrix phase conflict-free; K and V
-// tiles are fetched with cp.async (16 B, zero-filled past the cached
-// positions) one tile ahead of the math (two stages). Quantized cache: the
-// tile's rows as stored (codes and scales) are fetched the same way with cp.async
-// into two raw stages one tile ahead, so the global loads overlap the MMAs; each
-// tile is then decoded from shared memory into one bf16 K and V stage through one
-// decoder per codec (flash::Dec*, the template's K and V parameters, so K and V
-// may differ: k8v4, k4v2): each 8-element chunk of a row is decoded as kv::codec
-// decodes it (code value * scale, one f32 multiply) and rounded to bf16 (nearest
-// even) into shared memory: the operand rounding a bf16 cache gets when it is
-// stored, applied here to the decoded value. No dequantized copy of the cache
-// exists; a poisoned row (NaN scale) decodes to NaN as on the CPU. Rotated rows
+// Output = O / l. Q's bf16 mma fragments are held in registers up to d_head 128
+// (q_in_regs), else Q lives in shared memory and is read with ldmatrix. K and V have
+// two bf16 stages each in shared memory, rows padded by 8 elements (16 B), which
+// makes every ldmatrix phase conflict-free; one barrier per tile. bf16 cache: tile
+// n + 1 is fetched with cp.async (16 B, zero-filled past the cached positions) into
+// the free stage while tile n's MMAs run. Quantized cache: the tile's rows as stored
+// (codes and scales) are fetched the same way into two raw stages, two tiles ahead;
+// during tile n, tile n + 1 is decoded from its raw stage into the free bf16 stage,
+// its K chunks placed between the k-steps of S = Q·Kᵀ and its V chunks between those
+// of P·V, so the decode's ALU work overlaps the tensor-core work (software
+// pipelining; one decoder per codec, flash::Dec*, the template's K and V parameters,
+// so K and V may differ: k8v4, k4v2): each 8-element chunk of a row is decoded as
+// kv::codec decodes it (code value * scale, one f32 multiply; E4M3 through the exact
+// cvt.rn.f16x2.e4m3x2, int8 through an exact byte-permute-and-subtract) and rounded
+// to bf16 (nearest even) into shared memory: the operand rounding a bf16 cache gets
+// when it is stored, applied here to the decoded value. No dequantized copy of the
+// cache exists; a poisoned row (NaN scale) decodes to NaN as on the CPU. Rotated rows
 // (AttnArgs::rot; src/kv/hadamard.rs, y = H x stored) stay in the rotated basis:
-// a rotated K is met by staging q as (H q) / n (hadamard_rows in f32 over a
-// scratch in the K stages, the exact power-of-two 1/n, then the bf16 rounding),
-// so q·k = ((H q) / n)·y; a rotated V by rotating the output back, O = (H O') / n
-// with O' = Σ p y / l (f32, through the same scratch after the last tile). Query
-// tiles run in reverse order (the longest causal rows start first).
+// a rotated K is met by staging q as (H q) / n (hadamard_rows_d in f32 over a
+// scratch in the K and V stages, the exact power-of-two 1/n, then the bf16
+// rounding), so q·k = ((H q) / n)·y; a rotated V by rotating the output back,
+// O = (H O') / n with O' = Σ p y / l (f32, through the same scratch after the last
+// tile). Query tiles run in reverse order (the longest causal rows start first).
 // Launch: grid (ceil(n_tokens/BQ), n_heads, n_seqs), block 128, dynamic shared
-// memory (BQ + 4*BK) * (D + 8) * 2 bytes for bf16 (BQ = 64 * MT; 168960 for D =
-// 256), (BQ + 2*BK) * (D + 8) * 2 + 2 * BK * (k_row_bytes + v_row_bytes) for a
-// quantized cache (171008 for fp8 at D = 256).
+// memory [BQ * (D + 8) * 2 when D > 128] + 4 * BK * (D + 8) * 2, plus 2 * BK *
+// (k_row_bytes + v_row_bytes) for a quantized cache (BQ = 64 * MT; BK = key_tile:
+// 64, 32 for a quantized cache at D = 256): bf16 d 128 69632 bytes, fp8 d 128
+// 106496 (two blocks per SM), bf16 d 256 168960, fp8 d 256 136192.
 // The launcher (ops::attention, ops::attn_flash_tiles) mirrors m_tiles and key_tile.
 // CPU twin: backend::cpu::attention::attention on the same bf16-rounded q, k, v
 // (a quantized format: on the CPU backend's cache of that format, kv::codec
@@ -249,7 +256,12 @@ constexpr int THREADS = 128;
 // TFLOP/s for d 128 and 170.4 for d 64, against 205.6 and 181.1 with MT = 1,
 // BK = 64: shared-memory bandwidth is not what bounds this kernel, so MT = 1.
 __host__ __device__ constexpr int m_tiles(int) { return 1; }
-__host__ __device__ constexpr int key_tile(int) { return 64; }
+// Keys per tile: 64, but 32 for a coded cache at d_head 256 (its two bf16 stages of K
+// and V plus two raw stages would not fit in shared memory at 64).
+__host__ __device__ constexpr int key_tile(int d, bool raw) { return raw || d <= 128 ? 64 : 32; }
+// Q's fragments live in registers (D / 16 * 4 per thread) up to d_head 128; at 256 they
+// would not fit beside O, so Q stays in shared memory and is read with ldmatrix.
+__host__ __device__ constexpr bool q_in_regs(int d) { return d <= 128; }
 
 // 2^x (MUFU.EX2, flush-to-zero; 2^-inf = 0): the probabilities are rounded to
 // bf16 next, far coarser than its ~2 ulp error.
@@ -298,46 +310,65 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 struct DecBf16 {
     static constexpr bool RAW = true;
 };
-template <int D>
-struct DecFp8 {  // D E4M3 codes, f32 scale at D
+// One-byte codes, four per 32-bit word (low byte first), to their exact f32 values.
+// E4M3: cvt.rn.f16x2.e4m3x2 (sm_89+, two codes per instruction): every E4M3 value is
+// an f16, so the conversion is exact and equals e4m3_value (0x7F / 0xFF give NaN).
+struct CodeE4m3 {
+    static __device__ __forceinline__ void cvt4(uint32_t w, float v[4]) {
+        const __half2 lo(__nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xFFFFu), __NV_E4M3));
+        const __half2 hi(__nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> 16), __NV_E4M3));
+        const float2 a = __half22float2(lo), b = __half22float2(hi);
+        v[0] = a.x;
+        v[1] = a.y;
+        v[2] = b.x;
+        v[3] = b.y;
+    }
+};
+// int8: byte b ^ 0x80 as the low mantissa bits of 2^23 is the float 2^23 + 128 + b
+// exactly; subtracting 2^23 + 128 (exact) leaves b (a byte permute and an add, no I2F).
+struct CodeInt8 {
+    static __device__ __forceinline__ void cvt4(uint32_t w, float v[4]) {
+        const uint32_t u = w ^ 0x80808080u;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[j] = __fsub_rn(__uint_as_float(__byte_perm(u, 0x4B000000u, 0x7440u + j)), 8388736.0f);
+    }
+};
+template <int D, typename CODE>
+struct DecByte {  // D one-byte codes (CODE: E4M3 or int8), f32 row scale at D
     static constexpr bool RAW = false;
     static __device__ __forceinline__ uint4 load8(const unsigned char* row, int c, const float*) {
         const uint2 q = *reinterpret_cast<const uint2*>(row + c * 8);
         const float s = *reinterpret_cast<const float*>(row + D);
         float v[8];
+        CODE::cvt4(q.x, v);
+        CODE::cvt4(q.y, v + 4);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            v[j] = __fmul_rn(e4m3_value((q.x >> (8 * j)) & 0xFFu), s);
-            v[4 + j] = __fmul_rn(e4m3_value((q.y >> (8 * j)) & 0xFFu), s);
-        }
+        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(v[j], s);
         return pack_bf16x8(v);
     }
 };
 template <int D>
-struct DecInt8 {  // D int8 codes, f32 scale at D
-    static constexpr bool RAW = false;
-    static __device__ __forceinline__ uint4 load8(const unsigned char* row, int c, const float*) {
-        const uint2 q = *reinterpret_cast<const uint2*>(row + c * 8);
-        const float s = *reinterpret_cast<const float*>(row + D);
-        float v[8];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            v[j] = __fmul_rn((float)(int8_t)((q.x >> (8 * j)) & 0xFFu), s);
-            v[4 + j] = __fmul_rn((float)(int8_t)((q.y >> (8 * j)) & 0xFFu), s);
-        }
-        return pack_bf16x8(v);
-    }
-};
+using DecFp8 = DecByte<D, CodeE4m3>;
+template <int D>
+using DecInt8 = DecByte<D, CodeInt8>;
 template <int D>
 struct DecNvfp4 {  // D/2 bytes of E2M1 nibbles, f32 row scale at D/2, D/16 E4M3 block scales at D/2 + 4
     static constexpr bool RAW = false;
     static __device__ __forceinline__ uint4 load8(const unsigned char* row, int c, const float*) {
         const uint32_t q = *reinterpret_cast<const uint32_t*>(row + c * 4);
         const float S = *reinterpret_cast<const float*>(row + D / 2);
-        const float bs = e4m3_value(row[D / 2 + 4 + c / 2]);
+        // e2m1 nibble (s e1 e0 m) -> E4M3 byte (s 0 0 e1 e0 m 0 0), whose value is the
+        // E2M1 value / 64 exactly (normal and subnormal alike); the 64 goes into the
+        // block scale (bs * 64 exact), and (v / 64) * (bs * 64) = v * bs exactly (a
+        // 2-bit times a 4-bit significand), then * S rounded once, as e2m1_value's path.
+        const float bs64 = __fmul_rn(e4m3_value(row[D / 2 + 4 + c / 2]), 64.0f);
+        auto remap = [](uint32_t x) { return ((x & 0x08080808u) << 4) | ((x & 0x07070707u) << 2); };
+        const uint32_t lo = remap(q & 0x0F0F0F0Fu), hi = remap((q >> 4) & 0x0F0F0F0Fu);
         float v[8];
+        CodeE4m3::cvt4(__byte_perm(lo, hi, 0x5140u), v);      // nibbles 0, 1, 2, 3
+        CodeE4m3::cvt4(__byte_perm(lo, hi, 0x7362u), v + 4);  // nibbles 4, 5, 6, 7
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(__fmul_rn(e2m1_value((q >> (4 * j)) & 0xFu), bs), S);
+        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(__fmul_rn(v[j], bs64), S);
         return pack_bf16x8(v);
     }
 };
@@ -394,28 +425,31 @@ __device__ __forceinline__ void store2<bf16>(bf16* p, float a, float b) {
 template <int D, typename OUT, typename KD, typename VD>
 __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
     using namespace flash;
-    constexpr int MT = m_tiles(D);  // 16-row query tiles per warp
-    constexpr int BQ = 4 * 16 * MT; // queries per block
-    constexpr int BK = key_tile(D); // keys per tile
-    constexpr int LDS = D + 8;      // shared row stride (elements)
-    constexpr int CH = D / 8;       // 16-byte chunks per row
-    constexpr int NT = BK / 8;      // 8-key column tiles of S
-    constexpr int DT = D / 8;       // 8-dim column tiles of O
-    constexpr bool RAW = KD::RAW;   // bf16 rows: cp.async; coded rows: decoded in the load
+    constexpr bool RAW = KD::RAW;        // bf16 rows: cp.async; coded rows: decoded in the load
+    constexpr int MT = m_tiles(D);       // 16-row query tiles per warp
+    constexpr int BQ = 4 * 16 * MT;      // queries per block
+    constexpr int BK = key_tile(D, RAW); // keys per tile
+    constexpr bool QREG = q_in_regs(D);  // Q's mma fragments held in registers
+    constexpr int LDS = D + 8;           // shared row stride (elements)
+    constexpr int CH = D / 8;            // 16-byte chunks per bf16 row
+    constexpr int NT = BK / 8;           // 8-key column tiles of S
+    constexpr int DT = D / 8;            // 8-dim column tiles of O
+    constexpr int KS = D / 16;           // k-steps of Q·Kᵀ
+    constexpr int VS = BK / 16;          // k-steps of P·V
+    constexpr int NC = BK * CH / THREADS; // decoded 8-element chunks per thread per tile, of K and of V
     static_assert(KD::RAW == VD::RAW, "K and V are both bf16 or both coded");
     static_assert(D % 16 == 0 && DT % 2 == 0, "head dims are multiples of 16");
-    static_assert(2 * BK * LDS * 2 >= BQ * D * 4, "the K stages hold a (BQ, D) f32 scratch");
+    static_assert(BK * CH % THREADS == 0, "a tile's chunks split evenly over the block");
+    static_assert(4 * BK * LDS * 2 >= BQ * D * 4, "the K and V stages hold a (BQ, D) f32 scratch");
     extern __shared__ __align__(16) unsigned char smem[];
-    // bf16 rows: Q, then 2 stages of K and 2 of V, each (BK, LDS), filled by cp.async.
-    // Coded rows: Q, one bf16 stage of K and one of V (the decoded operands), then 2
-    // stages of the raw K rows (BK * k_row_bytes) and 2 of the raw V rows, filled by
-    // cp.async one tile ahead and decoded from shared memory tile by tile.
-    constexpr int NSTAGE = RAW ? 2 : 1;
-    bf16* sq = reinterpret_cast<bf16*>(smem);  // (BQ, LDS)
-    bf16* sk = sq + BQ * LDS;                  // NSTAGE stages of (BK, LDS)
-    bf16* sv = sk + NSTAGE * BK * LDS;         // NSTAGE stages of (BK, LDS)
-    unsigned char* raw = reinterpret_cast<unsigned char*>(sv + NSTAGE * BK * LDS);
-    float* scratch = reinterpret_cast<float*>(sk);  // (BQ, D) f32 while no K tile lives there
+    // Q (unless QREG), then 2 stages of K and 2 of V, each (BK, LDS) bf16: for bf16 rows
+    // filled by cp.async, for coded rows decoded from the 2 raw stages that follow
+    // (BK * k_row_bytes of K each, then BK * v_row_bytes of V each), filled by cp.async.
+    bf16* sq = reinterpret_cast<bf16*>(smem);        // (BQ, LDS) unless QREG
+    bf16* sk = sq + (QREG ? 0 : BQ * LDS);           // 2 stages of (BK, LDS)
+    bf16* sv = sk + 2 * BK * LDS;                    // 2 stages of (BK, LDS)
+    unsigned char* raw = reinterpret_cast<unsigned char*>(sv + 2 * BK * LDS);
+    float* scratch = reinterpret_cast<float*>(sk);  // (BQ, D) f32 over the K and V stages while no tile lives there
     auto block_sync = [] { __syncthreads(); };
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -439,58 +473,106 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
     const float* qb = a.q + (long long)seq * n_tokens * a.q_stride + (long long)h * D;
     OUT* ob = reinterpret_cast<OUT*>(a.out) + (long long)seq * n_tokens * a.out_stride + (long long)h * D;
 
-    // Coded rows: raw stage `st` of K at raw + st * BK * krb, of V after both K stages.
-    unsigned char* raw_k = raw;
-    unsigned char* raw_v = raw + 2 * BK * krb;
-    auto load_kv = [&](int tile, int stage) {
+    // bf16 rows: tile -> bf16 stage `stage`, 16 bytes per cp.async; rows at or past
+    // kv_len are zero-filled.
+    auto load_bf16 = [&](int tile, int stage) {
         const int kbase = tile * BK;
-        if constexpr (RAW) {
-            bf16* dk = sk + stage * BK * LDS;
-            bf16* dv = sv + stage * BK * LDS;
-            for (int i = tid; i < BK * CH; i += THREADS) {
-                const int r = i / CH, c = i % CH;
-                const int kp = kbase + r;
-                const bool ok = kp < kv_len;
-                const long long row = ok ? kp : 0;
-                cp_async16(smem_addr(dk + r * LDS + c * 8), kh + row * krb + c * 16, ok ? 16 : 0);
-                cp_async16(smem_addr(dv + r * LDS + c * 8), vh + row * vrb + c * 16, ok ? 16 : 0);
-            }
-        } else {
-            // The tile's rows as stored, 16 bytes per cp.async (rows are multiples of 16
-            // bytes); rows at or past kv_len are zero-filled (they decode to zeros).
-            const int kch = (int)(krb / 16), vch = (int)(vrb / 16);
-            unsigned char* dk = raw_k + stage * BK * krb;
-            unsigned char* dv = raw_v + stage * BK * vrb;
-            for (int i = tid; i < BK * kch; i += THREADS) {
-                const int r = i / kch, c = i % kch;
-                const bool ok = kbase + r < kv_len;
-                cp_async16(smem_addr(dk + r * krb + c * 16), kh + (ok ? kbase + r : 0) * krb + c * 16, ok ? 16 : 0);
-            }
-            for (int i = tid; i < BK * vch; i += THREADS) {
-                const int r = i / vch, c = i % vch;
-                const bool ok = kbase + r < kv_len;
-                cp_async16(smem_addr(dv + r * vrb + c * 16), vh + (ok ? kbase + r : 0) * vrb + c * 16, ok ? 16 : 0);
-            }
+        bf16* dk = sk + stage * BK * LDS;
+        bf16* dv = sv + stage * BK * LDS;
+        for (int i = tid; i < BK * CH; i += THREADS) {
+            const int r = i / CH, c = i % CH;
+            const int kp = kbase + r;
+            const bool ok = kp < kv_len;
+            const long long row = ok ? kp : 0;
+            cp_async16(smem_addr(dk + r * LDS + c * 8), kh + row * krb + c * 16, ok ? 16 : 0);
+            cp_async16(smem_addr(dv + r * LDS + c * 8), vh + row * vrb + c * 16, ok ? 16 : 0);
         }
     };
-    // Coded rows: raw stage `stage` -> the bf16 operand tiles, 8 elements per chunk
+    // Coded rows: the tile's rows as stored -> raw stage `stage`, 16 bytes per cp.async
+    // (rows are multiples of 16 bytes); rows at or past kv_len are zero-filled (they
+    // decode to zeros).
+    unsigned char* raw_k = raw;
+    unsigned char* raw_v = raw + 2 * BK * krb;
+    auto load_raw = [&](int tile, int stage) {
+        const int kbase = tile * BK;
+        const int kch = (int)(krb / 16), vch = (int)(vrb / 16);
+        unsigned char* dk = raw_k + stage * BK * krb;
+        unsigned char* dv = raw_v + stage * BK * vrb;
+        for (int i = tid; i < BK * kch; i += THREADS) {
+            const int r = i / kch, c = i % kch;
+            const bool ok = kbase + r < kv_len;
+            cp_async16(smem_addr(dk + r * krb + c * 16), kh + (ok ? kbase + r : 0) * krb + c * 16, ok ? 16 : 0);
+        }
+        for (int i = tid; i < BK * vch; i += THREADS) {
+            const int r = i / vch, c = i % vch;
+            const bool ok = kbase + r < kv_len;
+            cp_async16(smem_addr(dv + r * vrb + c * 16), vh + (ok ? kbase + r : 0) * vrb + c * 16, ok ? 16 : 0);
+        }
+    };
+    // Coded rows: chunk j (of NC) of this thread, raw stage `stage` -> bf16 stage `stage`
     // (kv::codec's decode, still in the rotated basis, rounded to bf16 nearest even).
-    auto decode_kv = [&](int stage) {
+    auto decode_k = [&](int stage, int j) {
         if constexpr (!RAW) {
-            const unsigned char* rk = raw_k + stage * BK * krb;
-            const unsigned char* rv = raw_v + stage * BK * vrb;
-            for (int i = tid; i < BK * CH; i += THREADS) {
-                const int r = i / CH, c = i % CH;
-                *reinterpret_cast<uint4*>(sk + r * LDS + c * 8) = KD::load8(rk + r * krb, c, a.book);
-                *reinterpret_cast<uint4*>(sv + r * LDS + c * 8) = VD::load8(rv + r * vrb, c, a.book);
-            }
+            const int i = tid + j * THREADS, r = i / CH, c = i % CH;
+            *reinterpret_cast<uint4*>(sk + stage * BK * LDS + r * LDS + c * 8) =
+                KD::load8(raw_k + (stage * BK + r) * krb, c, a.book);
+        }
+    };
+    auto decode_v = [&](int stage, int j) {
+        if constexpr (!RAW) {
+            const int i = tid + j * THREADS, r = i / CH, c = i % CH;
+            *reinterpret_cast<uint4*>(sv + stage * BK * LDS + r * LDS + c * 8) =
+                VD::load8(raw_v + (stage * BK + r) * vrb, c, a.book);
         }
     };
 
-    // Q: f32 -> bf16 (nearest even) into shared memory; rows past n_tokens are zero.
+    // The warp's rows (tokens) within the window; this thread holds rows g and g + 8 of each m-tile.
+    const int row_w = t0 + warp * 16 * MT;
+    const int g = lane >> 2, cq = 2 * (lane & 3);
+    // Q: f32 -> bf16 (nearest even), rows past n_tokens zero: QREG as this thread's mma
+    // A fragments (rows g, g + 8; columns cq, cq + 1, cq + 8, cq + 9 of each k-step),
+    // else into shared memory for ldmatrix. `src(r, c)` gives the f32 pair at block row
+    // r, column c (c even).
+    uint32_t qf[MT][QREG ? KS : 1][4];
+    auto stage_q = [&](auto src) {
+        if constexpr (QREG) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const int r0 = warp * 16 * MT + mt * 16 + g;
+#pragma unroll
+                for (int kk = 0; kk < KS; ++kk) {
+                    const float2 x00 = src(r0, kk * 16 + cq), x10 = src(r0 + 8, kk * 16 + cq);
+                    const float2 x01 = src(r0, kk * 16 + cq + 8), x11 = src(r0 + 8, kk * 16 + cq + 8);
+                    qf[mt][kk][0] = pack_bf16x2(x00.x, x00.y);
+                    qf[mt][kk][1] = pack_bf16x2(x10.x, x10.y);
+                    qf[mt][kk][2] = pack_bf16x2(x01.x, x01.y);
+                    qf[mt][kk][3] = pack_bf16x2(x11.x, x11.y);
+                }
+            }
+        } else {
+            for (int i = tid; i < BQ * (D / 2); i += THREADS) {
+                const int r = i / (D / 2), c = (i % (D / 2)) * 2;
+                const float2 x = src(r, c);
+                *reinterpret_cast<uint32_t*>(sq + r * LDS + c) = pack_bf16x2(x.x, x.y);
+            }
+        }
+    };
+    auto q_global = [&](int r, int c) {
+        return t0 + r < n_tokens ? *reinterpret_cast<const float2*>(qb + (long long)(t0 + r) * a.q_stride + c)
+                                 : make_float2(0.f, 0.f);
+    };
+
+    // Prologue. Coded rows: raw tiles first and first + 1 in flight (two commit groups).
+    if constexpr (!RAW) {
+        load_raw(tile_first, 0);
+        cp_async_commit();
+        if (tile_first < tile_last) load_raw(tile_first + 1, 1);
+        cp_async_commit();
+    }
     // K rotated (k = H⁻¹ y, y the stored rotated row): q·k = ((H q) / n)·y, so the
-    // queries are rotated the same way (hadamard_rows in f32, exact 1/n) before the
-    // rounding; the K stages are the f32 scratch, so this runs before the first load.
+    // queries are rotated the same way (hadamard_rows_d in f32, exact 1/n) before the
+    // rounding; the K and V stages are the f32 scratch, so this runs before the first
+    // tile lands there.
     if (rot_k) {
         for (int i = tid; i < BQ * (D / 4); i += THREADS) {
             const int r = i / (D / 4), c = (i % (D / 4)) * 4;
@@ -498,24 +580,22 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
             if (t0 + r < n_tokens) x = *reinterpret_cast<const float4*>(qb + (long long)(t0 + r) * a.q_stride + c);
             *reinterpret_cast<float4*>(scratch + r * D + c) = x;
         }
-        hadamard_rows(scratch, BQ, D, tid, THREADS, block_sync);
-        for (int i = tid; i < BQ * (D / 4); i += THREADS) {
-            const int r = i / (D / 4), c = (i % (D / 4)) * 4;
-            const float4 x = *reinterpret_cast<const float4*>(scratch + r * D + c);
-            uint2 p = make_uint2(pack_bf16x2(x.x * inv_n, x.y * inv_n), pack_bf16x2(x.z * inv_n, x.w * inv_n));
-            *reinterpret_cast<uint2*>(sq + r * LDS + c) = p;
-        }
-        __syncthreads();  // the scratch read before the K stage is written
+        hadamard_rows_d<D>(scratch, BQ, tid, THREADS, block_sync);
+        stage_q([&](int r, int c) { return make_float2(scratch[r * D + c] * inv_n, scratch[r * D + c + 1] * inv_n); });
+        __syncthreads();  // the scratch read before a tile is written over it
+    } else {
+        stage_q(q_global);
     }
-    load_kv(tile_first, 0);
-    cp_async_commit();
-    if (!rot_k) {
-        for (int i = tid; i < BQ * (D / 4); i += THREADS) {
-            const int r = i / (D / 4), c = (i % (D / 4)) * 4;
-            float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (t0 + r < n_tokens) x = *reinterpret_cast<const float4*>(qb + (long long)(t0 + r) * a.q_stride + c);
-            uint2 p = make_uint2(pack_bf16x2(x.x, x.y), pack_bf16x2(x.z, x.w));
-            *reinterpret_cast<uint2*>(sq + r * LDS + c) = p;
+    if constexpr (RAW) {
+        load_bf16(tile_first, 0);
+        cp_async_commit();
+    } else {
+        cp_async_wait<1>();
+        __syncthreads();  // raw tile_first visible
+#pragma unroll
+        for (int j = 0; j < NC; ++j) {
+            decode_k(0, j);
+            decode_v(0, j);
         }
     }
 
@@ -530,25 +610,31 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
     }
     const float scale = a.scale, cap = a.softcap;
     const float scale_l2 = scale * LOG2E;
-    // The warp's rows (tokens) within the window; this thread holds rows g and g + 8 of each m-tile.
-    const int row_w = t0 + warp * 16 * MT;
-    const int qp0 = pos0 + row_w + (lane >> 2);
+    const int qp0 = pos0 + row_w + g;
     const int qp_min = pos0 + row_w, qp_max = pos0 + row_w + 16 * MT - 1;
     const uint32_t q_addr = smem_addr(sq + (warp * 16 * MT + (lane & 15)) * LDS + (lane >> 4) * 8);
 
-    int stage = 0;
+    // One barrier per tile. At the top of tile n: bf16 stage n % 2 (landed by cp.async,
+    // or decoded during tile n - 1) is visible, and the other stage, read during tile
+    // n - 1, is free. bf16 rows: tile n + 1 is fetched into it while tile n's MMAs run.
+    // Coded rows: raw tile n + 2 is fetched into the raw stage tile n was decoded from,
+    // and raw tile n + 1 is decoded into the free bf16 stage between tile n's MMAs
+    // (K chunks among the Q·Kᵀ k-steps, V chunks among the P·V k-steps), so the decode
+    // overlaps the tensor-core work. (At the last tile that decode reads a raw stage
+    // holding no tile; it writes a stage nothing reads again.)
     for (int tile = tile_first; tile <= tile_last; ++tile) {
-        if (tile < tile_last) load_kv(tile + 1, stage ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();  // tile `tile` (and Q, the first time) visible to every warp
-        if constexpr (!RAW) {
-            decode_kv(stage);
-            __syncthreads();  // the decoded tile visible; its raw stage free for the load after next
+        const int st = (tile - tile_first) & 1;
+        cp_async_wait<0>();
+        __syncthreads();
+        if constexpr (RAW) {
+            if (tile < tile_last) load_bf16(tile + 1, st ^ 1);
+        } else {
+            if (tile + 2 <= tile_last) load_raw(tile + 2, st);
         }
+        cp_async_commit();
 
-        const bf16* kb = sk + (RAW ? stage : 0) * BK * LDS;
-        const bf16* vb = sv + (RAW ? stage : 0) * BK * LDS;
+        const bf16* kb = sk + st * BK * LDS;
+        const bf16* vb = sv + st * BK * LDS;
         float s[MT][NT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -556,10 +642,17 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
             for (int i = 0; i < NT; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
         const uint32_t k_addr = smem_addr(kb + ((lane & 7) + (lane >> 4) * 8) * LDS + ((lane >> 3) & 1) * 8);
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
+        for (int kk = 0; kk < KS; ++kk) {
             uint32_t qa[MT][4];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) ldsm_x4(qa[mt], q_addr + (mt * 16 * LDS + kk * 16) * 2);
+            for (int mt = 0; mt < MT; ++mt) {
+                if constexpr (QREG) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) qa[mt][e] = qf[mt][kk][e];
+                } else {
+                    ldsm_x4(qa[mt], q_addr + (mt * 16 * LDS + kk * 16) * 2);
+                }
+            }
 #pragma unroll
             for (int nt = 0; nt < NT; nt += 2) {
                 uint32_t b[4];
@@ -570,6 +663,8 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
                     mma_bf16(s[mt][nt + 1], qa[mt], b[2], b[3]);
                 }
             }
+#pragma unroll
+            for (int j = kk * NC / KS; j < (kk + 1) * NC / KS; ++j) decode_k(st ^ 1, j);
         }
 
         // Scale, soft-cap, mask; then the online softmax update, per m-tile.
@@ -586,7 +681,7 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
                     if (cap > 0.f) x = cap * tanhf(s[mt][nt][e] * scale / cap) * LOG2E;
                     else x = s[mt][nt][e] * scale_l2;
                     if (!full) {
-                        const int kp = kbase + nt * 8 + 2 * (lane & 3) + (e & 1);
+                        const int kp = kbase + nt * 8 + cq + (e & 1);
                         const int qp = qp0 + mt * 16 + 8 * (e >> 1);
                         const bool vis = kp <= qp && kp < kv_len && (window <= 0 || qp - kp < window);
                         x = vis ? x : -INFINITY;
@@ -627,7 +722,7 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
         // O += P · V: the S accumulators of key tiles 2kk, 2kk+1 are the A fragment.
         const uint32_t v_addr = smem_addr(vb + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8);
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
+        for (int kk = 0; kk < VS; ++kk) {
             uint32_t pa[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
@@ -646,15 +741,17 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
                     mma_bf16(o[mt][dt + 1], pa[mt], b[2], b[3]);
                 }
             }
+#pragma unroll
+            for (int j = kk * NC / VS; j < (kk + 1) * NC / VS; ++j) decode_v(st ^ 1, j);
         }
-        __syncthreads();  // this tile's readers done before the next load or decode overwrites it
-        stage ^= 1;
     }
     cp_async_wait<0>();
 
     // O / l per row. V rotated (v = H⁻¹ y): Σ p v = (H Σ p y) / n, so the rows go
-    // through the f32 scratch (the K stages, free after the last tile's barrier),
-    // are rotated there and scaled by the exact 1/n on the way out.
+    // through the f32 scratch (the K and V stages, free once every warp is past the
+    // last tile: the barrier below), are rotated there and scaled by the exact 1/n on
+    // the way out.
+    if (rot_v) __syncthreads();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -663,10 +760,10 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
             const float inv = 1.0f / l;
-            const int rb = warp * 16 * MT + mt * 16 + (lane >> 2) + 8 * r;  // row in the block
+            const int rb = warp * 16 * MT + mt * 16 + g + 8 * r;  // row in the block
             const int t = t0 + rb;
             if (rot_v) {
-                float* srow = scratch + rb * D + 2 * (lane & 3);
+                float* srow = scratch + rb * D + cq;
 #pragma unroll
                 for (int i = 0; i < DT; ++i) {
                     srow[i * 8] = o[mt][i][2 * r] * inv;
@@ -675,13 +772,13 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
                 continue;
             }
             if (t >= n_tokens) continue;
-            OUT* orow = ob + (long long)t * a.out_stride + 2 * (lane & 3);
+            OUT* orow = ob + (long long)t * a.out_stride + cq;
 #pragma unroll
             for (int i = 0; i < DT; ++i) store2<OUT>(orow + i * 8, o[mt][i][2 * r] * inv, o[mt][i][2 * r + 1] * inv);
         }
     }
     if (rot_v) {
-        hadamard_rows(scratch, BQ, D, tid, THREADS, block_sync);
+        hadamard_rows_d<D>(scratch, BQ, tid, THREADS, block_sync);
         for (int i = tid; i < BQ * (D / 2); i += THREADS) {
             const int r = i / (D / 2), c = (i % (D / 2)) * 2;
             if (t0 + r >= n_tokens) continue;

@@ -417,11 +417,17 @@ __device__ __forceinline__ float e2m1_value(uint32_t c) {
 // butterflies and so its bits (each output is a fixed tree of adds). Threads `tid` of
 // `n_threads` share the work; `sync()` orders the stages (__syncwarp for one warp,
 // __syncthreads for a block) and is called before the first stage and after the last.
-template <typename Sync>
-__device__ __forceinline__ void hadamard_rows(float* x, int n_rows, int d, int tid, int n_threads, Sync sync) {
+// D > 0 fixes the row length at compile time (attention.cu's query and output
+// rotations: hadamard_rows_d): the stages unroll and the butterfly indices become
+// shifts and masks instead of divisions by a run-time h; the same pairs in the same
+// stage order, so the same bits. D == 0 takes d at run time (kv_codec.cu: hadamard_rows).
+template <int D, typename Sync>
+__device__ __forceinline__ void hadamard_rows_impl(float* x, int n_rows, int d_run, int tid, int n_threads, Sync sync) {
+    const int d = D > 0 ? D : d_run;
     const int n = d & -d;
     const int half = d / 2;
     sync();
+#pragma unroll
     for (int h = 1; h < n; h <<= 1) {
         for (int i = tid; i < n_rows * half; i += n_threads) {
             const int r = i / half, p = i % half;
@@ -433,6 +439,17 @@ __device__ __forceinline__ void hadamard_rows(float* x, int n_rows, int d, int t
         }
         sync();
     }
+}
+
+template <typename Sync>
+__device__ __forceinline__ void hadamard_rows(float* x, int n_rows, int d, int tid, int n_threads, Sync sync) {
+    hadamard_rows_impl<0>(x, n_rows, d, tid, n_threads, sync);
+}
+
+template <int D, typename Sync>
+__device__ __forceinline__ void hadamard_rows_d(float* x, int n_rows, int tid, int n_threads, Sync sync) {
+    static_assert(D > 0, "hadamard_rows_d: a compile-time row length");
+    hadamard_rows_impl<D>(x, n_rows, 0, tid, n_threads, sync);
 }
 
 // --- gemm ---

@@ -1505,8 +1505,11 @@ fn prefill_wave_holds_whole_v2_query_tiles() {
     // effective --prefill-chunk) fills every query tile of kernel v2 at every head size.
     use infernix_perplexity::backend::PROMPT_ATTENTION_WAVE_TOKENS as W;
     for d in [64, 96, 128, 256] {
-        let (bq, _) = ops::attn_flash_tiles(d);
-        assert_eq!(W % bq, 0, "wave of {W} tokens, v2 query tile of {bq} rows at d_head {d}");
+        for coded in [false, true] {
+            let (bq, bk) = ops::attn_flash_tiles(d, coded);
+            assert_eq!(W % bq, 0, "wave of {W} tokens, v2 query tile of {bq} rows at d_head {d} (coded {coded})");
+            assert!(bk % 16 == 0 && bk * d / 8 % 128 == 0, "key tile {bk} at d_head {d}: whole k-steps and an even chunk split");
+        }
     }
 }
 

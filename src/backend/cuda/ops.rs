@@ -1136,8 +1136,8 @@ impl AttnKernel {
                 "v2: flash attention on the tensor cores (mma.sync m16n8k16 bf16, ldmatrix, K/V double \
                  buffer); q rounded to bf16 (nearest even) in the kernel, P rounded to bf16, f32 \
                  accumulation and f32 online softmax; a bf16 cache fetched with cp.async, or a quantized cache's \
-                 stored rows fetched with cp.async one tile ahead and decoded from shared memory (src/kv's \
-                 decode, code * scale, rounded to bf16); Hadamard-rotated \
+                 stored rows fetched with cp.async two tiles ahead and decoded from shared memory (src/kv's \
+                 decode, code * scale, rounded to bf16), tile n + 1 between tile n's MMAs; Hadamard-rotated \
                  K: q rotated (f32) in the kernel before its rounding; rotated V: the output rotated back (f32)"
             }
         }
@@ -1175,10 +1175,12 @@ const _: () = assert!(size_of::<AttnArgs>() == 104, "AttnArgs must match kernels
 // SAFETY: plain data of fixed C layout (asserted above), passed by value as the kernel's parameter.
 unsafe impl cudarc::driver::DeviceRepr for AttnArgs {}
 
-/// (queries per block, keys per tile) of `attn_flash_d<d_head>_*`: the kernel's
-/// `4 * 16 * m_tiles(D)` and `key_tile(D)` (kernels/attention.cu).
-pub fn attn_flash_tiles(_d_head: usize) -> (usize, usize) {
-    let (m_tiles, key_tile) = (1, 64);
+/// (queries per block, keys per tile) of `attn_flash_d<d_head>_*` for a bf16 cache or
+/// (`coded`) a quantized one: the kernel's `4 * 16 * m_tiles(D)` and
+/// `key_tile(D, raw)` (kernels/attention.cu).
+pub fn attn_flash_tiles(d_head: usize, coded: bool) -> (usize, usize) {
+    let m_tiles = 1;
+    let key_tile = if coded && d_head > 128 { 32 } else { 64 };
     (4 * 16 * m_tiles, key_tile)
 }
 
@@ -1188,15 +1190,15 @@ fn attn_smem_bytes(d_head: usize, kv_bytes: usize) -> usize {
     16 * d_head * 4 + 32 * (d_head + kpad) * kv_bytes + 32 * d_head * kv_bytes
 }
 
-/// Dynamic shared memory of attn_flash (v2), bf16 rows padded by 8: for a bf16 cache
-/// Q and two stages of K and V; for a quantized one (`raw_row_bytes` = K's and V's
-/// row bytes) Q, one decoded stage of K and V, and two raw stages of the stored rows.
+/// Dynamic shared memory of attn_flash (v2), bf16 rows padded by 8: Q (only above
+/// d_head 128, the kernel's `q_in_regs`), two bf16 stages of K and of V, and for a
+/// quantized cache (`raw_row_bytes` = K's and V's row bytes) two raw stages of the
+/// stored rows.
 fn attn_flash_smem_bytes(d_head: usize, raw_row_bytes: Option<(usize, usize)>) -> usize {
-    let (bq, bk) = attn_flash_tiles(d_head);
-    match raw_row_bytes {
-        None => (bq + 4 * bk) * (d_head + 8) * 2,
-        Some((krb, vrb)) => (bq + 2 * bk) * (d_head + 8) * 2 + 2 * bk * (krb + vrb),
-    }
+    let (bq, bk) = attn_flash_tiles(d_head, raw_row_bytes.is_some());
+    let row = (d_head + 8) * 2;
+    let q = if d_head <= 128 { 0 } else { bq * row };
+    q + 4 * bk * row + raw_row_bytes.map_or(0, |(krb, vrb)| 2 * bk * (krb + vrb))
 }
 
 /// out[t, h*d_head ..] = softmax(q·Kᵀ * scale, causal/window mask) · V, per head with GQA,
@@ -1326,7 +1328,7 @@ fn attention_launch<O: OutElem>(
             );
             ensure!(out.ptr() % 8 == 0 && p.out_stride % 2 == 0, "attention v2: out must be 8-byte aligned with an even stride");
             let raw = (!matches!(cache.kv, "bf16")).then_some((cache.k_row_bytes, cache.v_row_bytes));
-            (format!("attn_flash_d{d}_{}_{}", cache.kv, O::NAME), attn_flash_smem_bytes(d, raw), attn_flash_tiles(d).0 as u32)
+            (format!("attn_flash_d{d}_{}_{}", cache.kv, O::NAME), attn_flash_smem_bytes(d, raw), attn_flash_tiles(d, raw.is_some()).0 as u32)
         }
     };
     let f = func(dev, &name)?;
