@@ -310,21 +310,7 @@ impl CudaBackend {
     ) -> Result<CudaAct> {
         let dev = self.device();
         let (n, d) = (x.n_rows, x.n_cols);
-        ensure!(
-            experts.len() == p.n_experts && counts.len() == p.n_experts,
-            "moe_ffn: {} experts and {} counters for a router over {}",
-            experts.len(),
-            counts.len(),
-            p.n_experts
-        );
-        ensure!((1..=p.n_experts).contains(&p.top_k), "moe_ffn: top {} of {} experts", p.top_k, p.n_experts);
-        ensure!(
-            router_logits.n_rows == n && router_logits.n_cols == p.n_experts,
-            "moe_ffn: router logits are {} x {}, expected {n} x {}",
-            router_logits.n_rows,
-            router_logits.n_cols,
-            p.n_experts
-        );
+        p.check_inputs(n, router_logits.n_rows, router_logits.n_cols, experts.len(), counts.len())?;
         let gate = same_bank(experts, "gate", |e| &e.gate)?;
         let up = same_bank(experts, "up", |e| &e.up)?;
         let down = same_bank(experts, "down", |e| &e.down)?;
