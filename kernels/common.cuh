@@ -469,3 +469,67 @@ struct GemmQkvParams {
     int m, n, k, col1, col2, pad_;
 };
 static_assert(sizeof(GemmQkvParams) == 384 && alignof(GemmQkvParams) == 128, "GemmQkvParams layout (ops::GemmQkvParams)");
+// --- moecuda ---
+// MXFP4 (GGUF type 39, ggml's block_mxfp4, 17 bytes / 32 weights): byte 0 the
+// E8M0 scale e, bytes 1..17 qs[16]; weight j (j < 16) is the low nibble of
+// qs[j], weight j + 16 its high nibble; y = kvalues_mxfp4[nibble] * 2^(e - 128)
+// (the E2M1 values doubled, times half the E8M0 scale; e < 2 the subnormal
+// halves 2^-128, 2^-127; e = 255 gives 2^127 as in ggml). One f32 product per
+// weight, correctly rounded, so every value is bit-exact against the CPU
+// decoder (src/backend/cpu/dequant.rs::block_mxfp4). Blocks are 17 bytes, so a
+// row may start at any byte: the loader reads bytes only.
+#define FMT_MXFP4 39
+
+__device__ __constant__ int8_t kvalues_mxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// ggml_e8m0_to_fp32_half: 2^(e - 128) built from its bits.
+__device__ __forceinline__ float e8m0_to_f32_half(uint32_t e) {
+    return __uint_as_float(e < 2u ? (0x00200000u << e) : ((e - 1u) << 23));
+}
+
+template <>
+__device__ __forceinline__ void dequant8<FMT_MXFP4>(const uint8_t* __restrict__ row, int g, float out[8]) {
+    const uint8_t* blk = row + (g >> 2) * 17;
+    const int s = g & 3;  // elements 8s..8s+8 of the block: qs[(s & 1) * 8 ..], nibble s >> 1
+    const float d = e8m0_to_f32_half(blk[0]);
+    const uint8_t* qs = blk + 1 + (s & 1) * 8;
+    const int shift = (s >> 1) * 4;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = fmul((float)kvalues_mxfp4[(qs[i] >> shift) & 0xF], d);
+}
+// Parameters of moe_gemm_* (kernels/moe.cu), mirrored by `moe::MoeGemmArgs`
+// (src/backend/cuda/moe.rs). x: (n_x_rows, k) bf16, 16-byte aligned; x_rows:
+// (n_slots) the row of x each slot reads, or null (slot s reads row s); w: per
+// expert the base of its (n, k) weight rows of row_bytes (the gate weight of the
+// gated kernels); w_up: the up weights (gated kernels) or null; tiles: (n_tiles,
+// 3) expert, first slot, end slot (exclusive, at most 64 slots); y: (n_slots,
+// ldy) f32 (plain) or bf16 (gated).
+struct MoeGemmArgs {
+    const bf16* x;
+    const int* x_rows;
+    const unsigned long long* w;
+    const unsigned long long* w_up;
+    const int* tiles;
+    void* y;
+    long long row_bytes;
+    long long ldy;
+    int n;
+    int k;
+};
+static_assert(sizeof(MoeGemmArgs) == 72, "MoeGemmArgs layout differs from moe::MoeGemmArgs");
+
+// Parameters of moe_combine (kernels/moe.cu), mirrored by `moe::MoeCombineArgs`.
+// y: (n_slots, d) f32 expert outputs; slot, weight: (n_rows, top_k) per row its
+// experts' slots and routing weights in ascending expert index; out: (n_rows, d) f32.
+struct MoeCombineArgs {
+    const float* y;
+    const int* slot;
+    const double* weight;
+    float* out;
+    int n_rows;
+    int d;
+    int top_k;
+    int pad_;
+};
+static_assert(sizeof(MoeCombineArgs) == 48, "MoeCombineArgs layout differs from moe::MoeCombineArgs");
+// --- end moecuda ---

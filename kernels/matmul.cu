@@ -26,6 +26,10 @@
 // (gemm_sm90a.cu) instead, after dequant_bf16_<fmt> (below) has expanded a
 // block-quantized W into a bf16 scratch; matmul_bf16_<fmt> keeps the small
 // shapes and GPUs without sm_90a.
+//
+// MXFP4 (17-byte blocks, not in FOR_EACH_FORMAT: the embedding kernels do not
+// read it) gets matmul_bf16_mxfp4, matmul_f32_mxfp4 and dequant_bf16_mxfp4
+// from the same templates, with the dequant8<FMT_MXFP4> of common.cuh.
 #include "common.cuh"
 
 #define MM_BM 64
@@ -209,6 +213,7 @@ __device__ void matmul_f32_impl(const float* __restrict__ x, const uint8_t* __re
         matmul_f32_impl<id>(x, w, y, M, N, K, row_bytes, ldy);                                   \
     }
 FOR_EACH_FORMAT(MATMUL)
+MATMUL(mxfp4, FMT_MXFP4)
 
 // dequant_bf16_<fmt>: out = bf16(dequant(W)), (n_rows, n_cols) row-major, the
 // weight operand of gemm_bf16_wgmma (gemm_sm90a.cu) for block-quantized
@@ -228,3 +233,4 @@ FOR_EACH_FORMAT(MATMUL)
         reinterpret_cast<uint4*>(out)[i] = pack_bf16x8(v);                                        \
     }
 FOR_EACH_FORMAT(DEQUANT_BF16)
+DEQUANT_BF16(mxfp4, FMT_MXFP4)

@@ -1575,3 +1575,211 @@ fn attention_v2_every_format_against_cpu_backend() {
     let err = ops::attention_coded::<f32>(dev, KvFormat::Vq2, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p, None).unwrap_err();
     assert!(format!("{err:#}").contains("codebook"), "{err:#}");
 }
+
+// ---------------------------------------------------------------- MXFP4 (moecuda)
+
+/// Random MXFP4 bytes (17-byte blocks): random nibbles, E8M0 scales drawn from
+/// `scales`.
+fn random_mxfp4(rng: &mut ChaCha8Rng, n_rows: usize, n_cols: usize, scales: std::ops::RangeInclusive<u8>) -> Vec<u8> {
+    let rb = TensorFormat::Mxfp4.row_bytes(n_cols).unwrap();
+    let mut out = vec![0u8; n_rows * rb];
+    rng.fill(&mut out[..]);
+    for blk in out.chunks_exact_mut(17) {
+        blk[0] = rng.gen_range(scales.clone());
+    }
+    out
+}
+
+/// The one CPU reference decoder (src/backend/cpu/dequant.rs).
+fn cpu_dequant(format: TensorFormat, bytes: &[u8], n_rows: usize, n_cols: usize) -> Vec<f32> {
+    infernix_perplexity::backend::cpu::dequant::dequantize_matrix(format, bytes, n_rows, n_cols).unwrap()
+}
+
+/// MXFP4's tile loader (dequant8<FMT_MXFP4>, common.cuh) through dequant_bf16_mxfp4:
+/// bit-exact against the CPU decoder rounded to bf16, over every code and E8M0
+/// scales from the subnormal halves (e = 0, 1) to 2^122 (no infinities: the check
+/// compares finite values); K = 96 gives 51-byte rows, so rows start at odd bytes.
+/// Then the f32 route's loader (matmul_f32_mxfp4, identity x) returns the CPU
+/// decoder's f32 values exactly.
+#[test]
+fn mxfp4_dequant_bit_exact_against_the_cpu_decoder() {
+    let Some(dev) = device() else { return };
+    for k in ["matmul_bf16_mxfp4", "matmul_f32_mxfp4", "dequant_bf16_mxfp4"] {
+        assert!(dev.function(k).is_ok(), "kernel {k} missing");
+    }
+    let mut rng = rng_for("mxfp4_dequant");
+    for (n, k, scales) in [(37usize, 512usize, 0u8..=250u8), (33, 96, 0..=3), (64, 96, 118..=130)] {
+        let bytes = random_mxfp4(&mut rng, n, k, scales);
+        let w = QuantMatrix::upload(dev, TensorFormat::Mxfp4, n, k, &bytes).unwrap();
+        let want = cpu_dequant(TensorFormat::Mxfp4, &bytes, n, k);
+        assert!(want.iter().all(|v| v.is_finite()), "the scales were chosen finite");
+        let mut out = poisoned::<bf16>(dev, n * k);
+        ops::dequant_bf16(dev, &w, out.view_mut()).unwrap();
+        let cpu: Vec<f64> = want.iter().map(|&v| twin::round_bf16(v) as f64).collect();
+        check(&format!("dequant_bf16_MXFP4 ({n}x{k})"), &bf16_to_f32(&dev.download(&out).unwrap()), &cpu, TOL_EXACT);
+        // x = I (k x k) on the f32 route: y[i, j] = W[j, i] exactly (one nonzero product per sum).
+        let eye: Vec<f32> = (0..k * k).map(|i| if i / k == i % k { 1.0 } else { 0.0 }).collect();
+        let xd = dev.upload(&eye).unwrap();
+        let mut y = poisoned::<f32>(dev, k * n);
+        ops::matmul(dev, xd.view(), k, &w, y.view_mut(), n).unwrap();
+        let gy = dev.download(&y).unwrap();
+        let cpu: Vec<f64> = (0..k).flat_map(|i| (0..n).map(|j| want[j * k + i] as f64).collect::<Vec<_>>()).collect();
+        check(&format!("matmul_f32_MXFP4 loader ({n}x{k})"), &gy, &cpu, TOL_EXACT);
+    }
+}
+
+/// MXFP4 products on every kernel of both routes against the f64 product of the
+/// CPU decoder's values (bf16-rounded for the default route): mma.sync, wgmma
+/// (sm_90a) and the FP32 route's FFMA, with partial tiles and odd-byte rows.
+#[test]
+fn mxfp4_matmul_every_kernel_against_the_cpu_decoder() {
+    let Some(dev) = device() else { return };
+    let mut rng = rng_for("mxfp4_matmul");
+    let wgmma = dev.has_function(ops::GEMM_WGMMA_KERNEL);
+    for (m, n, k) in [(70usize, 100usize, 512usize), (257, 300, 96), (200, 513, 1056)] {
+        let bytes = random_mxfp4(&mut rng, n, k, 118..=124);
+        let w = QuantMatrix::upload(dev, TensorFormat::Mxfp4, n, k, &bytes).unwrap();
+        let wf = cpu_dequant(TensorFormat::Mxfp4, &bytes, n, k);
+        let wb: Vec<f32> = wf.iter().map(|&v| twin::round_bf16(v)).collect();
+        let x = randn(&mut rng, m * k, 1.0);
+        let xb: Vec<f32> = x.iter().map(|&v| twin::round_bf16(v)).collect();
+        let xbd = upload_bf16(dev, &x);
+        let want_bf16 = twin::matmul_f64(&xb, &wb, m, n, k);
+        let mut kernels = vec![ops::MatmulKernel::MmaSync];
+        if wgmma {
+            kernels.push(ops::MatmulKernel::Wgmma);
+        }
+        for kernel in kernels {
+            let mut y = poisoned::<f32>(dev, m * n);
+            ops::matmul_bf16_with(dev, kernel, xbd.view(), m, &w, y.view_mut(), n).unwrap();
+            check(&format!("matmul_bf16 {} MXFP4 ({m}x{n}x{k})", kernel.name()), &dev.download(&y).unwrap(), &want_bf16, TOL_F32_ACC);
+        }
+        let xd = dev.upload(&x).unwrap();
+        let mut y = poisoned::<f32>(dev, m * n);
+        ops::matmul(dev, xd.view(), m, &w, y.view_mut(), n).unwrap();
+        check(&format!("matmul_f32 MXFP4 ({m}x{n}x{k})"), &dev.download(&y).unwrap(), &twin::matmul_f64(&x, &wf, m, n, k), TOL_F32_ACC);
+    }
+}
+
+// ---------------------------------------------------------------- routed experts (moecuda)
+
+/// The MoE op's output on the default route against the CPU backend's bf16
+/// emulation: both round the same operands, but the f32 products differ in
+/// accumulation order, so an `act(g) * u` value near a bf16 rounding boundary
+/// may round the other way (one bf16 ulp, 2^-8 relative, of one element of the
+/// down product's input), which moves an output by about 2^-8 / sqrt(d_ffn) of its
+/// RMS. A wrong expert, weight or row moves outputs by their whole size.
+const TOL_MOE_BF16: Tol = Tol { atol_rel: 2e-3, rtol: 5e-3, nmse: 1e-6 };
+
+fn f32_entry(name: &str, shape: Vec<u64>, format: TensorFormat, n_bytes: usize) -> infernix_perplexity::artifact::meta::TensorEntry {
+    infernix_perplexity::artifact::meta::TensorEntry {
+        name: name.into(),
+        component: infernix_perplexity::artifact::meta::Component::Text,
+        format,
+        shape,
+        offset: 0,
+        n_bytes: n_bytes as u64,
+        sha256: String::new(),
+    }
+}
+
+/// `Backend::moe_ffn` on CUDA (kernels/moe.cu, src/backend/cuda/moe.rs) against
+/// the CPU backend's op, its definition: the same rows and router logits
+/// (embedded from F32 tables, so both backends see identical values) with
+/// skewed logits (one expert takes more than one 64-slot tile, two experts
+/// none), tied logits (the lower index must win), every expert bank format
+/// family, both activations and both routes: the default route against the CPU's
+/// bf16 emulation, the FP32 route against the plain CPU. The routing counts must
+/// be equal, and rows must not depend on the pass they share: the first 70 rows
+/// alone give bit-identical outputs.
+#[test]
+fn moe_ffn_grouped_by_expert_against_the_cpu_backend() {
+    use infernix_perplexity::artifact::meta::Activation as Act;
+    use infernix_perplexity::artifact::TensorView;
+    use infernix_perplexity::backend::cpu::CpuBackend;
+    use infernix_perplexity::backend::cuda::{CudaBackend, Route};
+    use infernix_perplexity::backend::{Backend, Expert, MoeRouting};
+    let Some(_dev) = device() else { return };
+    let index = std::env::var("INFERNIX_CUDA_DEVICE").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+    let mut rng = rng_for("moe_ffn");
+    for (format, n, d, f, act, norm, top_k) in [
+        (TensorFormat::Q4_0, 150usize, 256usize, 160usize, Act::Silu, true, 4usize),
+        (TensorFormat::Q4K, 90, 256, 256, Act::Silu, false, 2),
+        (TensorFormat::Mxfp4, 75, 128, 96, Act::GeluTanh, true, 8),
+        (TensorFormat::F32, 130, 64, 64, Act::Silu, true, 1),
+    ] {
+        let n_e = 32;
+        let p = MoeRouting { n_experts: n_e, top_k, norm_topk_prob: norm, activation: act };
+        let x = randn(&mut rng, n * d, 1.0);
+        let mut logits = randn(&mut rng, n * n_e, 1.0);
+        for r in 0..n {
+            let l = &mut logits[r * n_e..(r + 1) * n_e];
+            l[5] += 2.5; // expert 5 takes most rows (several tiles)
+            l[30] -= 40.0; // experts 30 and 31 none
+            l[31] -= 40.0;
+            if r % 3 == 0 {
+                l[7] = l[5]; // a tie with the favourite: 5 must win a top-1 choice
+            }
+        }
+        let bank = |rng: &mut ChaCha8Rng, n_out: usize, n_in: usize| -> Vec<Vec<u8>> {
+            (0..n_e)
+                .map(|_| if format == TensorFormat::Mxfp4 { random_mxfp4(rng, n_out, n_in, 121..=124) } else { twin::random_matrix(format, n_out, n_in, rng) })
+                .collect()
+        };
+        let (gates, ups, downs) = (bank(&mut rng, f, d), bank(&mut rng, f, d), bank(&mut rng, d, f));
+        let x_bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let l_bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let x_entry = f32_entry("x", vec![n as u64, d as u64], TensorFormat::F32, x_bytes.len());
+        let l_entry = f32_entry("logits", vec![n as u64, n_e as u64], TensorFormat::F32, l_bytes.len());
+        let ids: Vec<u32> = (0..n as u32).collect();
+
+        fn run<B: Backend>(
+            b: &B,
+            x: TensorView,
+            l: TensorView,
+            ids: &[u32],
+            experts: &[Expert<B::Matrix>],
+            p: &MoeRouting,
+        ) -> (B::Act, Vec<u64>) {
+            let xt = b.load_matrix(&x).unwrap();
+            let lt = b.load_matrix(&l).unwrap();
+            let xa = b.embed(&xt, ids, 1.0).unwrap();
+            let la = b.embed(&lt, ids, 1.0).unwrap();
+            let mut counts = vec![0u64; p.n_experts];
+            let y = b.moe_ffn(&xa, &la, experts, p, &mut counts).unwrap();
+            (y, counts)
+        }
+        fn experts<B: Backend>(b: &B, format: TensorFormat, g: &[Vec<u8>], u: &[Vec<u8>], dn: &[Vec<u8>], d: usize, f: usize) -> Vec<Expert<B::Matrix>> {
+            let load = |name: String, bytes: &[u8], n_out: usize, n_in: usize| {
+                let e = f32_entry(&name, vec![n_out as u64, n_in as u64], format, bytes.len());
+                b.load_matrix(&TensorView { entry: &e, bytes }).unwrap()
+            };
+            (0..g.len())
+                .map(|e| Expert { gate: load(format!("gate[{e}]"), &g[e], f, d), up: load(format!("up[{e}]"), &u[e], f, d), down: load(format!("down[{e}]"), &dn[e], d, f) })
+                .collect()
+        }
+        for route in [Route::Bf16TensorCore, Route::Fp32] {
+            let cpu = CpuBackend { bf16_matmul_inputs: route == Route::Bf16TensorCore, ..CpuBackend::default() };
+            let cuda = CudaBackend::open(index, route, route.kv_dtype()).unwrap();
+            let xv = TensorView { entry: &x_entry, bytes: &x_bytes };
+            let lv = TensorView { entry: &l_entry, bytes: &l_bytes };
+            let ce = experts(&cpu, format, &gates, &ups, &downs, d, f);
+            let ge = experts(&cuda, format, &gates, &ups, &downs, d, f);
+            let (want, want_counts) = run(&cpu, xv, lv, &ids, &ce, &p);
+            let (got, got_counts) = run(&cuda, xv, lv, &ids, &ge, &p);
+            assert_eq!(got_counts, want_counts, "moe_ffn {} {}: routing counts", format.name(), route.name());
+            assert!(want_counts[5] > 64 && want_counts[30] == 0 && want_counts[31] == 0, "the skew must reach: {want_counts:?}");
+            let gy = cuda.device().download(got.f32("test").unwrap()).unwrap();
+            let tol = if route == Route::Fp32 { TOL_F32_ACC } else { TOL_MOE_BF16 };
+            let op = format!("moe_ffn {} {} {act:?} top{top_k} ({n}x{d}, f {f})", route.name(), format.name());
+            check(&op, &gy, &to_f64(&want.data), tol);
+            let same = gy.iter().zip(&want.data).filter(|(a, b)| a.to_bits() == b.to_bits()).count();
+            println!("MOE {op}: {same} of {} outputs bit-identical to the CPU backend", gy.len());
+            // The first 70 rows alone (other tiles, other slots): the same bits.
+            let head = 70.min(n);
+            let (part, _) = run(&cuda, xv, lv, &ids[..head], &ge, &p);
+            let gp = cuda.device().download(part.f32("test").unwrap()).unwrap();
+            assert!(gp.iter().zip(&gy[..head * d]).all(|(a, b)| a.to_bits() == b.to_bits()), "{op}: rows depend on the rows beside them");
+        }
+    }
+}

@@ -282,12 +282,13 @@ fn bad_moe_sources_fail_with_one_line_naming_file_and_field() {
     seeded::assert_convert_fails(env!("CARGO_BIN_EXE_ninfer-convert"), tmp.path(), &cases);
 }
 
-/// The CUDA backend refuses routed experts and MXFP4 by name, before any
-/// device is touched (so this runs without a GPU); and MXFP4 expert banks run
-/// on the CPU exactly as F32 banks holding the decoded values.
+/// MXFP4 expert banks run on the CPU exactly as F32 banks holding the decoded
+/// values; the CUDA backend's pre-device check accepts both (it runs routed
+/// experts and multiplies MXFP4, tests/gpu_e2e.rs) and refuses an MXFP4
+/// token-embedding table by name, before any device is touched.
 #[test]
-fn mxfp4_banks_run_on_the_cpu_and_cuda_refuses_moe_and_mxfp4_by_name() {
-    use infernix_perplexity::backend::ExecutionSpec;
+fn mxfp4_banks_run_on_the_cpu_and_cuda_accepts_them_but_not_an_mxfp4_embedding() {
+    use infernix_perplexity::model::check_cuda_support;
     let g = golden();
     let tmp = tempfile::tempdir().unwrap();
     // Bank bytes in MXFP4: per 32-weight block, E8M0 scale 2^-3 (e = 124) and
@@ -326,11 +327,18 @@ fn mxfp4_banks_run_on_the_cpu_and_cuda_refuses_moe_and_mxfp4_by_name() {
     assert_eq!(bank.n_bytes, 8 * 32 * 64 / 32 * 17, "MXFP4 bank kept as 17-byte blocks");
     assert_eq!(q_scores, f_scores, "MXFP4 banks must score exactly as F32 banks of the decoded values");
 
-    let cuda = BackendKind::Cuda { device: 0, spec: ExecutionSpec::lossless(512) };
-    let e = format!("{:#}", load_model(&q_art, cuda.clone(), 1.0).err().expect("CUDA must refuse"));
-    assert!(e.contains("MXFP4") && e.contains("_exps.weight") && e.contains("--backend cpu"), "{e}");
-    let e = format!("{:#}", load_model(&f_art, cuda, 1.0).err().expect("CUDA must refuse"));
-    assert!(e.contains("qwen3moe") && e.contains("not supported on the CUDA backend"), "{e}");
+    check_cuda_support(&q_art).expect("CUDA runs MXFP4 expert banks");
+    check_cuda_support(&f_art).expect("CUDA runs routed experts");
+    // The same model with its token embedding in MXFP4: refused by name.
+    let e_path = tmp.path().join("mxfp4_embd.gguf");
+    write_gguf(&g, &e_path, &|_, ts| {
+        for (name, dims, ty, bytes) in ts.iter_mut().filter(|t| t.0 == "token_embd.weight") {
+            (*ty, *bytes) = (39, mxfp4(name, dims.iter().product::<u64>() as usize).0);
+        }
+    });
+    let (e_art, _, _) = score(&e_path, &tmp.path().join("mxfp4_embd.ninfer"), None);
+    let e = format!("{:#}", check_cuda_support(&e_art).err().expect("CUDA must refuse an MXFP4 embedding"));
+    assert!(e.contains("token_embd.weight") && e.contains("MXFP4") && e.contains("--backend cpu"), "{e}");
 }
 
 /// End to end through `infernix-perplexity`: report.json carries the

@@ -47,10 +47,12 @@ pub const ALL_FORMATS: [TensorFormat; 14] = [
     TensorFormat::Iq4Nl,
 ];
 
-/// Formats kept and decoded by the CPU backend only: the CUDA backend
-/// refuses them by name (no tile loader yet). Not in [`ALL_FORMATS`], which
-/// lists the formats every backend runs (the GPU parity suites iterate it).
-pub const CPU_ONLY_FORMATS: [TensorFormat; 1] = [TensorFormat::Mxfp4];
+/// Formats the CUDA backend multiplies (matmul, gated FFN, LM head: its tile
+/// loader `dequant8` and `dequant_bf16_<fmt>`) but does not embed (no
+/// `embed_<fmt>` kernel: such a token-embedding table is refused by name).
+/// Not in [`ALL_FORMATS`], which lists the formats every op of every backend
+/// runs (the GPU parity suites iterate it; MXFP4 has its own parity tests).
+pub const MATMUL_ONLY_FORMATS: [TensorFormat; 1] = [TensorFormat::Mxfp4];
 
 /// Elements per super-block of the K-quants.
 pub const QK_K: usize = 256;
@@ -58,12 +60,13 @@ pub const QK_K: usize = 256;
 impl TensorFormat {
     /// The format for a GGML type id, or `None` when we do not keep that type.
     pub fn from_ggml_type(id: u32) -> Option<Self> {
-        ALL_FORMATS.iter().chain(&CPU_ONLY_FORMATS).copied().find(|f| *f as u32 == id)
+        ALL_FORMATS.iter().chain(&MATMUL_ONLY_FORMATS).copied().find(|f| *f as u32 == id)
     }
 
-    /// Whether every backend runs this format (`false`: CPU only, see [`CPU_ONLY_FORMATS`]).
-    pub fn runs_on_cuda(self) -> bool {
-        !CPU_ONLY_FORMATS.contains(&self)
+    /// Whether the CUDA backend's embedding kernel reads this format (`false`:
+    /// matrix products only, see [`MATMUL_ONLY_FORMATS`]).
+    pub fn cuda_embeds(self) -> bool {
+        !MATMUL_ONLY_FORMATS.contains(&self)
     }
 
     /// GGML's name of a type id, for error messages about types we do not keep.
@@ -100,12 +103,12 @@ impl TensorFormat {
     }
 
     pub fn from_name(name: &str) -> Result<Self> {
-        match ALL_FORMATS.iter().chain(&CPU_ONLY_FORMATS).copied().find(|f| f.name().eq_ignore_ascii_case(name)) {
+        match ALL_FORMATS.iter().chain(&MATMUL_ONLY_FORMATS).copied().find(|f| f.name().eq_ignore_ascii_case(name)) {
             Some(f) => Ok(f),
             None => bail!(
                 "unknown tensor format {name:?} (known: {}, {})",
                 ALL_FORMATS.map(|f| f.name()).join(", "),
-                CPU_ONLY_FORMATS.map(|f| f.name()).join(", ")
+                MATMUL_ONLY_FORMATS.map(|f| f.name()).join(", ")
             ),
         }
     }
@@ -175,14 +178,14 @@ mod tests {
 
     #[test]
     fn ggml_ids_round_trip() {
-        for f in ALL_FORMATS.into_iter().chain(CPU_ONLY_FORMATS) {
+        for f in ALL_FORMATS.into_iter().chain(MATMUL_ONLY_FORMATS) {
             assert_eq!(TensorFormat::from_ggml_type(f as u32), Some(f));
             assert_eq!(TensorFormat::from_name(f.name()).unwrap(), f);
         }
         assert_eq!(TensorFormat::from_ggml_type(15), None); // Q8_K is not kept
         assert_eq!(TensorFormat::ggml_type_name(23), "IQ4_XS (type 23)");
         assert_eq!(TensorFormat::ggml_type_name(39), "MXFP4 (type 39)");
-        assert!(!TensorFormat::Mxfp4.runs_on_cuda() && TensorFormat::Q4K.runs_on_cuda());
+        assert!(!TensorFormat::Mxfp4.cuda_embeds() && TensorFormat::Q4K.cuda_embeds());
     }
 
     #[test]

@@ -25,7 +25,7 @@
 pub mod cpu;
 pub mod cuda;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, ensure, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::artifact::meta::{Activation, RopeStyle};
@@ -220,6 +220,26 @@ pub struct MoeRouting {
     pub norm_topk_prob: bool,
     /// The experts' gated activation (SwiGLU for qwen3moe).
     pub activation: Activation,
+}
+
+impl MoeRouting {
+    /// The shape checks of every backend's [`Backend::moe_ffn`]: `n_experts`
+    /// experts and counters, `1 <= top_k <= n_experts`, router logits
+    /// `(n_rows, n_experts)` as `(logit_rows, logit_cols)`.
+    pub fn check_inputs(&self, n_rows: usize, logit_rows: usize, logit_cols: usize, n_experts: usize, n_counts: usize) -> Result<()> {
+        ensure!(
+            n_experts == self.n_experts && n_counts == self.n_experts,
+            "moe_ffn: {n_experts} experts and {n_counts} counters for a router over {}",
+            self.n_experts
+        );
+        ensure!((1..=self.n_experts).contains(&self.top_k), "moe_ffn: top {} of {} experts", self.top_k, self.n_experts);
+        ensure!(
+            logit_rows == n_rows && logit_cols == self.n_experts,
+            "moe_ffn: router logits are {logit_rows} x {logit_cols}, expected {n_rows} x {}",
+            self.n_experts
+        );
+        Ok(())
+    }
 }
 
 /// One expert of a routed FFN: `down(act(gate x) * up x)`, each matrix

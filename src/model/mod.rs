@@ -656,15 +656,18 @@ where
 }
 
 /// Refuses, before any device is opened, what the CUDA backend cannot run
-/// yet: qwen3next, the routed-expert architectures and the CPU-only block formats
-/// (MXFP4). The message names the architecture or the tensor and format.
+/// yet: qwen3next (Gated DeltaNet, sigmoid gating) and a token-embedding table
+/// in a format its embedding kernel does not read (MXFP4, which it multiplies
+/// but does not embed). The message names the architecture or the tensor and format.
 pub fn check_cuda_support(artifact: &Artifact) -> Result<()> {
     let meta = &artifact.meta;
-    if let Some(t) = meta.tensors.iter().find(|t| !t.format.runs_on_cuda()) {
+    if let Some(t) = meta.tensors.iter().find(|t| t.name == names::TOKEN_EMBD && !t.format.cuda_embeds()) {
         bail!(
-            "{}: tensor {} is {}, a block format the CUDA backend does not load yet: use --backend cpu",
+            "{}: tensor {} is {}, a format the CUDA embedding kernel does not read (it multiplies {} weights, \
+             it does not embed them): use --backend cpu",
             artifact.path.display(),
             t.name,
+            t.format,
             t.format
         );
     }
@@ -672,12 +675,6 @@ pub fn check_cuda_support(artifact: &Artifact) -> Result<()> {
         meta.hparams.hybrid.is_none(),
         "{}: architecture {} (Gated DeltaNet linear attention, gated full attention, shared expert) is not supported on the \
          CUDA backend yet: use --backend cpu",
-        artifact.path.display(),
-        meta.architecture.name()
-    );
-    ensure!(
-        meta.hparams.moe.is_none(),
-        "{}: architecture {} (routed mixture of experts) is not supported on the CUDA backend yet: use --backend cpu",
         artifact.path.display(),
         meta.architecture.name()
     );

@@ -485,7 +485,7 @@ const _: () = assert!(QK_K == 256, "the K-quant layouts above assume 256-element
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::artifact::format::{ALL_FORMATS, CPU_ONLY_FORMATS};
+    use crate::artifact::format::{ALL_FORMATS, MATMUL_ONLY_FORMATS};
 
     /// f16 bytes of a value that f16 represents exactly.
     fn h(x: f32) -> [u8; 2] {
@@ -876,7 +876,7 @@ mod tests {
 
     #[test]
     fn rows_gather_and_matrix_agree_with_single_rows() {
-        for format in ALL_FORMATS.into_iter().chain(CPU_ONLY_FORMATS) {
+        for format in ALL_FORMATS.into_iter().chain(MATMUL_ONLY_FORMATS) {
             let n_cols = 2 * QK_K;
             let n_rows = 5;
             let row_bytes = format.row_bytes(n_cols).unwrap();

@@ -48,21 +48,7 @@ impl CpuBackend {
         counts: &mut [u64],
     ) -> Result<CpuTensor> {
         let (n, d) = (x.n_rows, x.n_cols);
-        ensure!(
-            experts.len() == p.n_experts && counts.len() == p.n_experts,
-            "moe_ffn: {} experts and {} counters for a router over {}",
-            experts.len(),
-            counts.len(),
-            p.n_experts
-        );
-        ensure!((1..=p.n_experts).contains(&p.top_k), "moe_ffn: top {} of {} experts", p.top_k, p.n_experts);
-        ensure!(
-            router_logits.n_rows == n && router_logits.n_cols == p.n_experts,
-            "moe_ffn: router logits are {} x {}, expected {n} x {}",
-            router_logits.n_rows,
-            router_logits.n_cols,
-            p.n_experts
-        );
+        p.check_inputs(n, router_logits.n_rows, router_logits.n_cols, experts.len(), counts.len())?;
         // Per row, its experts and weights (ascending expert index).
         let routes: Vec<Vec<(usize, f64)>> =
             router_logits.data.chunks_exact(p.n_experts).map(|l| route(l, p.top_k, p.norm_topk_prob)).collect();

@@ -72,7 +72,9 @@ use super::profile::OpProfile;
 use crate::artifact::meta::{Activation, RopeStyle};
 use crate::artifact::TensorView;
 use crate::backend::cpu::{dequant, head::check_request};
-use crate::backend::{AttnParams, Backend, DeviceMemory, ExecutionInfo, HeadRequest, KvGeometry, PassRows, RopeParams, RowScore};
+use crate::backend::{
+    AttnParams, Backend, DeviceMemory, ExecutionInfo, Expert, HeadRequest, KvGeometry, MoeRouting, PassRows, RopeParams, RowScore,
+};
 use crate::kv::KvFormat;
 
 /// The numeric route of the CUDA backend.
@@ -126,7 +128,7 @@ impl CudaAct {
     }
 
     /// The f32 values for writing in place; drops the bf16 copy, which would be stale.
-    fn f32_mut(&mut self, op: &str) -> Result<&mut DeviceBuffer<f32>> {
+    pub(super) fn f32_mut(&mut self, op: &str) -> Result<&mut DeviceBuffer<f32>> {
         self.bf16 = None;
         let (r, c) = (self.n_rows, self.n_cols);
         self.f32
@@ -285,11 +287,11 @@ impl CudaBackend {
         self.route
     }
 
-    fn new_act(&self, n_rows: usize, n_cols: usize) -> Result<CudaAct> {
+    pub(super) fn new_act(&self, n_rows: usize, n_cols: usize) -> Result<CudaAct> {
         Ok(CudaAct { n_rows, n_cols, f32: Some(self.dev.alloc_uninit(n_rows * n_cols)?), bf16: None })
     }
 
-    fn new_act_bf16(&self, n_rows: usize, n_cols: usize) -> Result<CudaAct> {
+    pub(super) fn new_act_bf16(&self, n_rows: usize, n_cols: usize) -> Result<CudaAct> {
         Ok(CudaAct { n_rows, n_cols, f32: None, bf16: Some(self.dev.alloc_uninit(n_rows * n_cols)?) })
     }
 
@@ -300,7 +302,7 @@ impl CudaBackend {
 
     /// x as the default route's bf16 matmul input: its bf16 copy, or a rounding of
     /// its f32 values into `tmp`.
-    fn bf16_input<'a>(&self, x: &'a CudaAct, tmp: &'a mut Option<DeviceBuffer<bf16>>) -> Result<DevView<'a, bf16>> {
+    pub(super) fn bf16_input<'a>(&self, x: &'a CudaAct, tmp: &'a mut Option<DeviceBuffer<bf16>>) -> Result<DevView<'a, bf16>> {
         if let Some(b) = x.bf16() {
             return Ok(b.view());
         }
@@ -726,6 +728,11 @@ impl Backend for CudaBackend {
         ops::matmul_gated_bf16(&self.dev, a, hb, h.n_rows, &gate.q, &up.q, ov)
             .with_context(|| format!("gated_ffn {} / {}", gate.name, up.name))?;
         Ok(out)
+    }
+
+    fn moe_ffn(&self, x: &CudaAct, router_logits: &CudaAct, experts: &[Expert<CudaMatrix>], p: &MoeRouting, counts: &mut [u64]) -> Result<CudaAct> {
+        let _prof = self.prof.scope(&self.dev, "moe")?;
+        self.moe_ffn_cuda(x, router_logits, experts, p, counts)
     }
 
     fn add_assign(&self, x: &mut CudaAct, y: &CudaAct) -> Result<()> {

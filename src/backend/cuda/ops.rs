@@ -32,23 +32,23 @@ pub trait KvElem: Elem {}
 impl KvElem for f32 {}
 impl KvElem for bf16 {}
 
-fn i32_of(v: usize, what: &str) -> Result<i32> {
+pub(super) fn i32_of(v: usize, what: &str) -> Result<i32> {
     i32::try_from(v).map_err(|_| anyhow!("{what} = {v} does not fit the kernels' 32-bit index"))
 }
 
-fn grid_1d(n: usize, block: u32) -> Result<u32> {
+pub(super) fn grid_1d(n: usize, block: u32) -> Result<u32> {
     u32::try_from(n.div_ceil(block as usize)).map_err(|_| anyhow!("{n} elements exceed one 1-D grid"))
 }
 
-fn launch_err(name: &str, e: cudarc::driver::DriverError) -> anyhow::Error {
+pub(super) fn launch_err(name: &str, e: cudarc::driver::DriverError) -> anyhow::Error {
     anyhow!("launching CUDA kernel {name}: {e}")
 }
 
-fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> LaunchConfig {
+pub(super) fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> LaunchConfig {
     LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem }
 }
 
-fn func<'a>(dev: &'a CudaDevice, name: &str) -> Result<&'a CudaFunction> {
+pub(super) fn func<'a>(dev: &'a CudaDevice, name: &str) -> Result<&'a CudaFunction> {
     dev.function(name)
 }
 
