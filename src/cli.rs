@@ -186,8 +186,8 @@ pub struct Args {
     #[arg(long, value_name = "N")]
     pub verify_invariance: Option<usize>,
     /// Early stop: score windows in a seeded random order and stop once the
-    /// 95 % half-width (clustered by window) of the overall mean NLL falls
-    /// below X nats (docs/report-extras.md).
+    /// 95 % half-width (clustered by window) of the overall mean NLL (of the
+    /// mean KL with --kl-reference) falls below X nats (docs/report-extras.md).
     #[arg(long, value_name = "X")]
     pub target_uncertainty: Option<f64>,
     /// Score only shard K of N (K counted from 0): window g of the plan (stream

@@ -32,12 +32,12 @@ use crate::score::invariance::{Invariance, InvarianceAcc};
 use crate::score::position::window_sums;
 use crate::score::topk::TopRecord;
 use crate::score::floor::{alternate_prefill_chunk, NoiseFloor};
-use crate::score::kl::KlSummary;
+use crate::score::kl::{KlDetail, WindowKl};
 use crate::score::paired::PairedWindow;
 use crate::score::{domain_summaries, overall_summary, StreamStats, Summary, WindowScores, WindowStats};
 use crate::text::corpus;
 use crate::text::tokenizer::{token_ids_sha256, TextTokenizer};
-use crate::top_tokens::{compare_with_record, record_of, window_tokens, TopTokensRun};
+use crate::top_tokens::{compare_with_record, record_of, window_tokens, PartFile, TopTokensPart, TopTokensRun};
 use crate::util::signal;
 
 /// What the scoring loop reports as it goes.
@@ -133,7 +133,18 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
     let tokenize_seconds = t_tok.elapsed().as_secs_f64();
     // Memory and batching are sized from the whole plan, so a shard runs as the one process would.
     let sizes = PlanSizes::of(&streams);
-    let shard = cfg.shard.map(|sh| select_shard(&mut streams, sh));
+    // --save-tokens is written and --kl-reference checked here, for the whole plan, before any scoring.
+    let mut top_tokens = TopTokensRun::prepare(cfg, &artifact, corpus_info.as_ref(), &streams, bos)?;
+    let shard = match cfg.shard {
+        None => None,
+        Some(sh) => {
+            let mut info = select_shard(&mut streams, sh);
+            if let Some(p) = &cfg.save_top_tokens {
+                info.top_tokens = Some(std::path::absolute(p).with_context(|| format!("--save-top-tokens {}", p.display()))?.display().to_string());
+            }
+            Some(info)
+        }
+    };
 
     let workload = Workload {
         input: match cfg.input {
@@ -176,9 +187,6 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
         noise_floor: None,
         memory: None,
     };
-    // --save-tokens is written and --kl-reference checked here, before any scoring.
-    let mut top_tokens = TopTokensRun::prepare(cfg, &artifact, report.workload.corpus.as_ref(), &streams, bos)?;
-
     if cfg.dry_run {
         if let Some(t) = &mut top_tokens {
             t.commit_saved_tokens()?;
@@ -233,7 +241,7 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
         spec,
         details,
     });
-    let mut checkpoints = match &cfg.resume {
+    let checkpoints = match &cfg.resume {
         None => None,
         Some(dir) => {
             if artifact.meta.hparams.moe.is_some() {
@@ -241,6 +249,8 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
             }
             let execution = report.execution.as_ref().context("execution is recorded before scoring")?;
             let plan = ResumePlan {
+                save_top_tokens: cfg.save_top_tokens.is_some(),
+                kl_reference_sha256: top_tokens.as_ref().and_then(TopTokensRun::reference).map(|r| r.sha256.clone()),
                 schema_version: report::SCHEMA_VERSION,
                 artifact_digest: artifact.digest.clone(),
                 workload: report.workload.clone(),
@@ -265,20 +275,48 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
             "artifact_digest": artifact.digest,
             "backend": scorer.describe_backend(),
         });
-        t.create_writer(cfg, producer)?;
+        t.set_producer(producer);
     }
 
     let t_score = Instant::now();
-    let n_resumed = checkpoints.as_ref().map_or(0, |c| c.n_done());
-    let (stats, window_results, stream_kl) = if let Some(x) = cfg.target_uncertainty {
-        let (out, e) = score_early_stop(&streams, scorer.as_mut(), bos, cfg.prefill_chunk, x, on_event)?;
+    let n_workers = scorers.len() + 1;
+    // --save-top-tokens: where each worker's records go; `joined` are the parts to join into the file.
+    let mut parts = Vec::with_capacity(n_workers);
+    let mut joined: Vec<(String, std::path::PathBuf)> = Vec::new();
+    let mut scratch = RemoveOnDrop(Vec::new());
+    if let Some(t) = &top_tokens {
+        for i in 0..n_workers {
+            let mine = if n_workers > 1 { worker_windows(&streams, i, n_workers) } else { streams.clone() };
+            let file = match (t.save_path(), &checkpoints) {
+                (None, _) => None,
+                (Some(_), Some(c)) => Some(PartFile::PerWindow(c.dir().to_path_buf())),
+                (Some(path), None) if n_workers == 1 => Some(PartFile::Whole(path.to_path_buf())),
+                (Some(path), None) => {
+                    let p = std::path::PathBuf::from(format!("{}.worker{i}-{}", path.display(), std::process::id()));
+                    joined.push((format!("worker {i}'s top tokens"), p.clone()));
+                    scratch.0.push(p.clone());
+                    Some(PartFile::Whole(p))
+                }
+            };
+            parts.push(Some(t.part(&mine, file)?));
+        }
+        if let (Some(_), Some(c)) = (t.save_path(), &checkpoints) {
+            for (si, s) in streams.iter().enumerate() {
+                joined.extend(s.windows.iter().map(|w| (format!("--resume top tokens of stream '{}' window {}", s.name, w.index), crate::resume::top_tokens_file(c.dir(), si, w.index))));
+            }
+        }
+    } else {
+        parts.resize_with(n_workers, || None);
+    }
+    let (stats, mut window_results) = if let Some(x) = cfg.target_uncertainty {
+        let (out, e) = score_early_stop(&streams, scorer.as_mut(), bos, cfg.prefill_chunk, x, parts[0].as_mut(), on_event)?;
         report.results.early_stop = Some(e);
         out
     } else if scorers.is_empty() {
-        score_streams(&streams, scorer.as_mut(), bos, cfg.prefill_chunk, n_seqs, top_tokens.as_mut(), checkpoints.as_mut(), on_event)?
+        score_streams(&streams, scorer.as_mut(), bos, cfg.prefill_chunk, n_seqs, parts[0].as_mut(), checkpoints.as_ref(), on_event)?
     } else {
         scorers.insert(0, scorer);
-        let out = score_on_workers(&streams, &mut scorers, bos, cfg.prefill_chunk, n_seqs, on_event)?;
+        let out = score_on_workers(&streams, &mut scorers, bos, cfg.prefill_chunk, n_seqs, &mut parts, checkpoints.as_ref(), on_event)?;
         scorer = scorers.remove(0);
         out
     };
@@ -298,21 +336,35 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
         report.noise_floor = Some(noise_floor(cfg, &streams, &stats, scorer.as_mut(), bos, n_seqs, on_event)?);
     }
     signal::check().context("stopped after scoring every window; no report written")?;
+    // Every KL figure pooled from the windows in plan order (as `merge` pools shards' windows).
+    let mut stream_kl = vec![None; streams.len()];
+    let mut kl_by_position = None;
+    if let Some(info) = top_tokens.as_ref().and_then(TopTokensRun::reference) {
+        let windows: Vec<&[WindowResult]> = window_results.iter().map(Vec::as_slice).collect();
+        let names: Vec<&str> = streams.iter().map(|s| s.name.as_str()).collect();
+        let (per_stream, mut kl, by_position) = crate::top_tokens::pool_kl(&windows, &names, info.clone())?;
+        report::worst::add_excerpts(&mut kl, &tokenizer, |name| streams.iter().find(|s| s.name == name).map(|s| s.tokens.as_slice()));
+        crate::top_tokens::log_kl_summary(&kl);
+        stream_kl = per_stream.into_iter().map(Some).collect();
+        kl_by_position = Some(by_position);
+        report.results.kl_divergence = Some(kl);
+    }
+    // A shard's report keeps each window's KL detail for `merge`; a whole run's does not.
+    if report.workload.shard.is_none() {
+        window_results.iter_mut().flatten().for_each(|w| w.kl_detail = None);
+    }
     // The --save-tokens and --save-top-tokens files are renamed into place here, just before the report.
-    let kl_by_position = top_tokens.as_mut().map(|t| std::mem::take(&mut t.kl_by_position));
-    report.results.kl_divergence = top_tokens.map(TopTokensRun::finish).transpose()?.flatten();
-    if let Some(kl) = &mut report.results.kl_divergence {
-        report::worst::add_excerpts(kl, &tokenizer, |name| streams.iter().find(|s| s.name == name).map(|s| s.tokens.as_slice()));
+    for p in parts.into_iter().flatten() {
+        p.finish()?;
     }
-    // KL by position needs every position's KL, at hand only when this
-    // process compared every window itself.
-    let mut kl_by_position = kl_by_position;
-    if n_resumed > 0 {
-        if let Some(p) = &mut kl_by_position {
-            p.clear_kl();
-            info!("KL by position in the window is left out: {n_resumed} windows came from --resume checkpoints");
+    if let Some(t) = &mut top_tokens {
+        if let (Some(path), false) = (t.save_path(), joined.is_empty()) {
+            crate::score::topk::join_files(&joined, &t.header_for(&streams), path).with_context(|| format!("--save-top-tokens {}", path.display()))?;
+            info!("joined {} parts into {}", joined.len(), path.display());
         }
+        t.commit_saved_tokens()?;
     }
+    drop(scratch);
 
     let overall = overall_summary(&stats);
     report.results.domains = domain_summaries(&stats)
@@ -346,6 +398,18 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
     Ok(report)
 }
 
+/// Files removed when dropped (the workers' top-tokens parts once joined, or after a failure).
+struct RemoveOnDrop(Vec<std::path::PathBuf>);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            // Best effort: a part that was never written is not there.
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
 /// The plan-wide sizes memory and batching are computed from.
 #[derive(Clone, Copy, Debug)]
 struct PlanSizes {
@@ -371,7 +435,7 @@ fn select_shard(streams: &mut [Stream], shard: Shard) -> ShardInfo {
     select_windows(streams, shard);
     let n_mine: usize = streams.iter().map(|s| s.windows.len()).sum();
     info!("shard {}/{}: {n_mine} of {} windows", shard.index, shard.count, n_windows.iter().sum::<usize>());
-    ShardInfo { index: shard.index, count: shard.count, n_windows }
+    ShardInfo { index: shard.index, count: shard.count, n_windows, top_tokens: None }
 }
 
 /// Keeps only the windows `part` takes, numbering windows in plan order
@@ -479,30 +543,28 @@ fn choose_backends(cfg: &RunConfig) -> Result<Vec<BackendKind>> {
 /// its windows, and the results are joined per stream in window order, so
 /// every pooled figure is that of one worker scoring them all (as `merge`
 /// joins shards).
+#[allow(clippy::too_many_arguments)]
 fn score_on_workers(
     streams: &[Stream],
     scorers: &mut [Box<dyn WindowScorer>],
     bos: Option<u32>,
     prefill_chunk: usize,
     n_seqs: usize,
+    top_tokens: &mut [Option<TopTokensPart<'_>>],
+    checkpoints: Option<&Checkpoints>,
     on_event: &mut dyn FnMut(Event<'_>),
 ) -> Result<StreamScores> {
     let n = scorers.len();
-    let parts: Vec<Vec<Stream>> = (0..n)
-        .map(|i| {
-            let mut part = streams.to_vec();
-            select_windows(&mut part, Shard { index: i, count: n });
-            part
-        })
-        .collect();
+    let parts: Vec<Vec<Stream>> = (0..n).map(|i| worker_windows(streams, i, n)).collect();
     on_event(Event::Scoring { n_targets: streams.iter().flat_map(|s| &s.windows).map(Window::scored).sum() });
     let (tx, rx) = std::sync::mpsc::channel::<(String, usize)>();
     let outs: Vec<Result<StreamScores>> = std::thread::scope(|scope| {
         let handles: Vec<_> = scorers
             .iter_mut()
             .zip(&parts)
+            .zip(top_tokens.iter_mut())
             .enumerate()
-            .map(|(i, (scorer, part))| {
+            .map(|(i, ((scorer, part), top))| {
                 let tx = tx.clone();
                 scope.spawn(move || {
                     let mut events = |e: Event<'_>| {
@@ -511,7 +573,8 @@ fn score_on_workers(
                             let _ = tx.send((stream.to_string(), n_scored));
                         }
                     };
-                    score_streams(part, scorer.as_mut(), bos, prefill_chunk, n_seqs, None, None, &mut events).with_context(|| format!("worker {i}"))
+                    score_streams(part, scorer.as_mut(), bos, prefill_chunk, n_seqs, top.as_mut(), checkpoints, &mut events)
+                        .with_context(|| format!("worker {i}"))
                 })
             })
             .collect();
@@ -525,7 +588,7 @@ fn score_on_workers(
     let mut all_stats = Vec::with_capacity(streams.len());
     let mut all_windows = Vec::with_capacity(streams.len());
     for (si, s) in streams.iter().enumerate() {
-        let mut windows: Vec<WindowResult> = outs.iter().flat_map(|(_, w, _)| w[si].iter().cloned()).collect();
+        let mut windows: Vec<WindowResult> = outs.iter().flat_map(|(_, w)| w[si].iter().cloned()).collect();
         windows.sort_by_key(|w| w.index);
         if windows.len() != s.windows.len() {
             bail!("stream {}: the workers returned {} of its {} windows", s.name, windows.len(), s.windows.len());
@@ -536,7 +599,14 @@ fn score_on_workers(
         all_windows.push(windows);
     }
     on_event(Event::Scored);
-    Ok((all_stats, all_windows, vec![None; streams.len()]))
+    Ok((all_stats, all_windows))
+}
+
+/// Worker `i` of `n`'s windows (`--devices`): window `g` of the plan goes to worker `g % n`.
+fn worker_windows(streams: &[Stream], i: usize, n: usize) -> Vec<Stream> {
+    let mut part = streams.to_vec();
+    select_windows(&mut part, Shard { index: i, count: n });
+    part
 }
 
 fn stream_result(s: &Stream, summary: Option<Summary>, windows: Vec<WindowResult>) -> StreamResult {
@@ -598,9 +668,8 @@ fn plan_statement(cfg: &RunConfig, artifact: &Artifact, streams: &[Stream], kind
     line
 }
 
-/// Per stream: its window statistics, its report windows, and its KL
-/// statistics against `--kl-reference` (when given).
-type StreamScores = (Vec<StreamStats>, Vec<Vec<WindowResult>>, Vec<Option<KlSummary>>);
+/// Per stream: its window statistics and its report windows.
+type StreamScores = (Vec<StreamStats>, Vec<Vec<WindowResult>>);
 
 /// `--noise-floor`: scores every window again with another prefill chunk and
 /// pairs the result with the reported scores (`stats`).
@@ -620,7 +689,7 @@ fn noise_floor(
     let rows_checked = n_seqs * cfg.prefill_chunk.min(longest.max(1));
     let n_seqs_again = windows_per_pass(rows_checked, alternate.min(longest.max(1))).min(n_seqs);
     let t = Instant::now();
-    let (again, _, _) = score_streams(streams, scorer, bos, alternate, n_seqs_again, None, None, on_event)?;
+    let (again, _) = score_streams(streams, scorer, bos, alternate, n_seqs_again, None, None, on_event)?;
     let seconds = t.elapsed().as_secs_f64();
     let mut rows = Vec::new();
     let mut n_excluded = 0;
@@ -657,8 +726,8 @@ fn score_streams(
     bos: Option<u32>,
     prefill_chunk: usize,
     n_seqs: usize,
-    mut top_tokens: Option<&mut TopTokensRun>,
-    mut checkpoints: Option<&mut Checkpoints>,
+    mut top_tokens: Option<&mut TopTokensPart<'_>>,
+    checkpoints: Option<&Checkpoints>,
     on_event: &mut dyn FnMut(Event<'_>),
 ) -> Result<StreamScores> {
     let top_k = top_tokens.as_ref().map_or(0, |t| t.top_k());
@@ -667,7 +736,6 @@ fn score_streams(
     on_event(Event::Scoring { n_targets: n_total });
     let mut all_stats = Vec::with_capacity(streams.len());
     let mut all_windows = Vec::with_capacity(streams.len());
-    let mut all_kl = Vec::with_capacity(streams.len());
     for (si, s) in streams.iter().enumerate() {
         let mut results: Vec<WindowResult> = Vec::with_capacity(s.windows.len());
         let t_stream = Instant::now();
@@ -675,7 +743,7 @@ fn score_streams(
         // --resume: windows already checkpointed are taken as recorded, the rest scored.
         let mut pending = Vec::with_capacity(s.windows.len());
         for w in &s.windows {
-            match checkpoints.as_mut().and_then(|c| c.take(si, w.index)) {
+            match checkpoints.and_then(|c| c.get(si, w.index)) {
                 Some(r) => {
                     if (r.begin, r.end, r.first_target, r.scored) != (w.begin, w.end, w.first_target, w.scored()) {
                         bail!("--resume: the checkpoint of {} covers [{}, {}) from {}", at(w), r.begin, r.end, r.first_target);
@@ -699,7 +767,7 @@ fn score_streams(
             for w in batch {
                 tokens.push(window_tokens(&s.tokens, w, bos)?);
                 extra_ids.push(match top_tokens.as_mut() {
-                    Some(t) => t.begin_window(w).with_context(|| at(w))?,
+                    Some(t) => t.begin_window(si, w).with_context(|| at(w))?,
                     None => Vec::new(),
                 });
             }
@@ -719,12 +787,12 @@ fn score_streams(
             let seconds = t.elapsed().as_secs_f64() / batch.len() as f64;
             for ((w, tokens), scores) in batch.iter().zip(&tokens).zip(batch_scores) {
                 let window_kl = match top_tokens.as_mut() {
-                    Some(t) => t.end_window(w, &scores).with_context(|| at(w))?,
+                    Some(t) => t.end_window(si, &s.name, w, &scores).with_context(|| at(w))?,
                     None => None,
                 };
                 let nll: Vec<f64> = scores.iter().map(|r| r.nll).collect();
-                let result = window_result(s, w, tokens, nll, seconds, window_kl.map(|(record, _)| record));
-                if let Some(c) = checkpoints.as_deref() {
+                let result = window_result(s, w, tokens, nll, seconds, window_kl);
+                if let Some(c) = checkpoints {
                     c.save(si, &s.name, &result)?;
                 }
                 results.push(result);
@@ -738,15 +806,15 @@ fn score_streams(
         on_event(Event::Stream { stream: &s.name, summary: &st.summary(), seconds: t_stream.elapsed().as_secs_f64() });
         all_stats.push(st);
         all_windows.push(results);
-        all_kl.push(top_tokens.as_mut().and_then(|t| t.end_stream()));
     }
     on_event(Event::Scored);
-    Ok((all_stats, all_windows, all_kl))
+    Ok((all_stats, all_windows))
 }
 
 /// A window's entry in report.json from its NLLs (its byte figures and
 /// position-bucket sums included).
-fn window_result(s: &Stream, w: &Window, tokens: &[u32], nll: Vec<f64>, seconds: f64, kl: Option<crate::score::kl::WindowKl>) -> WindowResult {
+fn window_result(s: &Stream, w: &Window, tokens: &[u32], nll: Vec<f64>, seconds: f64, kl: Option<(WindowKl, KlDetail)>) -> WindowResult {
+    let (kl_divergence, kl_detail) = kl.unzip();
     let wb = s.byte_counts.as_ref().map(|c| WindowBytes::of(&c[w.first_target..w.end], &nll));
     let by_position = window_sums(w.first_target - w.begin, &nll);
     let ws = WindowScores { input_tokens: tokens.len(), nll }.stats();
@@ -766,45 +834,60 @@ fn window_result(s: &Stream, w: &Window, tokens: &[u32], nll: Vec<f64>, seconds:
         seconds,
         bytes: wb.as_ref().map(|b| ByteSummary::over([b])),
         by_position,
-        kl_divergence: kl,
+        kl_divergence,
+        kl_detail,
     }
 }
 
 /// `--target-uncertainty X`: scores windows one per pass in the seeded order
-/// of `score::early_stop` until the overall mean NLL's 95 % half-width is
-/// below X; returns the scored windows per stream, in plan order.
+/// of `score::early_stop` until the 95 % half-width of the overall mean NLL
+/// (of the mean KL with `--kl-reference`: `top_tokens` compares) is below X;
+/// returns the scored windows per stream, in plan order.
 fn score_early_stop(
     streams: &[Stream],
     scorer: &mut dyn WindowScorer,
     bos: Option<u32>,
     prefill_chunk: usize,
     target: f64,
+    mut top_tokens: Option<&mut TopTokensPart<'_>>,
     on_event: &mut dyn FnMut(Event<'_>),
 ) -> Result<(StreamScores, EarlyStop)> {
-    let opts = ScoreOptions { top_k: 0, prefill_chunk: Some(prefill_chunk) };
+    let on_kl = top_tokens.as_ref().is_some_and(|t| t.top_k() > 0);
+    let statistic = if on_kl { "mean KL" } else { "mean NLL" };
+    let opts = ScoreOptions { top_k: top_tokens.as_ref().map_or(0, |t| t.top_k()), prefill_chunk: Some(prefill_chunk) };
     let order = early_stop::order(&streams.iter().map(|s| s.windows.len()).collect::<Vec<_>>());
     let n_planned = order.len();
     on_event(Event::Scoring { n_targets: streams.iter().flat_map(|s| &s.windows).map(Window::scored).sum() });
     // Per stream, per window: its result (None: not scored).
     let mut slots: Vec<Vec<Option<WindowResult>>> = streams.iter().map(|s| vec![None; s.windows.len()]).collect();
     let mut scored: Vec<WindowStats> = Vec::new();
+    let mut scored_kl = Vec::new();
     let mut half = None;
     for &(si, wi) in &order {
         let (s, w) = (&streams[si], &streams[si].windows[wi]);
+        let at = || format!("stream {} window {} [{}, {})", s.name, w.index, w.begin, w.end);
         signal::check().with_context(|| format!("stopped after {} of {n_planned} windows (early-stop order); no report written", scored.len()))?;
         let tokens = window_tokens(&s.tokens, w, bos)?;
-        let input = WindowInput { tokens: &tokens, first_target: w.first_target - w.begin, extra_ids: &[] };
+        let extra_ids = match top_tokens.as_mut() {
+            Some(t) => t.begin_window(si, w).with_context(at)?,
+            None => Vec::new(),
+        };
+        let input = WindowInput { tokens: &tokens, first_target: w.first_target - w.begin, extra_ids: &extra_ids };
         let t = Instant::now();
-        let scores = scorer
-            .score_windows(&[input], &opts)
-            .with_context(|| format!("stream {} window {} [{}, {})", s.name, w.index, w.begin, w.end))?
-            .pop()
-            .context("the backend returned no scores")?;
-        let r = window_result(s, w, &tokens, scores.iter().map(|x| x.nll).collect(), t.elapsed().as_secs_f64(), None);
+        let scores = scorer.score_windows(&[input], &opts).with_context(at)?.pop().context("the backend returned no scores")?;
+        let seconds = t.elapsed().as_secs_f64();
+        let kl = match top_tokens.as_mut() {
+            Some(t) => t.end_window(si, &s.name, w, &scores).with_context(at)?,
+            None => None,
+        };
+        if let Some((record, _)) = &kl {
+            scored_kl.push(record.sums.clone());
+        }
+        let r = window_result(s, w, &tokens, scores.iter().map(|x| x.nll).collect(), seconds, kl);
         scored.push(r.stats());
         slots[si][wi] = Some(r);
         on_event(Event::Pass { stream: &s.name, n_scored: w.scored() });
-        half = early_stop::half_width(&scored);
+        half = if on_kl { early_stop::kl_half_width(scored_kl.iter()) } else { early_stop::half_width(&scored) };
         if half.is_some_and(|h| h < target) {
             break;
         }
@@ -812,7 +895,7 @@ fn score_early_stop(
     let n_scored = scored.len();
     let reason = match half {
         Some(h) if h < target => format!(
-            "the 95 % half-width of the overall mean NLL, {h:.3e} nats (window-clustered), fell below --target-uncertainty {target} after {n_scored} of {n_planned} windows"
+            "the 95 % half-width of the overall {statistic}, {h:.3e} nats (window-clustered), fell below --target-uncertainty {target} after {n_scored} of {n_planned} windows"
         ),
         Some(h) => format!("every window was scored; the 95 % half-width is {h:.3e} nats, not below --target-uncertainty {target}"),
         None => format!("every window was scored; {n_scored} windows are too few for the rule (at least {})", early_stop::MIN_WINDOWS),
@@ -829,6 +912,7 @@ fn score_early_stop(
     on_event(Event::Scored);
     let info = EarlyStop {
         target_half_width: target,
+        statistic: statistic.into(),
         order: format!("seeded permutation of all {n_planned} windows (ChaCha8, seed {:#x}), one window per pass", early_stop::SEED),
         seed: early_stop::SEED,
         min_windows: early_stop::MIN_WINDOWS,
@@ -838,7 +922,7 @@ fn score_early_stop(
         reason,
         half_width: half,
     };
-    Ok(((all_stats, all_windows, vec![None; streams.len()]), info))
+    Ok(((all_stats, all_windows), info))
 }
 
 /// `--verify-invariance N`: the first N windows of the plan rescored batched

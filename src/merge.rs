@@ -14,10 +14,16 @@
 //! of another count, a missing or repeated shard, another artifact
 //! (`artifact.digest`), another plan (`workload`), another route, KV format
 //! or any other setting of `execution` (all but `device` and `threads`),
-//! other streams, and a window in the wrong shard or in two. Nothing is
-//! written unless the merge succeeds. Shards with `--kl-reference`,
-//! `--save-top-tokens`, `--save-tokens` or `--noise-floor` are refused at
-//! `--shard` itself (not supported yet).
+//! other streams, shards scored against another `--kl-reference` (its
+//! records' SHA-256), and a window in the wrong shard or in two. Nothing is
+//! written unless the merge succeeds.
+//!
+//! With `--kl-reference`, every KL figure is pooled from the windows' KL
+//! records and their per-position detail (`windows[].kl_detail`, kept in
+//! shard reports only) by `top_tokens::pool_kl`, the code one process pools
+//! with: the quantiles are recomputed from the merged per-position KLs.
+//! `--save-top-tokens FILE` joins the shards' top-tokens files (named in
+//! their reports) into the file one process writes (`topk::join_files`).
 
 use std::path::{Path, PathBuf};
 
@@ -42,6 +48,10 @@ pub struct MergeArgs {
     /// The shards' output folders (or their report.json files), all N of them, in any order.
     #[arg(required = true, num_args = 1..)]
     pub shard_dirs: Vec<PathBuf>,
+    /// Join the shards' --save-top-tokens files (each shard's report names
+    /// its own) into FILE: byte for byte the file one process writes.
+    #[arg(long, value_name = "FILE")]
+    pub save_top_tokens: Option<PathBuf>,
 }
 
 /// The whole subcommand: check, read, merge, write, print the table.
@@ -49,17 +59,74 @@ pub fn run(args: &MergeArgs) -> Result<Report> {
     let paths: Vec<PathBuf> = args.shard_dirs.iter().map(|p| report::report_path(p)).collect();
     let inputs: Vec<Named<'_>> = paths.iter().map(|p| Named::new("SHARD_DIR", p)).collect();
     let report_path = args.out_dir.join(report::REPORT_FILE);
-    check_outputs(&[], &[Named::new("OUT_DIR", &report_path)], &inputs)?;
     let mut shards = Vec::with_capacity(paths.len());
     for p in &paths {
         shards.push((p.clone(), report::read_report(p, "SHARD_DIR")?));
     }
+    // The shards' top-tokens files are inputs too.
+    let top_parts = top_tokens_parts(&shards, args.save_top_tokens.is_some())?;
+    let mut inputs = inputs;
+    inputs.extend(top_parts.iter().map(|(_, p)| Named::new("SHARD_DIR top tokens", p)));
+    let extra: Vec<Named<'_>> = args.save_top_tokens.iter().map(|p| Named::new("--save-top-tokens", p)).collect();
+    check_outputs(&extra, &[Named::new("OUT_DIR", &report_path)], &inputs)?;
     let merged = merge(&shards)?;
     let mut out = OutputDir::claim("OUT_DIR", &args.out_dir)?;
+    if let Some(path) = &args.save_top_tokens {
+        join_top_tokens(&shards, &top_parts, path)?;
+    }
     report::write_report(&args.out_dir, &merged)?;
     out.keep();
     print!("{}", report::domain_table(&merged.results));
     Ok(merged)
+}
+
+/// The shards' `--save-top-tokens` files (`workload.shard.top_tokens`), in
+/// shard order; with `wanted`, every shard must have one.
+fn top_tokens_parts(shards: &[(PathBuf, Report)], wanted: bool) -> Result<Vec<(String, PathBuf)>> {
+    let mut parts = Vec::new();
+    let mut n_without = 0;
+    for (p, r) in shards {
+        match r.workload.shard.as_ref().and_then(|s| s.top_tokens.as_ref()) {
+            Some(f) => parts.push((format!("SHARD_DIR {}: its top tokens", p.display()), PathBuf::from(f))),
+            None if wanted => bail!("SHARD_DIR {}: the shard wrote no top-tokens file (run it with --save-top-tokens), --save-top-tokens asks to join them", p.display()),
+            None => n_without += 1,
+        }
+    }
+    if !wanted && n_without < shards.len() {
+        tracing::warn!("{} shards wrote top-tokens files; give --save-top-tokens FILE to join them", shards.len() - n_without);
+        parts.clear();
+    }
+    Ok(parts)
+}
+
+/// Joins the shards' top-tokens files into `out`, with the header one
+/// process writes: the union of their windows (every window of the plan,
+/// checked against `workload.shard.n_windows`) and the first shard's producer.
+fn join_top_tokens(shards: &[(PathBuf, Report)], parts: &[(String, PathBuf)], out: &Path) -> Result<()> {
+    let mut headers = Vec::with_capacity(parts.len());
+    for (what, p) in parts {
+        let r = crate::score::topk::TopTokensReader::open(p).with_context(|| what.clone())?;
+        headers.push(r.header);
+    }
+    let first = headers.first().context("merge --save-top-tokens: no shard top-tokens files")?;
+    let mut fingerprint = first.fingerprint.clone();
+    for (s, si) in fingerprint.streams.iter_mut().zip(0..) {
+        s.windows = headers.iter().filter_map(|h| h.fingerprint.streams.get(si)).flat_map(|t| t.windows.iter().cloned()).collect();
+        s.windows.sort_by_key(|w| w.index);
+    }
+    let n_windows = shards.first().and_then(|(_, r)| r.workload.shard.as_ref()).map(|s| s.n_windows.clone()).unwrap_or_default();
+    for (s, &n) in fingerprint.streams.iter().zip(&n_windows) {
+        if s.windows.len() != n || s.windows.iter().enumerate().any(|(i, w)| w.index != i) {
+            bail!("--save-top-tokens: the shards' top-tokens files hold {} windows of stream '{}', the plan {n} (a window missing or in two files)", s.windows.len(), s.name);
+        }
+    }
+    let header = crate::score::topk::FileHeader {
+        format: crate::score::topk::FORMAT.into(),
+        producer: first.producer.clone(),
+        n_positions: fingerprint.n_positions(),
+        fingerprint,
+    };
+    crate::score::topk::join_files(parts, &header, out).with_context(|| format!("merge --save-top-tokens {}", out.display()))
 }
 
 fn json<T: serde::Serialize>(v: &T) -> Result<Value> {
@@ -118,6 +185,14 @@ pub fn merge(shards: &[(PathBuf, Report)]) -> Result<Report> {
             bail!("SHARD_DIR {}: shard {}/{n} is given twice (also {})", show(p), info.index, show(q));
         }
         by_index[info.index] = Some(p);
+        let reference = |r: &Report| r.results.kl_divergence.as_ref().map(|k| (k.reference.sha256.clone(), k.reference.top_k));
+        if reference(r) != reference(first) {
+            let say = |r: &Report| match &r.results.kl_divergence {
+                Some(k) => format!("reference {} (records sha256 {}, top-{})", k.reference.path, k.reference.sha256, k.reference.top_k),
+                None => "no --kl-reference".into(),
+            };
+            bail!("SHARD_DIR {}: scored against {}, {} against {}", show(p), say(r), show(first_path), say(first));
+        }
         for ((name, a), (_, b)) in first_blocks.iter().zip(shared_blocks(r)?) {
             if let Some(d) = first_difference(a, &b, name) {
                 let what = match *name {
@@ -175,16 +250,44 @@ pub fn merge(shards: &[(PathBuf, Report)]) -> Result<Report> {
         .into_iter()
         .map(|(domain, summary)| DomainResult { streams: stats.iter().filter(|s| s.domain == domain).count(), domain, summary, bytes: None })
         .collect();
-    let results_streams = streams.into_iter().map(|(st, r)| StreamResult { summary: Some(Summary::over(&st.windows)), ..r }).collect();
+    let mut results_streams: Vec<StreamResult> =
+        streams.into_iter().map(|(st, r)| StreamResult { summary: Some(Summary::over(&st.windows)), ..r }).collect();
+    // KL: every window's record and detail pooled in plan order, as one process pools them.
+    let mut kl_by_position = None;
+    let mut kl_report = None;
+    if let Some(k0) = &first.results.kl_divergence {
+        let windows: Vec<&[WindowResult]> = results_streams.iter().map(|s| s.windows.as_slice()).collect();
+        let names: Vec<&str> = results_streams.iter().map(|s| s.name.as_str()).collect();
+        let (per_stream, mut kl, by_position) = crate::top_tokens::pool_kl(&windows, &names, k0.reference.clone()).context("merge")?;
+        // The excerpts were decoded by the shard that scored the window.
+        let shard_kl: Vec<&crate::report::KlReport> = shards.iter().filter_map(|(_, r)| r.results.kl_divergence.as_ref()).collect();
+        for w in &mut kl.worst_positions {
+            if let Some(o) = shard_kl.iter().flat_map(|k| &k.worst_positions).find(|o| (&o.stream, o.window, o.token_index) == (&w.stream, w.window, w.token_index)) {
+                w.text = o.text.clone();
+                w.reference_top_text = o.reference_top_text.clone();
+            }
+        }
+        for w in &mut kl.worst_windows {
+            if let Some(o) = shard_kl.iter().flat_map(|k| &k.worst_windows).find(|o| (&o.stream, o.window) == (&w.stream, w.window)) {
+                w.text = o.text.clone();
+            }
+        }
+        for (s, k) in results_streams.iter_mut().zip(per_stream) {
+            s.kl_divergence = Some(k);
+        }
+        kl_by_position = Some(by_position);
+        kl_report = Some(kl);
+    }
+    results_streams.iter_mut().flat_map(|s| &mut s.windows).for_each(|w| w.kl_detail = None);
     let timing = merged_timing(shards.iter().map(|(_, r)| &r.timing), &overall);
     let mut merged = first.clone();
     merged.workload.shard = None;
     merged.results.streams = results_streams;
     merged.results.domains = domains;
     merged.results.overall = Some(crate::report::Overall { summary: overall, bytes: None });
-    // Byte figures and NLL by position pool the windows as the writer does; KL by
-    // position needs per-position KLs the shard reports do not hold: left out.
-    crate::report::pool_window_figures(&mut merged.results, None);
+    merged.results.kl_divergence = kl_report;
+    // Byte figures, NLL and KL by position pool the windows as the writer does.
+    crate::report::pool_window_figures(&mut merged.results, kl_by_position);
     merged.timing = timing;
     merged.memory = crate::report::MemoryPeaks::merged(shards.iter().map(|(_, r)| r.memory.as_ref()));
     // Expert-usage counts are additive over windows, and the shards' windows partition the plan.

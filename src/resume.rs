@@ -16,7 +16,12 @@
 //! naming the first differing field. SIGINT/SIGTERM stop at a window
 //! boundary (`util::signal`) and leave every finished checkpoint. The
 //! checkpoints stay after the run succeeds (delete the folder when done).
-//! It does not score anything; `evaluate` calls it.
+//! With `--save-top-tokens` each window's records are kept beside its
+//! checkpoint (`windows/S-W.topk`, [`top_tokens_file`]) and the run's file is
+//! joined from them at the end (`score::topk::join_files`); with
+//! `--kl-reference` a checkpoint holds the window's KL record and its
+//! per-position detail, so the resumed KL figures are the uninterrupted
+//! run's too. It does not score anything; `evaluate` calls it.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -43,6 +48,11 @@ pub struct ResumePlan {
     /// `execution.details`: kernels, pass sizes, batching.
     pub details: serde_json::Value,
     pub streams: Vec<PlanStream>,
+    /// `--save-top-tokens`: each window's top-k records are kept beside its
+    /// checkpoint (`windows/S-W.topk`), and the file is joined from them.
+    pub save_top_tokens: bool,
+    /// `--kl-reference`: the SHA-256 of the reference's records (its trailer's).
+    pub kl_reference_sha256: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -67,6 +77,13 @@ pub struct Checkpoints {
 
 fn window_file(dir: &Path, stream: usize, window: usize) -> PathBuf {
     dir.join(WINDOWS_DIR).join(format!("{stream}-{window}.json"))
+}
+
+/// The top-k records of window `window` of stream `stream` (a top-tokens
+/// file of that one window), kept with `--save-top-tokens`; written before
+/// the window's checkpoint, so a checkpoint implies its records.
+pub fn top_tokens_file(dir: &Path, stream: usize, window: usize) -> PathBuf {
+    dir.join(WINDOWS_DIR).join(format!("{stream}-{window}.topk"))
 }
 
 impl Checkpoints {
@@ -111,8 +128,13 @@ impl Checkpoints {
     }
 
     /// The recorded result of window `window` of stream `stream`, if any.
-    pub fn take(&mut self, stream: usize, window: usize) -> Option<WindowResult> {
-        self.done.remove(&(stream, window))
+    pub fn get(&self, stream: usize, window: usize) -> Option<WindowResult> {
+        self.done.get(&(stream, window)).cloned()
+    }
+
+    /// The folder (for the per-window top-tokens files).
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 
     /// Records a finished window (atomically).

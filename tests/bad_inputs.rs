@@ -408,7 +408,8 @@ fn bad_input_table() {
         e("target-uncertainty NaN", text_run(vec![os("--target-uncertainty"), os("NaN")]), w(&["--target-uncertainty NaN"])),
         e("target-uncertainty inf", text_run(vec![os("--target-uncertainty"), os("inf")]), w(&["--target-uncertainty inf"])),
         e("target-uncertainty -0.1", text_run(vec![os("--target-uncertainty=-0.1")]), w(&["--target-uncertainty -0.1"])),
-        e("target-uncertainty with --kl-reference", text_run(vec![os("--target-uncertainty"), os("0.1"), os("--kl-reference"), os(&garbage)]), w(&["--target-uncertainty", "--kl-reference"])),
+        // Early stop on mean KL is allowed (issue 15 item 6); a bad reference is still named.
+        e("target-uncertainty with a bad --kl-reference", text_run(vec![os("--target-uncertainty"), os("0.1"), os("--kl-reference"), os(&garbage)]), w(&["--kl-reference", "garbage.bin", "not a top-tokens file"])),
         e("target-uncertainty with --chunks", text_run(vec![os("--target-uncertainty"), os("0.1"), os("--chunks"), os("2")]), w(&["--target-uncertainty", "--chunks"])),
         e("target-uncertainty with --noise-floor", text_run(vec![os("--target-uncertainty"), os("0.1"), os("--noise-floor")]), w(&["--target-uncertainty", "--noise-floor"])),
         e("plots with --dry-run", text_run(vec![os("--plots"), os("--dry-run")]), w(&["--plots", "--dry-run"])),
@@ -448,7 +449,7 @@ fn bad_input_table() {
         e("--shard 0/0", with(vec![m(), os("--text"), os(&text), os("--shard"), os("0/0")], out()), w(&["--shard 0/0", "at least 1"])),
         e("--shard 3/2", with(vec![m(), os("--text"), os(&text), os("--shard"), os("3/2")], out()), w(&["--shard 3/2", "below N"])),
         e("--shard a/b", with(vec![m(), os("--text"), os(&text), os("--shard"), os("a/b")], out()), w(&["--shard a/b", "K/N"])),
-        e("--shard with --save-top-tokens", with(vec![m(), os("--text"), os(&text), os("--shard"), os("0/2"), os("--save-top-tokens"), os(d.join("t.top"))], out()), w(&["--shard with --save-top-tokens", "not supported yet"])),
+        e("--shard with --noise-floor", with(vec![m(), os("--text"), os(&text), os("--shard"), os("0/2"), os("--noise-floor")], out()), w(&["--shard with --noise-floor", "not supported yet"])),
         e("--resume with --noise-floor", with(vec![m(), os("--text"), os(&text), os("--resume"), os(d.join("ck")), os("--noise-floor")], out()), w(&["--resume with --noise-floor", "not supported yet"])),
         e("--devices 1 on the CPU", with(vec![m(), os("--text"), os(&text), os("--backend"), os("cpu"), os("--devices"), os("0,1")], out()), w(&["--devices 0,1", "device 0 only"])),
         e("--devices a", with(vec![m(), os("--text"), os(&text), os("--devices"), os("0,a")], out()), w(&["--devices 0,a", "device indices"])),

@@ -80,3 +80,38 @@ fn batch_invariance_is_exact_on_the_cpu() {
     assert_eq!(v["n_top1_changed"].as_u64(), Some(0), "{v}");
     assert_eq!(v["max_abs_window_nll_sum_diff_vs_run"].as_f64(), Some(0.0), "the rescore reproduces the run: {v}");
 }
+
+/// Issue 15 item 6 with a reference: early stop on the clustered 95 %
+/// half-width of the mean KL. The reference is SmolLM2 with f32 KV
+/// (`--lossless`), the runs use fp8 KV; the target is 3x the half-width of
+/// the full 43-window run, which a sample of 10 to 42 windows reaches.
+#[test]
+fn early_stop_on_mean_kl_against_a_reference() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = head_text(tmp.path());
+    let reference = tmp.path().join("ref.topk");
+    score(&text, &tmp.path().join("ref"), &["--lossless", "--save-top-tokens", reference.to_str().unwrap()]);
+    let full = score(&text, &tmp.path().join("full"), &["--kl-reference", reference.to_str().unwrap()]);
+    let full_half = 1.959963984540054 * full["results"]["kl_divergence"]["mean_se_clustered"].as_f64().unwrap();
+    assert!(full_half > 0.0);
+    let target = 3.0 * full_half;
+    let x = format!("{target:e}");
+    let r = score(&text, &tmp.path().join("stop"), &["--kl-reference", reference.to_str().unwrap(), "--target-uncertainty", &x]);
+    let e = &r["results"]["early_stop"];
+    let scored = e["n_windows_scored"].as_u64().unwrap();
+    assert_eq!(e["statistic"], "mean KL", "{e}");
+    assert!(e["stopped_early"].as_bool().unwrap() && (10..43).contains(&scored), "{e}");
+    assert!(e["reason"].as_str().unwrap().contains("overall mean KL"), "{e}");
+    let half = e["half_width"].as_f64().unwrap();
+    assert!(half < target, "{e}");
+    // The report's KL is pooled over exactly the scored windows; its clustered SE gives the half-width
+    // (pooled in plan order there, in the early-stop order here: equal up to summation order).
+    let kl = &r["results"]["kl_divergence"];
+    let windows = r["results"]["streams"][0]["windows"].as_array().unwrap();
+    assert_eq!(windows.len() as u64, scored);
+    let n_positions: u64 = windows.iter().map(|w| w["kl_divergence"]["sums"]["positions"].as_u64().unwrap()).sum();
+    assert_eq!(kl["positions"].as_u64().unwrap(), n_positions);
+    let se = kl["mean_se_clustered"].as_f64().unwrap();
+    assert!((1.959963984540054 * se - half).abs() < 1e-9 * half, "{se} {half}");
+    assert!(kl["quantiles"]["p50"].is_number() && kl["mean"].as_f64().unwrap() > 0.0);
+}

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::artifact::Artifact;
 use crate::score::bytes::ByteSummary;
-use crate::score::kl::{KlSummary, WindowKl, WorstPosition, WorstWindow};
+use crate::score::kl::{KlDetail, KlSummary, WindowKl, WorstPosition, WorstWindow};
 use crate::score::position::PositionBucket;
 use crate::score::{Summary, WindowStats};
 
@@ -167,6 +167,10 @@ pub struct ShardInfo {
     pub count: usize,
     /// Windows the whole plan has in each stream (the shards hold them all between them).
     pub n_windows: Vec<usize>,
+    /// `--save-top-tokens`: the shard's file (its windows' records), as an
+    /// absolute path; `merge --save-top-tokens` joins them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_tokens: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -339,6 +343,12 @@ pub struct WindowResult {
     /// and the sums that pool into the stream's and the run's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kl_divergence: Option<WindowKl>,
+    /// With `kl_divergence`, only in a shard's report (and in `--resume`
+    /// checkpoints): what pooling the window into the run's KL figures needs
+    /// besides (every position's KL, its sums by position bucket, its
+    /// largest-KL positions; `score::kl::KlDetail`). `merge` drops it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kl_detail: Option<KlDetail>,
 }
 
 impl WindowResult {

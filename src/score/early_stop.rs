@@ -17,12 +17,19 @@
 //! small optional-stopping bias of the order of the standard error squared;
 //! the minimum of 10 windows keeps it far below X. When the rule never
 //! fires, every window is scored and the report says so.
+//!
+//! **With `--kl-reference`** the statistic is the mean KL instead
+//! ([`kl_half_width`]): the window-clustered standard error of the mean KL
+//! over the windows scored (each window one cluster, as in the report). The
+//! reference is read at random, each window at its own offset, so the order
+//! needs no more of it than one window's records at a time.
 
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
+use super::kl::{KlMoments, KlSums};
 use super::{Summary, WindowStats};
 
 /// Seed of the permutation (recorded in the report).
@@ -51,11 +58,26 @@ pub fn half_width(scored: &[WindowStats]) -> Option<f64> {
     Summary::over(scored).mean_nll_se_clustered.map(|se| Z95 * se)
 }
 
+/// The 95 % half-width of the mean KL over the scored windows' KL sums
+/// (window-clustered), once [`MIN_WINDOWS`] windows are scored (`None`
+/// before, or when the SE is undefined).
+pub fn kl_half_width<'a>(scored: impl ExactSizeIterator<Item = &'a KlSums>) -> Option<f64> {
+    if scored.len() < MIN_WINDOWS {
+        return None;
+    }
+    let mut m = KlMoments::default();
+    scored.for_each(|s| m.add_window(s));
+    m.summary().mean_se_clustered.map(|se| Z95 * se)
+}
+
 /// `results.early_stop` in report.json.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EarlyStop {
     /// `--target-uncertainty`: the 95 % half-width to reach, nats.
     pub target_half_width: f64,
+    /// Whose half-width: `mean NLL`, or `mean KL` with `--kl-reference`.
+    #[serde(default)]
+    pub statistic: String,
     /// The order: `seeded permutation of all windows (ChaCha8, seed ...)`.
     pub order: String,
     pub seed: u64,

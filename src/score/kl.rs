@@ -409,7 +409,47 @@ pub struct KlSums {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct KlPositions {
     pub first_n_context: usize,
+    /// NaN is written as `null` and read back as NaN.
+    #[serde(with = "nan_as_null")]
     pub kl: Vec<f32>,
+}
+
+/// serde for `Vec<f32>` holding NaN: serde_json writes NaN as `null` but
+/// cannot read `null` back as an `f32`.
+mod nan_as_null {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &[f32], s: S) -> Result<S::Ok, S::Error> {
+        v.iter().map(|x| (!x.is_nan()).then_some(*x)).collect::<Vec<Option<f32>>>().serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<f32>, D::Error> {
+        Ok(Vec::<Option<f32>>::deserialize(d)?.into_iter().map(|x| x.unwrap_or(f32::NAN)).collect())
+    }
+}
+
+/// The KL sums of a window's targets in one position bucket
+/// (`score::position`, 256 tokens of context each).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KlPositionSums {
+    pub position_from: usize,
+    pub sums: KlSums,
+}
+
+/// What a window's comparison leaves besides its [`WindowKl`] record, so its
+/// positions pool into every run-wide figure wherever the window was scored
+/// (another shard, another worker, an earlier run of `--resume`): every
+/// position's KL (quantiles, histogram), its KL sums by position bucket
+/// (KL by position in the window), its own largest-KL positions (the run's
+/// [`N_WORST_POSITIONS`] are among its windows') and its worst-window entry.
+/// report.json keeps it per window only in a shard's report
+/// (`windows[].kl_detail`); checkpoints always keep it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KlDetail {
+    pub positions: KlPositions,
+    pub by_position: Vec<KlPositionSums>,
+    pub worst_positions: Vec<WorstPosition>,
+    pub worst_window: WorstWindow,
 }
 
 impl KlPositions {

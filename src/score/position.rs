@@ -12,7 +12,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::kl::{KlMoments, KlSummary, PositionKl};
+use super::kl::{KlMoments, KlPositionSums, KlSummary, PositionKl};
 use super::{Summary, WindowScores, WindowStats};
 
 /// Width of a position bucket, in tokens of context.
@@ -74,6 +74,24 @@ pub struct PositionAccumulator {
     kl: Vec<KlMoments>,
 }
 
+/// One window's KL sums by position bucket, from its compared positions
+/// (in target order).
+pub fn window_kl_sums(positions: &[PositionKl]) -> Vec<KlPositionSums> {
+    let mut buckets: Vec<(usize, KlMoments)> = Vec::new();
+    for p in positions {
+        let from = p.n_context / POSITION_BUCKET_TOKENS * POSITION_BUCKET_TOKENS;
+        match buckets.last_mut() {
+            Some((f, m)) if *f == from => m.add(p),
+            _ => {
+                let mut m = KlMoments::default();
+                m.add(p);
+                buckets.push((from, m));
+            }
+        }
+    }
+    buckets.into_iter().map(|(position_from, m)| KlPositionSums { position_from, sums: m.sums() }).collect()
+}
+
 impl PositionAccumulator {
     /// Adds one window's bucket sums (windows in plan order).
     pub fn add_window(&mut self, sums: &[PositionSums]) {
@@ -88,23 +106,16 @@ impl PositionAccumulator {
         }
     }
 
-    /// Drops the KL side (when some windows' per-position KLs are not at hand).
-    pub fn clear_kl(&mut self) {
-        self.kl.clear();
-    }
-
-    /// Adds one KL position (by its `n_context`).
-    pub fn add_kl(&mut self, p: &PositionKl) {
-        let b = p.n_context / POSITION_BUCKET_TOKENS;
-        if self.kl.len() <= b {
-            self.kl.resize_with(b + 1, KlMoments::default);
+    /// Adds one window's KL sums by position bucket (windows in plan order;
+    /// each window's share of a bucket is one cluster).
+    pub fn add_kl_window(&mut self, sums: &[KlPositionSums]) {
+        for p in sums {
+            let b = p.position_from / POSITION_BUCKET_TOKENS;
+            if self.kl.len() <= b {
+                self.kl.resize_with(b + 1, KlMoments::default);
+            }
+            self.kl[b].add_window(&p.sums);
         }
-        self.kl[b].add(p);
-    }
-
-    /// Closes a window's KL clusters.
-    pub fn end_kl_window(&mut self) {
-        self.kl.iter_mut().for_each(KlMoments::end_window);
     }
 
     /// The non-empty buckets, in position order.

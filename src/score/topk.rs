@@ -346,7 +346,10 @@ pub struct TopTokensReader {
     /// the reference's content.
     pub records_sha256: String,
     input: BufReader<File>,
+    /// The record the input is at.
     n_read: usize,
+    /// Offset of the first record.
+    records_from: u64,
 }
 
 fn read_exact(r: &mut impl Read, buf: &mut [u8], path: &Path, what: &str) -> Result<()> {
@@ -441,7 +444,42 @@ impl TopTokensReader {
         let mut file = input.into_inner();
         use std::io::Seek;
         file.seek(std::io::SeekFrom::Start(PREAMBLE_BYTES as u64 + n_header)).with_context(|| format!("seek {}", path.display()))?;
-        Ok(Self { path: path.to_path_buf(), header, k, records_sha256, input: BufReader::with_capacity(1 << 20, file), n_read: 0 })
+        let records_from = PREAMBLE_BYTES as u64 + n_header;
+        Ok(Self { path: path.to_path_buf(), header, k, records_sha256, input: BufReader::with_capacity(1 << 20, file), n_read: 0, records_from })
+    }
+
+    /// The `n` records from record `first` on (counted over the whole file):
+    /// random access for shards, workers and resumed runs, which skip other
+    /// windows. Reading on from the last record does not seek.
+    pub fn read_at(&mut self, first: usize, n: usize) -> Result<Vec<TopRecord>> {
+        if first != self.n_read {
+            ensure!(first <= self.header.n_positions, "{}: record {first} asked, the file holds {}", self.path.display(), self.header.n_positions);
+            use std::io::Seek;
+            let at = self.records_from + (first as u64) * record_bytes(self.k) as u64;
+            self.input.seek(std::io::SeekFrom::Start(at)).with_context(|| format!("seek {}", self.path.display()))?;
+            self.n_read = first;
+        }
+        self.read_records(n)
+    }
+
+    /// Where each window's records start, `[stream][window]` (counted in records).
+    pub fn window_offsets(&self) -> Vec<Vec<usize>> {
+        let mut at = 0;
+        self.header
+            .fingerprint
+            .streams
+            .iter()
+            .map(|s| {
+                s.windows
+                    .iter()
+                    .map(|w| {
+                        let first = at;
+                        at += w.n_targets();
+                        first
+                    })
+                    .collect()
+            })
+            .collect()
     }
 
     /// The next `n` records (the targets of the next window, in order).
@@ -463,6 +501,65 @@ impl TopTokensReader {
         self.n_read += n;
         Ok(out)
     }
+}
+
+impl RunFingerprint {
+    /// The same run with only the windows `keep(stream, window index)` takes.
+    pub fn restricted(&self, keep: impl Fn(usize, usize) -> bool) -> RunFingerprint {
+        let mut fp = self.clone();
+        for (si, s) in fp.streams.iter_mut().enumerate() {
+            s.windows.retain(|w| keep(si, w.index));
+        }
+        fp
+    }
+}
+
+/// Joins top-tokens files that each hold some windows of one run (shards,
+/// workers, resumed windows: `parts`, each `(what, path)`, any order) into
+/// the file of `header`'s windows, written at `out` (temporary file, then
+/// rename): its records window by window in `header`'s order, each copied
+/// from the part that holds it. Byte for byte the file one process writes
+/// with this header. Every part is checked whole first ([`TopTokensReader::open`]);
+/// refused, naming the part: another K, a fingerprint that is not
+/// `header`'s restricted to the part's windows, a window in two parts, and
+/// a window in none.
+pub fn join_files(parts: &[(String, PathBuf)], header: &FileHeader, out: &Path) -> Result<()> {
+    let mut readers = Vec::with_capacity(parts.len());
+    let mut k = None;
+    // (stream, window index) -> (part, first record in that part).
+    let mut owner: std::collections::HashMap<(usize, usize), (usize, usize)> = std::collections::HashMap::new();
+    for (pi, (what, path)) in parts.iter().enumerate() {
+        let r = TopTokensReader::open(path).with_context(|| format!("{what} {}", path.display()))?;
+        if *k.get_or_insert(r.k) != r.k {
+            bail!("{what} {}: K = {}, other parts hold {}", path.display(), r.k, k.unwrap_or(0));
+        }
+        let fp = &r.header.fingerprint;
+        let expected = header.fingerprint.restricted(|si, wi| fp.streams.get(si).is_some_and(|s| s.windows.iter().any(|w| w.index == wi)));
+        if let Some(d) = fp.first_difference(&expected) {
+            bail!("{what} {}: not a part of this run: {d}", path.display());
+        }
+        for ((si, s), offsets) in fp.streams.iter().enumerate().zip(r.window_offsets()) {
+            for (w, first) in s.windows.iter().zip(offsets) {
+                if let Some((q, _)) = owner.insert((si, w.index), (pi, first)) {
+                    bail!("{what} {}: stream '{}' window {} is also in {} {}", path.display(), s.name, w.index, parts[q].0, parts[q].1.display());
+                }
+            }
+        }
+        readers.push(r);
+    }
+    let k = k.context("top-tokens join: no parts given")?;
+    let mut w = TopTokensWriter::create(out, k, header)?;
+    for (si, s) in header.fingerprint.streams.iter().enumerate() {
+        for win in &s.windows {
+            let &(pi, first) = owner
+                .get(&(si, win.index))
+                .with_context(|| format!("top tokens of stream '{}' window {}: in no part ({} given)", s.name, win.index, parts.len()))?;
+            for rec in readers[pi].read_at(first, win.n_targets())? {
+                w.write(&rec)?;
+            }
+        }
+    }
+    w.finish()
 }
 
 /// `--save-tokens`: the fingerprint plus every window's input ids (after BOS
@@ -581,6 +678,42 @@ mod tests {
         assert_eq!(n, PREAMBLE_BYTES + header_bytes + 8 * record_bytes(10) + TRAILER_BYTES);
         // No temporary file left behind.
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    fn write_records(path: &Path, fp: &RunFingerprint, k: usize, recs: &[TopRecord]) {
+        let header = FileHeader { format: FORMAT.into(), producer: serde_json::json!({"test": true}), n_positions: fp.n_positions(), fingerprint: fp.clone() };
+        let mut w = TopTokensWriter::create(path, k, &header).unwrap();
+        for r in recs {
+            w.write(r).unwrap();
+        }
+        w.finish().unwrap();
+    }
+
+    #[test]
+    fn parts_join_into_the_whole_file_byte_for_byte() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = |n: &str| dir.path().join(n);
+        let fp = fingerprint(&[(0, 4, 8), (8, 12, 16), (16, 18, 20)]);
+        let recs = write_file(&p("whole.topk"), &fp, 6);
+        // Windows 0 and 2 in one part, window 1 in another.
+        write_records(&p("a.topk"), &fp.restricted(|_, w| w != 1), 6, &[&recs[..4], &recs[8..]].concat());
+        write_records(&p("b.topk"), &fp.restricted(|_, w| w == 1), 6, &recs[4..8]);
+        let header = TopTokensReader::open(&p("whole.topk")).unwrap().header;
+        let part = |n: &str| (format!("part {n}"), p(n));
+        join_files(&[part("b.topk"), part("a.topk")], &header, &p("joined.topk")).unwrap();
+        assert_eq!(std::fs::read(p("joined.topk")).unwrap(), std::fs::read(p("whole.topk")).unwrap());
+        let err = |parts: &[(String, PathBuf)]| format!("{:#}", join_files(parts, &header, &p("bad.topk")).unwrap_err());
+        let e = err(&[part("a.topk"), part("b.topk"), part("b.topk")]);
+        assert!(e.contains("part b.topk") && e.contains("window 1 is also in part b.topk"), "{e}");
+        let e = err(&[part("a.topk")]);
+        assert!(e.contains("window 1: in no part"), "{e}");
+        // A part of another plan (another context) is named.
+        let mut other = fp.restricted(|_, w| w == 1);
+        other.context = 16;
+        write_records(&p("c.topk"), &other, 6, &recs[4..8]);
+        let e = err(&[part("a.topk"), part("c.topk")]);
+        assert!(e.contains("part c.topk") && e.contains("not a part of this run") && e.contains("--context"), "{e}");
+        assert!(!p("bad.topk").exists());
     }
 
     #[test]

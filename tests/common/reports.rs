@@ -36,6 +36,7 @@ pub fn constructed(streams: &[(&str, &str)], n_windows: usize, scored: usize, me
                         bytes: None,
                         by_position: Vec::new(),
                         kl_divergence: None,
+                        kl_detail: None,
                     }
                 })
                 .collect();
