@@ -424,18 +424,20 @@ def main() -> None:
     except AttributeError:
         pass
 
-    try:
-        import gguf as gguf_pkg
-    except ImportError:
-        fail("the `gguf` package is missing (transformers reads GGUF files through it): pip install gguf")
-    gguf_version = getattr(gguf_pkg, "__version__", None)
-    if gguf_version is None:
+    gguf_version = None  # --random-body reads no GGUF file, so it needs no gguf package
+    if args.gguf is not None:
         try:
-            from importlib.metadata import version
+            import gguf as gguf_pkg
+        except ImportError:
+            fail("the `gguf` package is missing (transformers reads GGUF files through it): pip install gguf")
+        gguf_version = getattr(gguf_pkg, "__version__", None)
+        if gguf_version is None:
+            try:
+                from importlib.metadata import version
 
-            gguf_version = version("gguf")
-        except Exception:  # noqa: BLE001 - only a label in the summary
-            gguf_version = "unknown"
+                gguf_version = version("gguf")
+            except Exception:  # noqa: BLE001 - only a label in the summary
+                gguf_version = "unknown"
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
