@@ -62,9 +62,7 @@ impl MemoryPeaks {
         let status = std::fs::read_to_string("/proc/self/status").ok();
         Self { host_peak_rss_bytes: status.as_deref().and_then(vm_hwm_bytes), devices }
     }
-}
 
-impl MemoryPeaks {
     /// Shards that ran as separate processes: the largest peak RSS, every shard's
     /// devices in shard order; `None` unless every shard recorded its memory.
     pub fn merged<'a>(shards: impl Iterator<Item = Option<&'a MemoryPeaks>>) -> Option<Self> {
