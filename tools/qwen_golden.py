@@ -227,13 +227,35 @@ def score(folder, model_type, stock_norms):
     assert model.lm_head.weight.dtype == torch.float64
     n_norms = 0 if stock_norms else keep_norms_in_float64(model)
 
+    out, _ = scored_forward(model)
+    return {**out, "n_norms_patched": n_norms}
+
+
+def scored_forward(model, n_experts=None):
+    """The model's float64 forward over tokens(): per-position log-sum-exp, target
+    logit and NLL; with n_experts, also how often each layer's router picked each
+    expert (forward hooks on every layer's mlp.gate, whose third output is the
+    top-k indices), else None."""
+    import torch
+
+    counts = None
+    hooks = []
+    if n_experts is not None:
+        counts = [[0] * n_experts for _ in model.model.layers]
+        for l, layer in enumerate(model.model.layers):
+            def hook(_m, _inp, out, l=l):
+                for e in out[2].flatten().tolist():
+                    counts[l][e] += 1
+            hooks.append(layer.mlp.gate.register_forward_hook(hook))
     ids = torch.tensor([tokens()], dtype=torch.long)
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0].to(torch.float64)  # (n_tokens, vocab)
+    for h in hooks:
+        h.remove()
     lse = torch.logsumexp(logits[:-1], dim=-1)
     target = logits[:-1].gather(1, ids[0, 1:, None])[:, 0]
     nll = lse - target
-    return {"lse": lse.tolist(), "target_logit": target.tolist(), "nll": nll.tolist(), "n_norms_patched": n_norms}
+    return {"lse": lse.tolist(), "target_logit": target.tolist(), "nll": nll.tolist()}, counts
 
 
 def write_golden(path, out):

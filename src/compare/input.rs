@@ -66,11 +66,11 @@ fn artifact_name(public_name: &str, path: &str) -> String {
     if public_name.is_empty() { path } else { public_name }.to_string()
 }
 
-impl From<Report> for ReportView {
-    fn from(r: Report) -> Self {
-        let streams = r
-            .results
-            .streams
+/// The streams and windows of either schema version's typed report, whose
+/// stream and window structs name these fields alike.
+macro_rules! stream_views {
+    ($streams:expr) => {
+        $streams
             .into_iter()
             .map(|s| StreamView {
                 name: s.name,
@@ -91,7 +91,13 @@ impl From<Report> for ReportView {
                     })
                     .collect(),
             })
-            .collect();
+            .collect()
+    };
+}
+
+impl From<Report> for ReportView {
+    fn from(r: Report) -> Self {
+        let streams = stream_views!(r.results.streams);
         ReportView {
             schema_version: r.schema_version,
             artifact: artifact_name(&r.artifact.public_name, &r.artifact.path),
@@ -107,30 +113,7 @@ impl From<Report> for ReportView {
 
 impl From<v3::ReportV3> for ReportView {
     fn from(r: v3::ReportV3) -> Self {
-        let streams = r
-            .results
-            .streams
-            .into_iter()
-            .map(|s| StreamView {
-                name: s.name,
-                domain: s.domain,
-                token_ids_sha256: s.token_ids_sha256,
-                windows: s
-                    .windows
-                    .into_iter()
-                    .map(|w| WindowView {
-                        index: w.index,
-                        begin: w.begin,
-                        end: w.end,
-                        first_target: w.first_target,
-                        scored: w.scored,
-                        n_nonfinite: w.n_nonfinite,
-                        nll_sum: w.nll_sum,
-                        tokens_sha256: w.tokens_sha256,
-                    })
-                    .collect(),
-            })
-            .collect();
+        let streams = stream_views!(r.results.streams);
         ReportView {
             schema_version: r.schema_version,
             artifact: artifact_name(&r.artifact.public_name, &r.artifact.path),
