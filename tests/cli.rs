@@ -7,27 +7,13 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
-use common::{data_root, models_dir, reference_dir};
+use common::{data_root, model, models_dir, os, reference_dir, run};
 
 const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.ninfer";
 const GEMMA3: &str = "gemma-3-270m-q4_k_m.ninfer";
-
-fn artifact(name: &str) -> PathBuf {
-    let p = models_dir().join(name);
-    assert!(p.exists(), "{} missing: run scripts/fetch-models.sh", p.display());
-    p
-}
-
-fn run(args: &[&std::ffi::OsStr]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_infernix-perplexity")).args(args).output().expect("run infernix-perplexity")
-}
-
-fn os<S: AsRef<std::ffi::OsStr> + ?Sized>(s: &S) -> &std::ffi::OsStr {
-    s.as_ref()
-}
 
 /// llama.cpp's token-id hash for (model file, corpus path).
 fn reference_hash(model_gguf: &str, corpus_path: &str) -> (usize, String) {
@@ -49,7 +35,7 @@ fn dry_run_text_matches_llama_cpp_token_ids() {
     let out = tempfile::tempdir().unwrap();
     let dir = out.path().join("r");
     let text = data_root().join("wikitext-2-raw/wiki.test.raw");
-    let o = run(&[os(&artifact(SMOLLM2)), os("--text"), os(&text), os("--dry-run"), os("--output"), os(&dir)]);
+    let o = run(&[os(&model(SMOLLM2)), os("--text"), os(&text), os("--dry-run"), os("--output"), os(&dir)]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(o.stdout.is_empty(), "a dry run prints no table");
     let r = read_report(&dir);
@@ -71,7 +57,7 @@ fn dry_run_corpus_quick_gemma3() {
     let dir = out.path().join("r");
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("eval/corpora/ppl-v1/manifest.json");
     let o = run(&[
-        os(&artifact(GEMMA3)),
+        os(&model(GEMMA3)),
         os("--corpus"),
         os(&manifest),
         os("--quick"),
@@ -118,7 +104,7 @@ fn assert_rejected(args: &[&std::ffi::OsStr], out_dir: &Path, expect: &[&str]) {
 #[test]
 fn bad_input_is_one_line_exit_2_and_no_report() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = artifact(SMOLLM2);
+    let model = model(SMOLLM2);
     let text = data_root().join("wikitext-2-raw/wiki.test.raw");
     let fresh = |n: &str| tmp.path().join(n);
 
@@ -199,7 +185,7 @@ fn bad_input_is_one_line_exit_2_and_no_report() {
 #[test]
 fn two_identical_cpu_runs_give_bit_identical_results() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = artifact(SMOLLM2);
+    let model = model(SMOLLM2);
     let text = data_root().join("wikitext-2-raw/wiki.test.raw");
     let mut results = Vec::new();
     // The second run names the lossless route's own KV format: recorded, and
@@ -267,7 +253,7 @@ fn two_identical_cpu_runs_give_bit_identical_results() {
 #[test]
 fn bundled_corpus_without_a_flag_from_another_folder() {
     let elsewhere = tempfile::tempdir().unwrap();
-    let model = std::fs::canonicalize(artifact(SMOLLM2)).unwrap();
+    let model = std::fs::canonicalize(model(SMOLLM2)).unwrap();
     let o = Command::new(env!("CARGO_BIN_EXE_infernix-perplexity"))
         .current_dir(elsewhere.path())
         .env("INFERNIX_DATA", elsewhere.path().join("no-such-folder"))

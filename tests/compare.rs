@@ -18,16 +18,14 @@ use infernix_perplexity::score::paired::PairedWindow;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
+use common::os;
+
 fn compare(args: &[&std::ffi::OsStr]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_infernix-perplexity"))
         .arg("compare")
         .args(args)
         .output()
         .expect("run infernix-perplexity compare")
-}
-
-fn os<S: AsRef<std::ffi::OsStr> + ?Sized>(s: &S) -> &std::ffi::OsStr {
-    s.as_ref()
 }
 
 fn code(o: &Output) -> i32 {

@@ -7,27 +7,12 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-use common::{data_root, models_dir};
+use common::{data_root, os, run};
 use infernix_perplexity::score::topk::{self, TopTokensReader};
 
 const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.ninfer";
 const GEMMA3: &str = "gemma-3-270m-q4_k_m.ninfer";
-
-fn artifact(name: &str) -> PathBuf {
-    let p = models_dir().join(name);
-    assert!(p.exists(), "{} missing: run scripts/fetch-models.sh", p.display());
-    p
-}
-
-fn run(args: &[&std::ffi::OsStr]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_infernix-perplexity")).args(args).output().expect("run infernix-perplexity")
-}
-
-fn os<S: AsRef<std::ffi::OsStr> + ?Sized>(s: &S) -> &std::ffi::OsStr {
-    s.as_ref()
-}
 
 fn read_report(dir: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap()
@@ -77,7 +62,7 @@ fn assert_refused<'a>(mut args: Vec<&'a std::ffi::OsStr>, out: &'a Path, expect:
 #[test]
 fn self_comparison_is_exactly_zero_and_mismatches_are_refused() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = artifact(SMOLLM2);
+    let model = common::model(SMOLLM2);
     let text = small_text(tmp.path());
     let reference = tmp.path().join("ref.topk");
     let tokens = tmp.path().join("tokens.json");
@@ -205,7 +190,7 @@ fn self_comparison_is_exactly_zero_and_mismatches_are_refused() {
     changed.insert_str(0, "Changed. ");
     std::fs::write(&other_text, changed).unwrap();
     assert_refused(with(chunks_args(&model, &other_text, "128", "2"), &dry), &out("r4"), &["input: recorded for text wiki-head.txt"]);
-    let gemma = artifact(GEMMA3);
+    let gemma = common::model(GEMMA3);
     assert_refused(with(chunks_args(&gemma, &text, "128", "2"), &dry), &out("r5"), &["tokenizer: recorded with tokenizer sha256"]);
 
     // Same settings, different tokens in a window: the header's window

@@ -7,6 +7,7 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
+use std::process::{Command, Output};
 
 pub mod reports;
 
@@ -37,4 +38,14 @@ pub fn model(file: &str) -> PathBuf {
     let p = models_dir().join(file);
     assert!(p.exists(), "{} missing: run scripts/fetch-models.sh", p.display());
     p
+}
+
+/// Runs the evaluator binary with `args` and waits for it.
+pub fn run(args: &[&std::ffi::OsStr]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_infernix-perplexity")).args(args).output().expect("run infernix-perplexity")
+}
+
+/// `x` as an argument of [`run`].
+pub fn os<S: AsRef<std::ffi::OsStr> + ?Sized>(s: &S) -> &std::ffi::OsStr {
+    s.as_ref()
 }
