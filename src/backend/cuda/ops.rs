@@ -164,6 +164,7 @@ pub fn rmsnorm_dual(dev: &CudaDevice, x: DevView<f32>, rows: Rows, w: DevView<f3
 /// x += y (in place, add_f32's rounding), then `rmsnorm_dual` of the new x into
 /// `out` and `out_bf16`, in one pass: the bits of `add_inplace` then
 /// `rmsnorm_dual`. x, y, out and out_bf16: (rows.n_rows, rows.n_cols) contiguous.
+#[allow(clippy::too_many_arguments)]
 pub fn add_rmsnorm_dual(
     dev: &CudaDevice,
     x: DevViewMut<f32>,
