@@ -44,10 +44,13 @@
 //! GEMMs on the 8B shapes with block-quantized weights and 8 % with BF16 (the
 //! stacked copy), and no faster end to end (benches/gemm.rs `QKV` lines,
 //! docs/performance.md). The
-//! residual add after a matmul stays a separate `add_f32`: the GEMM-epilogue add
-//! (`ops::matmul_add_bf16`) measured 5-11 %
-//! slower than the GEMM then the add on the 8B shapes (gpu_ops
-//! `fusion_timing_report`, docs/performance.md). The LM head
+//! residual add is not in the GEMM epilogue: that add (`ops::matmul_add_bf16`)
+//! measured 5-11 % slower than the GEMM then the add on the 8B shapes (gpu_ops
+//! `fusion_timing_report`, docs/performance.md); it is folded into the next
+//! RMSNorm instead ([`Backend::add_rms_norm`], `add_rmsnorm_dual`: the bits of
+//! `add_f32` then `rmsnorm_dual`). RoPE reads (cos, sin) from one table per
+//! set of frequencies, built once by `rope_table_f32` with `rope_f32`'s f64
+//! expression and kept for every layer and pass. The LM head
 //! multiplies the final-normed rows with the head like any matmul of the
 //! route (bf16 on the tensor cores, or f32 FFMA) into f32 logits, reduced on
 //! the GPU with an f64 sum of exponentials. Weights stay in their stored block format
