@@ -47,6 +47,31 @@ __device__ void rmsnorm_rows_dual(const float* __restrict__ x, const float* __re
     }
 }
 
+// x: (n_rows, stride) updated in place; y: (n_rows, stride); out, out_bf16: (n_rows, stride).
+// Each thread adds, squares and normalizes the same strided elements, in the
+// order rmsnorm_rows_dual reads them, so the sum of squares is the same.
+__device__ void add_rmsnorm_rows_dual(float* x, const float* __restrict__ y, const float* __restrict__ w, float* out,
+                                      bf16* out_bf16, int n_cols, long long stride, float eps) {
+    __shared__ float scratch[32];
+    float* xr = x + blockIdx.x * stride;
+    const float* yr = y + blockIdx.x * stride;
+    float* orow = out + blockIdx.x * stride;
+    bf16* br = out_bf16 + blockIdx.x * stride;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n_cols; i += blockDim.x) {
+        const float v = fadd(xr[i], yr[i]);
+        xr[i] = v;
+        ss = fmaf(v, v, ss);
+    }
+    ss = block_sum(ss, scratch);
+    const float scale = 1.0f / sqrtf(ss / (float)n_cols + eps);
+    for (int i = threadIdx.x; i < n_cols; i += blockDim.x) {
+        const float v = fmul(fmul(xr[i], scale), w[i]);
+        orow[i] = v;
+        br[i] = __float2bfloat16_rn(v);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(128)
     rmsnorm_f32(const float* x, const float* w, float* out, int n_cols, long long x_stride,
                 long long out_stride, float eps) {
@@ -63,4 +88,10 @@ extern "C" __global__ void __launch_bounds__(128)
     rmsnorm_dual(const float* x, const float* w, float* out, bf16* out_bf16, int n_cols, long long x_stride,
                  long long out_stride, float eps) {
     rmsnorm_rows_dual(x, w, out, out_bf16, n_cols, x_stride, out_stride, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    add_rmsnorm_dual(float* x, const float* y, const float* w, float* out, bf16* out_bf16, int n_cols, long long stride,
+                     float eps) {
+    add_rmsnorm_rows_dual(x, y, w, out, out_bf16, n_cols, stride, eps);
 }

@@ -366,6 +366,96 @@ fn rope_normal_and_neox_with_base_and_scale() {
     assert!(ops::rope(dev, xd.view_mut(), stride, 3, posd.view(), &p).is_err());
 }
 
+/// Bits of `a` and `b` that differ (f32), asserting equal lengths.
+fn n_bits_differ(a: &[f32], b: &[f32]) -> usize {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count()
+}
+
+/// rope_tabled (the (cos, sin) table built once by rope_table) against rope_f32
+/// (the f64 angle per element): every output bit equal, for both pairings,
+/// partial n_rot, linear scaling, YaRN, positions past 0, two windows, and a
+/// table longer than the positions used.
+#[test]
+fn rope_table_bit_identical_to_direct() {
+    let Some(dev) = device() else { return };
+    let mut rng = rng_for("rope_table");
+    let (n_tokens, n_seqs) = (96, 2);
+    let n_rows = n_seqs * n_tokens;
+    let yarn = |f, t, b, r| Some(infernix_perplexity::backend::Yarn::new(f, t, b, r));
+    let cases = [
+        (RopeMode::Normal, 8, 128, 128, 500_000.0, 1.0, None, 0),
+        (RopeMode::Normal, 3, 64, 64, 10_000.0, 1.0, None, 3000),
+        (RopeMode::Neox, 4, 256, 256, 1_000_000.0, 0.125, None, 17),
+        (RopeMode::Neox, 2, 128, 64, 10_000.0, 1.0, None, 100),
+        (RopeMode::Normal, 2, 128, 48, 500_000.0, 0.5, None, 4000),
+        (RopeMode::Neox, 3, 64, 64, 10_000.0, 1.0, yarn(2.0, 4096, 10_000.0, 64), 5000),
+        (RopeMode::Normal, 2, 128, 128, 1_000_000.0, 1.0, yarn(4.0, 32768, 1_000_000.0, 128), 60_000),
+    ];
+    for (mode, n_heads, d_head, n_rot, base, scale, yarn, pos0) in cases {
+        let stride = n_heads * d_head + 16;
+        let x = randn(&mut rng, n_rows * stride, 1.0);
+        let pos: Vec<i32> = (0..n_tokens as i32).map(|t| pos0 + t).collect();
+        let max_pos = (pos0 + n_tokens as i32 - 1) as usize;
+        let posd = dev.upload(&pos).unwrap();
+        let p = RopeParams { n_heads, d_head, n_rot, mode, freq_base: base, freq_scale: scale, yarn };
+        let mut direct = dev.upload(&x).unwrap();
+        ops::rope(dev, direct.view_mut(), stride, n_rows, posd.view(), &p).unwrap();
+        let n_pos = (max_pos + 1).next_power_of_two();
+        let mut table = poisoned::<f32>(dev, n_pos * n_rot);
+        ops::rope_table(dev, table.view_mut(), n_pos, &p).unwrap();
+        let mut tabled = dev.upload(&x).unwrap();
+        ops::rope_tabled(dev, tabled.view_mut(), stride, n_rows, posd.view(), max_pos, table.view(), &p).unwrap();
+        let (a, b) = (dev.download(&direct).unwrap(), dev.download(&tabled).unwrap());
+        let n_diff = n_bits_differ(&a, &b);
+        eprintln!("rope_table {mode:?} heads={n_heads} d_head={d_head} n_rot={n_rot} base={base} scale={scale} yarn={} pos0={pos0}: {n_diff} of {} outputs differ", yarn.is_some(), a.len());
+        assert_eq!(n_diff, 0, "rope_tabled differs from rope_f32");
+        // The rotation did happen (not a no-op on both sides).
+        assert!(n_bits_differ(&a, &x) > 0);
+        // A table too short for the positions is refused, not read past its end.
+        assert!(ops::rope_tabled(dev, tabled.view_mut(), stride, n_rows, posd.view(), n_pos, table.view(), &p).is_err());
+    }
+}
+
+/// add_rmsnorm_dual against add_f32 then rmsnorm_dual: x, the f32 norm and its
+/// bf16 rounding all bit-identical (d_model 576, 640, 4096, 8192).
+#[test]
+fn add_rmsnorm_dual_bit_identical_to_add_then_norm() {
+    let Some(dev) = device() else { return };
+    let mut rng = rng_for("add_rmsnorm_dual");
+    let eps = 1e-5f32;
+    for (n_rows, n_cols) in [(37, 576), (19, 640), (64, 4096), (9, 8192)] {
+        let n = n_rows * n_cols;
+        let (x, y, w) = (randn(&mut rng, n, 3.0), randn(&mut rng, n, 1.0), randn(&mut rng, n_cols, 1.0));
+        let (yd, wd) = (dev.upload(&y).unwrap(), dev.upload(&w).unwrap());
+        let rows = Rows::contiguous(n_rows, n_cols);
+        // Unfused: the add, then the dual norm.
+        let mut xa = dev.upload(&x).unwrap();
+        ops::add_inplace(dev, xa.view_mut(), yd.view()).unwrap();
+        let (mut fa, mut ba) = (poisoned::<f32>(dev, n), poisoned::<bf16>(dev, n));
+        ops::rmsnorm_dual(dev, xa.view(), rows, wd.view(), fa.view_mut(), ba.view_mut(), eps).unwrap();
+        // Fused.
+        let mut xb = dev.upload(&x).unwrap();
+        let (mut fb, mut bb) = (poisoned::<f32>(dev, n), poisoned::<bf16>(dev, n));
+        ops::add_rmsnorm_dual(dev, xb.view_mut(), yd.view(), rows, wd.view(), fb.view_mut(), bb.view_mut(), eps).unwrap();
+        let (xa, xb) = (dev.download(&xa).unwrap(), dev.download(&xb).unwrap());
+        let (fa, fb) = (dev.download(&fa).unwrap(), dev.download(&fb).unwrap());
+        let (ba, bb) = (bf16_to_f32(&dev.download(&ba).unwrap()), bf16_to_f32(&dev.download(&bb).unwrap()));
+        let diffs = [n_bits_differ(&xa, &xb), n_bits_differ(&fa, &fb), n_bits_differ(&ba, &bb)];
+        eprintln!("add_rmsnorm_dual {n_rows} x {n_cols}: differing x / f32 / bf16 outputs {diffs:?} of {n}");
+        assert_eq!(diffs, [0, 0, 0], "add_rmsnorm_dual differs from add_f32 then rmsnorm_dual");
+        // And within the parity rule of the f64 twin of the norm of x + y.
+        let sum: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+        let cpu: Vec<f64> = sum.chunks(n_cols).flat_map(|r| twin::rmsnorm_f64(r, &w, eps)).collect();
+        check(&format!("add_rmsnorm_dual f32 ({n_rows} x {n_cols})"), &fb, &cpu, TOL_F32);
+    }
+    let mut xd = dev.upload(&vec![1f32; 576]).unwrap();
+    let yd = dev.upload(&vec![1f32; 575]).unwrap();
+    let wd = dev.upload(&vec![1f32; 576]).unwrap();
+    let (mut f, mut b) = (poisoned::<f32>(dev, 576), poisoned::<bf16>(dev, 576));
+    assert!(ops::add_rmsnorm_dual(dev, xd.view_mut(), yd.view(), Rows::contiguous(1, 576), wd.view(), f.view_mut(), b.view_mut(), eps).is_err());
+}
+
 // ---------------------------------------------------------------- activations, residual, cast
 
 #[test]

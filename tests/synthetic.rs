@@ -52,8 +52,8 @@ fn synthetic_smollm2_shape_with_gguf_twin() {
     let mean = s.iter().map(|r| r.nll).sum::<f64>() / s.len() as f64;
     assert!(mean.is_finite() && mean > 1.0 && mean < 40.0, "mean NLL {mean}");
 
-    let err = write_synthetic(&geo, TensorFormat::Q4K, 1, &model(SMOLLM2_GGUF), &tmp.path().join("k.ninfer"), None).unwrap_err();
-    assert!(format!("{err:#}").contains("Q4_K"), "{err:#}");
+    let err = write_synthetic(&geo, TensorFormat::Q5K, 1, &model(SMOLLM2_GGUF), &tmp.path().join("k.ninfer"), None).unwrap_err();
+    assert!(format!("{err:#}").contains("Q5_K"), "{err:#}");
     assert!(!tmp.path().join("k.ninfer").exists());
 }
 

@@ -402,6 +402,15 @@ pub trait Backend {
     /// In place, `x += y`.
     fn add_assign(&self, x: &mut Self::Act, y: &Self::Act) -> Result<()>;
 
+    /// The residual add folded into the next norm: in place `x += y`, then
+    /// [`rms_norm`](Self::rms_norm) of the new `x` (`(n, d)`, `w` of `d`); the
+    /// numbers of [`add_assign`](Self::add_assign) then `rms_norm`, which is the
+    /// default body (the CUDA backend does both in one pass).
+    fn add_rms_norm(&self, x: &mut Self::Act, y: &Self::Act, w: &Self::Vector, eps: f64) -> Result<Self::Act> {
+        self.add_assign(x, y)?;
+        self.rms_norm(x, w, eps)
+    }
+
     /// The routed experts of one layer: for each row of `x` `(n, d_model)`,
     /// with its router logits `(n, n_experts)`, routes as [`MoeRouting`]
     /// says and returns the weighted sum of the selected experts' outputs

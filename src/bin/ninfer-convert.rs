@@ -37,7 +37,7 @@ struct Args {
     /// Write a seeded random-weight model of this geometry instead (smollm2-135m, llama-8b).
     #[arg(long, value_name = "GEOMETRY")]
     synthetic: Option<String>,
-    /// Block format of the synthetic weights (F32, F16, BF16, Q4_0, Q4_1, Q8_0).
+    /// Block format of the synthetic weights (F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K).
     #[arg(long, default_value = "Q4_0")]
     format: String,
     /// Seed of the synthetic weights.

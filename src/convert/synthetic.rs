@@ -34,9 +34,12 @@ pub struct Geometry {
     pub tied: bool,
 }
 
-pub const GEOMETRIES: [Geometry; 2] = [
+pub const GEOMETRIES: [Geometry; 3] = [
     Geometry { name: "smollm2-135m", n_layers: 30, d_model: 576, n_heads: 9, n_kv_heads: 3, d_ffn: 1536, rope_base: 100_000.0, tied: true },
     Geometry { name: "llama-8b", n_layers: 32, d_model: 4096, n_heads: 32, n_kv_heads: 8, d_ffn: 14336, rope_base: 500_000.0, tied: false },
+    // Llama-3-70B's body (about 40 GB as Q4_0 with a 49k vocabulary): write it with
+    // no --gguf-twin where disk is short.
+    Geometry { name: "llama-70b", n_layers: 80, d_model: 8192, n_heads: 64, n_kv_heads: 8, d_ffn: 28672, rope_base: 500_000.0, tied: false },
 ];
 
 pub fn geometry(name: &str) -> Result<Geometry> {
@@ -50,8 +53,16 @@ pub fn geometry(name: &str) -> Result<Geometry> {
 }
 
 /// Formats whose random blocks we can generate.
-const SYNTHETIC_FORMATS: [TensorFormat; 6] =
-    [TensorFormat::F32, TensorFormat::F16, TensorFormat::Bf16, TensorFormat::Q4_0, TensorFormat::Q4_1, TensorFormat::Q8_0];
+const SYNTHETIC_FORMATS: [TensorFormat; 8] = [
+    TensorFormat::F32,
+    TensorFormat::F16,
+    TensorFormat::Bf16,
+    TensorFormat::Q4_0,
+    TensorFormat::Q4_1,
+    TensorFormat::Q8_0,
+    TensorFormat::Q4K,
+    TensorFormat::Q6K,
+];
 
 /// Random bytes of a `(n_rows, n_cols)` matrix in `format`, values with
 /// standard deviation about `sigma`.
@@ -99,6 +110,29 @@ fn fill_random(format: TensorFormat, out: &mut [u8], sigma: f32, rng: &mut ChaCh
         TensorFormat::Q8_0 => out.chunks_exact_mut(34).for_each(|b| {
             b[0..2].copy_from_slice(&half::f16::from_f32(sigma / 73.9).to_le_bytes());
             rng.fill(&mut b[2..]);
+        }),
+        // Q4_K super-block of 256 (144 bytes): d, dmin (f16), 12 bytes of packed 6-bit
+        // (scale, min) for 8 sub-blocks, 128 bytes of 4-bit codes; x = d*sc*q - dmin*m.
+        // Every sub-block gets sc = 2, m = 15 and dmin = d: x = 2d (q - 7.5), spread 9.2 d.
+        TensorFormat::Q4K => out.chunks_exact_mut(144).for_each(|b| {
+            let d = half::f16::from_f32(sigma / 9.2).to_le_bytes();
+            b[0..2].copy_from_slice(&d);
+            b[2..4].copy_from_slice(&d);
+            // Sub-blocks 0-3: scale in bytes 0-3, min in 4-7 (low 6 bits; top 2 bits are
+            // sub-blocks 4-7's high bits, 0 here); sub-blocks 4-7: low nibbles of bytes
+            // 8-11 (scale) and high nibbles (min).
+            b[4..8].fill(2);
+            b[8..12].fill(15);
+            b[12..16].fill(0xF2);
+            rng.fill(&mut b[16..]);
+        }),
+        // Q6_K super-block of 256 (210 bytes): 128 bytes of low nibbles, 64 of high
+        // 2-bit pairs, 16 i8 sub-block scales, d (f16); x = d * scale * (q - 32),
+        // q uniform in 0..64 (spread 18.5) with every scale 1.
+        TensorFormat::Q6K => out.chunks_exact_mut(210).for_each(|b| {
+            rng.fill(&mut b[..192]);
+            b[192..208].fill(1);
+            b[208..210].copy_from_slice(&half::f16::from_f32(sigma / 18.5).to_le_bytes());
         }),
         _ => unreachable!("checked against SYNTHETIC_FORMATS"),
     }
@@ -234,4 +268,34 @@ fn write_gguf_twin(hp: &HParams, tok: &GgufFile, tensors: &[TensorSource<'_>], o
             .collect(),
     };
     w.write(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::dequant::dequantize_matrix;
+
+    /// Every format's random blocks decode (through the CPU decoder) to values of
+    /// mean about 0 and standard deviation about sigma.
+    #[test]
+    fn random_blocks_have_the_asked_spread() {
+        let (n_rows, n_cols, sigma) = (64, 1024, 0.03f32);
+        for format in SYNTHETIC_FORMATS {
+            let bytes = random_matrix(format, n_rows, n_cols, sigma, 5).unwrap();
+            assert_eq!(bytes.len(), n_rows * format.row_bytes(n_cols).unwrap());
+            let v = dequantize_matrix(format, &bytes, n_rows, n_cols).unwrap();
+            let n = v.len() as f64;
+            let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n;
+            let sd = (v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n).sqrt();
+            assert!(mean.abs() < 0.15 * sigma as f64, "{format}: mean {mean}");
+            assert!((sd / sigma as f64 - 1.0).abs() < 0.05, "{format}: sd {sd}, asked {sigma}");
+        }
+        assert!(random_matrix(TensorFormat::Q5K, 1, 256, sigma, 1).is_err());
+    }
+
+    #[test]
+    fn llama_70b_geometry() {
+        let g = geometry("llama-70b").unwrap();
+        assert_eq!((g.n_layers, g.d_model, g.n_heads, g.n_kv_heads, g.d_ffn), (80, 8192, 64, 8, 28672));
+    }
 }

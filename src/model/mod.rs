@@ -515,9 +515,16 @@ impl<B: Backend> Transformer<B> {
         let cache = self.cache.as_mut().context("forward: no KV cache")?;
         // (n, d_model)
         let mut x = b.embed(&self.embd, tokens, hp.embed_scale)?;
+        // The previous layer's FFN output, added to x by this layer's first norm
+        // (`add_rms_norm`: the numbers of the add then the norm).
+        let mut pending: Option<B::Act> = None;
         for (l, layer) in self.layers.iter().enumerate() {
             let fail = || format!("layer {l}");
-            let h = b.rms_norm(&x, &layer.attn_norm, hp.rms_eps).with_context(fail)?;
+            let h = match pending.take() {
+                Some(f) => b.add_rms_norm(&mut x, &f, &layer.attn_norm, hp.rms_eps),
+                None => b.rms_norm(&x, &layer.attn_norm, hp.rms_eps),
+            }
+            .with_context(fail)?;
             // (n, d_model)
             let mut o = match &layer.mixer {
                 Mixer::Attention(at) => attend(b, hp, cache, l, at, &h, rows).with_context(fail)?,
@@ -534,9 +541,7 @@ impl<B: Backend> Transformer<B> {
             if let Some([post_attn, _]) = &layer.post_norms {
                 o = b.rms_norm(&o, post_attn, hp.rms_eps)?;
             }
-            b.add_assign(&mut x, &o)?;
-
-            let h = b.rms_norm(&x, &layer.ffn_norm, hp.rms_eps).with_context(fail)?;
+            let h = b.add_rms_norm(&mut x, &o, &layer.ffn_norm, hp.rms_eps).with_context(fail)?;
             // (n, d_model)
             let mut f = match &layer.ffn {
                 Ffn::Dense { gate, up, down } => {
@@ -562,6 +567,9 @@ impl<B: Backend> Transformer<B> {
             if let Some([_, post_ffn]) = &layer.post_norms {
                 f = b.rms_norm(&f, post_ffn, hp.rms_eps)?;
             }
+            pending = Some(f);
+        }
+        if let Some(f) = pending {
             b.add_assign(&mut x, &f)?;
         }
         Ok(x)

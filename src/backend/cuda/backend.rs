@@ -44,10 +44,13 @@
 //! GEMMs on the 8B shapes with block-quantized weights and 8 % with BF16 (the
 //! stacked copy), and no faster end to end (benches/gemm.rs `QKV` lines,
 //! docs/performance.md). The
-//! residual add after a matmul stays a separate `add_f32`: the GEMM-epilogue add
-//! (`ops::matmul_add_bf16`) measured 5-11 %
-//! slower than the GEMM then the add on the 8B shapes (gpu_ops
-//! `fusion_timing_report`, docs/performance.md). The LM head
+//! residual add is not in the GEMM epilogue: that add (`ops::matmul_add_bf16`)
+//! measured 5-11 % slower than the GEMM then the add on the 8B shapes (gpu_ops
+//! `fusion_timing_report`, docs/performance.md); it is folded into the next
+//! RMSNorm instead ([`Backend::add_rms_norm`], `add_rmsnorm_dual`: the bits of
+//! `add_f32` then `rmsnorm_dual`). RoPE reads (cos, sin) from one table per
+//! set of frequencies, built once by `rope_table_f32` with `rope_f32`'s f64
+//! expression and kept for every layer and pass. The LM head
 //! multiplies the final-normed rows with the head like any matmul of the
 //! route (bf16 on the tensor cores, or f32 FFMA) into f32 logits, reduced on
 //! the GPU with an f64 sum of exponentials. Weights stay in their stored block format
@@ -189,6 +192,10 @@ pub struct CudaBackend {
     fuse_qkv: bool,
     /// Positions 0..len as i32 (RoPE reads a sub-range), grown on demand.
     positions: RefCell<Option<DeviceBuffer<i32>>>,
+    /// RoPE (cos, sin) tables `(n_pos, n_rot/2)` pairs, one per set of frequencies
+    /// (gemma3: its local and global bases), built once and shared by every layer
+    /// and pass; rebuilt longer when a pass needs a later position.
+    rope_tables: RefCell<Vec<RopeTable>>,
     /// The LM head's logits tile `(LM_HEAD_TILE_ROWS, n_vocab)`, kept between calls.
     head_scratch: RefCell<Option<DeviceBuffer<f32>>>,
     /// GPU time per op family (`INFERNIX_CUDA_PROFILE=1`), logged when the backend is dropped.
@@ -217,6 +224,24 @@ impl std::fmt::Debug for CudaBackend {
             .finish()
     }
 }
+
+/// One RoPE (cos, sin) table: `table` `(n_pos, n_rot)` f32 (n_rot/2 interleaved
+/// pairs per position) for the frequencies `key` names.
+struct RopeTable {
+    /// (n_rot, base, scale, YaRN factor, ramp low, ramp high, attention factor), as bits.
+    key: [u64; 7],
+    n_pos: usize,
+    table: DeviceBuffer<f32>,
+}
+
+/// The frequencies of `p` as a table key: every input of the table's expression.
+fn rope_table_key(p: &ops::RopeParams) -> [u64; 7] {
+    let (yf, yl, yh, ya) = p.yarn.map_or((1.0, 0.0, 1.0, 1.0), |y| (y.factor, y.ramp_low, y.ramp_high, y.attn_factor));
+    [p.n_rot as u64, p.freq_base.to_bits(), p.freq_scale.to_bits(), f64::to_bits(yf), f64::to_bits(yl), f64::to_bits(yh), f64::to_bits(ya)]
+}
+
+/// At most this many tables are kept (least recently built dropped first).
+const MAX_ROPE_TABLES: usize = 8;
 
 /// Bytes kept free on the device beyond the estimate (driver, pool rounding,
 /// module code).
@@ -267,6 +292,7 @@ impl CudaBackend {
             kv_dtype,
             fuse_qkv: false,
             positions: RefCell::new(None),
+            rope_tables: RefCell::new(Vec::new()),
             head_scratch: RefCell::new(None),
             prof: OpProfile::from_env(),
         })
@@ -323,6 +349,28 @@ impl CudaBackend {
         }
         let buf = cell.as_ref().context("rope: positions buffer")?;
         f(buf.slice(pos0..end)?)
+    }
+
+    /// The (cos, sin) table of `p`'s frequencies covering positions `..n_pos`,
+    /// built (or rebuilt longer: a power of two, at least 4096) when missing.
+    fn rope_table<'t>(&self, tables: &'t mut Vec<RopeTable>, p: &ops::RopeParams, n_pos: usize) -> Result<&'t RopeTable> {
+        let key = rope_table_key(p);
+        let found = tables.iter().position(|t| t.key == key && t.n_pos >= n_pos);
+        let i = match found {
+            Some(i) => i,
+            None => {
+                tables.retain(|t| t.key != key);
+                if tables.len() >= MAX_ROPE_TABLES {
+                    tables.remove(0);
+                }
+                let len = n_pos.next_power_of_two().max(4096);
+                let mut table = self.dev.alloc_uninit::<f32>(len * p.n_rot)?;
+                ops::rope_table(&self.dev, table.view_mut(), len, p)?;
+                tables.push(RopeTable { key, n_pos: len, table });
+                tables.len() - 1
+            }
+        };
+        Ok(&tables[i])
     }
 
     /// Zeroed K and V buffers of `len` elements for each of `n_layers` layers.
@@ -600,8 +648,13 @@ impl Backend for CudaBackend {
         };
         let n_cols = x.n_cols;
         let n_rows = x.n_rows;
+        let max_pos = rows.pos0 + rows.n_tokens - 1;
+        let mut tables = self.rope_tables.borrow_mut();
+        let t = self.rope_table(&mut tables, &params, max_pos + 1)?;
         let xv = x.f32_mut("rope")?.view_mut();
-        self.with_positions(rows.pos0, rows.n_tokens, |pos| ops::rope(&self.dev, xv, n_cols, n_rows, pos, &params))
+        self.with_positions(rows.pos0, rows.n_tokens, |pos| {
+            ops::rope_tabled(&self.dev, xv, n_cols, n_rows, pos, max_pos, t.table.view(), &params)
+        })
     }
 
     fn attention(
@@ -740,6 +793,24 @@ impl Backend for CudaBackend {
         same_shape("add", x, y)?;
         let yv = y.f32("add")?.view();
         ops::add_inplace(&self.dev, x.f32_mut("add")?.view_mut(), yv)
+    }
+
+    fn add_rms_norm(&self, x: &mut CudaAct, y: &CudaAct, w: &DeviceBuffer<f32>, eps: f64) -> Result<CudaAct> {
+        if !self.bf16_matmul_inputs() {
+            self.add_assign(x, y)?;
+            return self.rms_norm(x, w, eps);
+        }
+        let _prof = self.prof.scope(&self.dev, "add_rms_norm")?;
+        same_shape("add_rms_norm", x, y)?;
+        ensure!(w.len() == x.n_cols, "add_rms_norm: weight has {} elements, rows have {}", w.len(), x.n_cols);
+        let mut out = self.new_act(x.n_rows, x.n_cols)?;
+        let mut ob = self.dev.alloc_uninit::<bf16>(x.n_rows * x.n_cols)?;
+        let rows = Rows::contiguous(x.n_rows, x.n_cols);
+        let yv = y.f32("add_rms_norm")?.view();
+        let xv = x.f32_mut("add_rms_norm")?.view_mut();
+        ops::add_rmsnorm_dual(&self.dev, xv, yv, rows, w.view(), out.f32_mut("add_rms_norm")?.view_mut(), ob.view_mut(), eps as f32)?;
+        out.bf16 = Some(ob);
+        Ok(out)
     }
 
     fn score_rows(&self, x: &CudaAct, rows: &[usize], head: &CudaMatrix, req: &HeadRequest) -> Result<Vec<RowScore>> {
@@ -882,7 +953,9 @@ impl Backend for CudaBackend {
                         "numbers unchanged (the route rounds every matmul input to bf16 anyway): RMSNorm writes f32 and its bf16 \
                          rounding in one pass (rmsnorm_dual); attention and the gated product are written in bf16 (matmul inputs only); \
                          M >= {} and d_ffn >= {}: gate and up in one wgmma GEMM with act(gate) * up in its epilogue \
-                         (gemm_bf16_wgmma_gated_<act>); {}; the residual add a separate add_f32",
+                         (gemm_bf16_wgmma_gated_<act>); {}; the residual add folded into the next RMSNorm (add_rmsnorm_dual, the bits of \
+                         add_f32 then rmsnorm_dual; the last layer's add a separate add_f32); RoPE's (cos, sin) from one table per \
+                         base and scale (rope_table_f32, the same f64 expression as rope_f32), the rotation reading it",
                         ops::GEMM_WGMMA_MIN_M,
                         ops::GEMM_WGMMA_MIN_N,
                         if self.fuse_qkv && self.dev.has_function(ops::GEMM_QKV_KERNEL) {

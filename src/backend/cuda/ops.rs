@@ -161,6 +161,48 @@ pub fn rmsnorm_dual(dev: &CudaDevice, x: DevView<f32>, rows: Rows, w: DevView<f3
     Ok(())
 }
 
+/// x += y (in place, add_f32's rounding), then `rmsnorm_dual` of the new x into
+/// `out` and `out_bf16`, in one pass: the bits of `add_inplace` then
+/// `rmsnorm_dual`. x, y, out and out_bf16: (rows.n_rows, rows.n_cols) contiguous.
+#[allow(clippy::too_many_arguments)]
+pub fn add_rmsnorm_dual(
+    dev: &CudaDevice,
+    x: DevViewMut<f32>,
+    y: DevView<f32>,
+    rows: Rows,
+    w: DevView<f32>,
+    out: DevViewMut<f32>,
+    out_bf16: DevViewMut<bf16>,
+    eps: f32,
+) -> Result<()> {
+    let n = rows.n_rows * rows.n_cols;
+    ensure!(rows.stride == rows.n_cols, "add_rmsnorm_dual: rows of {} with stride {} (contiguous only)", rows.n_cols, rows.stride);
+    ensure!(
+        x.len() == n && y.len() == n && out.len() == n && out_bf16.len() == n,
+        "add_rmsnorm_dual: x {}, y {}, out {} and out_bf16 {} elements for {} rows of {}",
+        x.len(),
+        y.len(),
+        out.len(),
+        out_bf16.len(),
+        rows.n_rows,
+        rows.n_cols
+    );
+    ensure!(w.len() == rows.n_cols, "add_rmsnorm_dual: weight has {} elements, rows have {}", w.len(), rows.n_cols);
+    if rows.n_rows == 0 {
+        return Ok(());
+    }
+    let f = func(dev, "add_rmsnorm_dual")?;
+    let (xp, yp, wp, op, bp) = (x.ptr(), y.ptr(), w.ptr(), out.ptr(), out_bf16.ptr());
+    let (n_cols, st) = (i32_of(rows.n_cols, "n_cols")?, rows.n_cols as i64);
+    let grid = u32::try_from(rows.n_rows).map_err(|_| anyhow!("add_rmsnorm_dual: {} rows", rows.n_rows))?;
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&xp).arg(&yp).arg(&wp).arg(&op).arg(&bp).arg(&n_cols).arg(&st).arg(&eps);
+    // SAFETY: arguments match `add_rmsnorm_dual` in kernels/norm.cu; all four buffers hold
+    // n_rows * n_cols contiguous elements (checked).
+    unsafe { b.launch(cfg((grid, 1, 1), 128, 0)) }.map_err(|e| launch_err("add_rmsnorm_dual", e))?;
+    Ok(())
+}
+
 /// RMSNorm in place on f32 rows.
 pub fn rmsnorm_inplace(dev: &CudaDevice, x: DevViewMut<f32>, rows: Rows, w: DevView<f32>, eps: f32) -> Result<()> {
     rmsnorm_raw::<f32>(dev, x.ptr(), x.len(), rows, w, x.ptr(), x.len(), rows.stride, eps)
@@ -241,20 +283,98 @@ pub fn rope(dev: &CudaDevice, x: DevViewMut<f32>, token_stride: usize, n_tokens:
     let (xp, pp, nps) = (x.ptr(), pos.ptr(), i32_of(n_per_seq, "positions")?);
     let (nh, dh, nr) = (i32_of(p.n_heads, "n_heads")?, i32_of(p.d_head, "d_head")?, i32_of(p.n_rot, "n_rot")?);
     let ts = token_stride as i64;
-    let mode: i32 = match p.mode {
-        RopeMode::Normal => 0,
-        RopeMode::Neox => 2,
-    };
+    let mode = rope_mode_arg(p.mode);
     let gx = grid_1d(p.n_heads * p.n_rot / 2, 128)?;
-    // Native RoPE: factor 1 (the kernel's unchanged expression), attention factor 1.
-    let (yf, yl, yh, ya) = p.yarn.map_or((1.0, 0.0, 1.0, 1.0), |y| (y.factor, y.ramp_low, y.ramp_high, y.attn_factor));
-    ensure!(yf >= 1.0 && yh > yl, "rope: YaRN factor {yf}, ramp {yl}..{yh}");
+    let (yf, yl, yh, ya) = yarn_args(p)?;
     let mut b = dev.stream().launch_builder(f);
     b.arg(&xp).arg(&pp).arg(&nps).arg(&nh).arg(&dh).arg(&nr).arg(&ts).arg(&mode).arg(&p.freq_base).arg(&p.freq_scale);
     b.arg(&yf).arg(&yl).arg(&yh).arg(&ya);
     // SAFETY: arguments match `rope_f32` in kernels/rope.cu; x covers n_tokens rows of n_heads * d_head.
     unsafe { b.launch(cfg((gx, n_tokens as u32, 1), 128, 0)) }.map_err(|e| launch_err("rope_f32", e))?;
     Ok(())
+}
+
+/// The (cos, sin) table of `rope_tabled` for `p`'s frequencies: (n_pos, n_rot/2)
+/// pairs, interleaved, for positions 0..n_pos; the same f64 expression as
+/// `rope`, rounded to f32 as it rounds. `table` must hold n_pos * n_rot f32.
+pub fn rope_table(dev: &CudaDevice, table: DevViewMut<f32>, n_pos: usize, p: &RopeParams) -> Result<()> {
+    ensure!(p.n_rot % 2 == 0 && p.n_rot > 0, "rope_table: n_rot {}", p.n_rot);
+    ensure!(table.len() == n_pos * p.n_rot, "rope_table: table has {} f32, n_pos * n_rot = {n_pos} * {}", table.len(), p.n_rot);
+    ensure!(p.freq_base > 0.0 && p.freq_scale > 0.0, "rope_table: base {} scale {}", p.freq_base, p.freq_scale);
+    i32_of(n_pos, "rope_table positions")?;
+    if n_pos == 0 {
+        return Ok(());
+    }
+    let (yf, yl, yh, ya) = yarn_args(p)?;
+    let f = func(dev, "rope_table_f32")?;
+    let (tp, nr) = (table.ptr(), i32_of(p.n_rot, "n_rot")?);
+    let gy = grid_1d(p.n_rot / 2, 128)?;
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&tp).arg(&nr).arg(&p.freq_base).arg(&p.freq_scale).arg(&yf).arg(&yl).arg(&yh).arg(&ya);
+    // SAFETY: arguments match `rope_table_f32` in kernels/rope.cu; table holds n_pos * n_rot/2 float2 (checked).
+    unsafe { b.launch(cfg((n_pos as u32, gy, 1), 128, 0)) }.map_err(|e| launch_err("rope_table_f32", e))?;
+    Ok(())
+}
+
+/// `rope` with (cos, sin) read from `table`, built by [`rope_table`] for the same
+/// `p` (n_rot, base, scale, YaRN) over at least `max_pos + 1` positions, where
+/// `max_pos` is the largest of `pos` (the caller knows it: positions are a range).
+/// The same bits as `rope`.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_tabled(
+    dev: &CudaDevice,
+    x: DevViewMut<f32>,
+    token_stride: usize,
+    n_tokens: usize,
+    pos: DevView<i32>,
+    max_pos: usize,
+    table: DevView<f32>,
+    p: &RopeParams,
+) -> Result<()> {
+    let n_per_seq = pos.len();
+    ensure!(
+        n_per_seq > 0 && n_tokens % n_per_seq == 0,
+        "rope: {n_tokens} rows are not whole windows of {n_per_seq} positions"
+    );
+    ensure!(p.n_rot % 2 == 0 && p.n_rot <= p.d_head && p.n_rot > 0, "rope: n_rot {} with d_head {}", p.n_rot, p.d_head);
+    Rows { n_rows: n_tokens, n_cols: p.n_heads * p.d_head, stride: token_stride }.check(x.len(), "rope", "x")?;
+    ensure!(
+        table.len() % p.n_rot == 0 && table.len() / p.n_rot > max_pos,
+        "rope: the (cos, sin) table covers {} positions of {} pairs, position {max_pos} is needed",
+        table.len() / p.n_rot,
+        p.n_rot / 2
+    );
+    if n_tokens == 0 {
+        return Ok(());
+    }
+    let f = func(dev, "rope_tabled_f32")?;
+    let (xp, pp, tp, nps) = (x.ptr(), pos.ptr(), table.ptr(), i32_of(n_per_seq, "positions")?);
+    let (nh, dh, nr) = (i32_of(p.n_heads, "n_heads")?, i32_of(p.d_head, "d_head")?, i32_of(p.n_rot, "n_rot")?);
+    let ts = token_stride as i64;
+    let mode = rope_mode_arg(p.mode);
+    let gx = grid_1d(p.n_heads * p.n_rot / 2, 128)?;
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&xp).arg(&pp).arg(&nps).arg(&nh).arg(&dh).arg(&nr).arg(&ts).arg(&mode).arg(&tp);
+    // SAFETY: arguments match `rope_tabled_f32` in kernels/rope.cu; x covers n_tokens rows of
+    // n_heads * d_head; the table covers every position up to max_pos (checked; pos holds a range
+    // the caller bounded by max_pos).
+    unsafe { b.launch(cfg((gx, n_tokens as u32, 1), 128, 0)) }.map_err(|e| launch_err("rope_tabled_f32", e))?;
+    Ok(())
+}
+
+fn rope_mode_arg(mode: RopeMode) -> i32 {
+    match mode {
+        RopeMode::Normal => 0,
+        RopeMode::Neox => 2,
+    }
+}
+
+/// (factor, ramp low, ramp high, attention factor) for the kernels; native RoPE:
+/// factor 1 (the kernels' unchanged expression), attention factor 1.
+fn yarn_args(p: &RopeParams) -> Result<(f64, f64, f64, f64)> {
+    let (yf, yl, yh, ya) = p.yarn.map_or((1.0, 0.0, 1.0, 1.0), |y| (y.factor, y.ramp_low, y.ramp_high, y.attn_factor));
+    ensure!(yf >= 1.0 && yh > yl, "rope: YaRN factor {yf}, ramp {yl}..{yh}");
+    Ok((yf, yl, yh, ya))
 }
 
 // ------------------------------------------------------------------ activations, residual, cast
