@@ -15,6 +15,23 @@
 // for the matmuls that read the row, so no separate cast pass).
 #include "common.cuh"
 
+// 1 / sqrt(mean of squares + eps) from each thread's partial sum of squares.
+__device__ __forceinline__ float rms_scale(float ss, int n_cols, float eps, float* scratch) {
+    ss = block_sum(ss, scratch);
+    return 1.0f / sqrtf(ss / (float)n_cols + eps);
+}
+
+// out[i] = (x[i] * scale) * w[i] as f32 and its bf16 rounding (nearest even), each
+// thread over the strided elements it summed.
+__device__ __forceinline__ void normalize_dual(const float* xr, const float* __restrict__ w, float* out, bf16* out_bf16,
+                                               int n_cols, float scale) {
+    for (int i = threadIdx.x; i < n_cols; i += blockDim.x) {
+        const float v = fmul(fmul(xr[i], scale), w[i]);
+        out[i] = v;
+        out_bf16[i] = __float2bfloat16_rn(v);
+    }
+}
+
 template <typename OUT>
 __device__ void rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w, OUT* out,
                              int n_cols, long long x_stride, long long out_stride, float eps) {
@@ -24,8 +41,7 @@ __device__ void rmsnorm_rows(const float* __restrict__ x, const float* __restric
     OUT* yr = out + blockIdx.x * out_stride;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n_cols; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
-    ss = block_sum(ss, scratch);
-    const float scale = 1.0f / sqrtf(ss / (float)n_cols + eps);
+    const float scale = rms_scale(ss, n_cols, eps, scratch);
     for (int i = threadIdx.x; i < n_cols; i += blockDim.x) yr[i] = from_f32<OUT>(fmul(fmul(xr[i], scale), w[i]));
 }
 
@@ -38,13 +54,7 @@ __device__ void rmsnorm_rows_dual(const float* __restrict__ x, const float* __re
     bf16* br = out_bf16 + blockIdx.x * out_stride;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n_cols; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
-    ss = block_sum(ss, scratch);
-    const float scale = 1.0f / sqrtf(ss / (float)n_cols + eps);
-    for (int i = threadIdx.x; i < n_cols; i += blockDim.x) {
-        const float v = fmul(fmul(xr[i], scale), w[i]);
-        yr[i] = v;
-        br[i] = __float2bfloat16_rn(v);
-    }
+    normalize_dual(xr, w, yr, br, n_cols, rms_scale(ss, n_cols, eps, scratch));
 }
 
 // x: (n_rows, stride) updated in place; y: (n_rows, stride); out, out_bf16: (n_rows, stride).
@@ -63,13 +73,7 @@ __device__ void add_rmsnorm_rows_dual(float* x, const float* __restrict__ y, con
         xr[i] = v;
         ss = fmaf(v, v, ss);
     }
-    ss = block_sum(ss, scratch);
-    const float scale = 1.0f / sqrtf(ss / (float)n_cols + eps);
-    for (int i = threadIdx.x; i < n_cols; i += blockDim.x) {
-        const float v = fmul(fmul(xr[i], scale), w[i]);
-        orow[i] = v;
-        br[i] = __float2bfloat16_rn(v);
-    }
+    normalize_dual(xr, w, orow, br, n_cols, rms_scale(ss, n_cols, eps, scratch));
 }
 
 extern "C" __global__ void __launch_bounds__(128)

@@ -136,16 +136,7 @@ pub fn rmsnorm<O: OutElem>(
 /// matmuls (bf16) without a separate cast.
 pub fn rmsnorm_dual(dev: &CudaDevice, x: DevView<f32>, rows: Rows, w: DevView<f32>, out: DevViewMut<f32>, out_bf16: DevViewMut<bf16>, eps: f32) -> Result<()> {
     rows.check(x.len(), "rmsnorm_dual", "x")?;
-    let n = rows.n_rows * rows.n_cols;
-    ensure!(
-        out.len() == n && out_bf16.len() == n,
-        "rmsnorm_dual: outputs of {} and {} elements for {} rows of {}",
-        out.len(),
-        out_bf16.len(),
-        rows.n_rows,
-        rows.n_cols
-    );
-    ensure!(w.len() == rows.n_cols, "rmsnorm_dual: weight has {} elements, rows have {}", w.len(), rows.n_cols);
+    check_norm_dual("rmsnorm_dual", rows, w.len(), out.len(), out_bf16.len())?;
     if rows.n_rows == 0 {
         return Ok(());
     }
@@ -158,6 +149,19 @@ pub fn rmsnorm_dual(dev: &CudaDevice, x: DevView<f32>, rows: Rows, w: DevView<f3
     // SAFETY: arguments match `rmsnorm_dual` in kernels/norm.cu; x's layout and both outputs'
     // lengths (contiguous rows) checked.
     unsafe { b.launch(cfg((grid, 1, 1), 128, 0)) }.map_err(|e| launch_err("rmsnorm_dual", e))?;
+    Ok(())
+}
+
+/// The dual norms' outputs (f32 and bf16, contiguous rows) and weight against `rows`.
+fn check_norm_dual(op: &str, rows: Rows, n_w: usize, n_out: usize, n_out_bf16: usize) -> Result<()> {
+    let n = rows.n_rows * rows.n_cols;
+    ensure!(
+        n_out == n && n_out_bf16 == n,
+        "{op}: outputs of {n_out} and {n_out_bf16} elements for {} rows of {}",
+        rows.n_rows,
+        rows.n_cols
+    );
+    ensure!(n_w == rows.n_cols, "{op}: weight has {n_w} elements, rows have {}", rows.n_cols);
     Ok(())
 }
 
@@ -177,17 +181,8 @@ pub fn add_rmsnorm_dual(
 ) -> Result<()> {
     let n = rows.n_rows * rows.n_cols;
     ensure!(rows.stride == rows.n_cols, "add_rmsnorm_dual: rows of {} with stride {} (contiguous only)", rows.n_cols, rows.stride);
-    ensure!(
-        x.len() == n && y.len() == n && out.len() == n && out_bf16.len() == n,
-        "add_rmsnorm_dual: x {}, y {}, out {} and out_bf16 {} elements for {} rows of {}",
-        x.len(),
-        y.len(),
-        out.len(),
-        out_bf16.len(),
-        rows.n_rows,
-        rows.n_cols
-    );
-    ensure!(w.len() == rows.n_cols, "add_rmsnorm_dual: weight has {} elements, rows have {}", w.len(), rows.n_cols);
+    ensure!(x.len() == n && y.len() == n, "add_rmsnorm_dual: x {} and y {} elements for {} rows of {}", x.len(), y.len(), rows.n_rows, rows.n_cols);
+    check_norm_dual("add_rmsnorm_dual", rows, w.len(), out.len(), out_bf16.len())?;
     if rows.n_rows == 0 {
         return Ok(());
     }
