@@ -17,13 +17,15 @@
 // Algorithm: a block owns BM = 128 queries of one head and walks the key tiles
 // of BN = 128 keys that any of them can see. Warp specialization (384 threads):
 // warpgroup 0 is the producer (one thread; setmaxnreg gives its registers to
-// the consumers): it fills STAGES = 2 stages of K and of V, each BN rows x D
+// the consumers): it fills ST = stages(D) stages of K and of V (4 at d 64, 2 at
+// d 128), each BN rows x D
 // bf16, by TMA (cp.async.bulk.tensor.3d over the cache seen as (d_head,
 // kv_len, n_seqs * n_kv_heads): 128-byte swizzle, one box of 64 columns x BN
 // rows per 64 columns of d_head, rows at or past kv_len = pos0 + n_tokens
 // zero-filled by the TMA unit, so nothing past the cached positions is read),
 // completing on the stage's full_k / full_v mbarriers, after waiting on the
-// stage's empty mbarrier. Warpgroups 1 and 2 are consumers of 64 query rows
+// stage's empty_k / empty_v mbarrier (K and V released apart, so the next K
+// streams in while this V is still read). Warpgroups 1 and 2 are consumers of 64 query rows
 // each: Q is staged once into shared memory by the consumers (f32 -> bf16, laid
 // out in the same 128-byte swizzle, then fence.proxy.async); per tile
 //   S (64 x 128 f32, registers) = Q · Kᵀ: wgmma m64n128k16, Q and K from
@@ -35,16 +37,19 @@
 //        mma.sync) and V as B from shared memory, MN-major (transpose bit):
 //        leading byte offset = the distance between the 64-column boxes (BN *
 //        128 bytes), stride byte offset = 1024 (8 keys);
-// then one arrival per consumer warp on the stage's empty barrier. A consumer
-// warpgroup skips the MMAs of a tile none of its rows can see (the causal
-// diagonal, the window's start) but still waits and arrives. Query tiles run
-// in reverse order (the longest causal rows start first).
+// software-pipelined as in FlashAttention-3 (intra-warpgroup overlap): tile i's
+// S is issued, then tile i - 1's P·V, and tile i's softmax runs on the CUDA
+// cores while that P·V runs on the tensor cores (wait_group 1, then 0 before O
+// is rescaled and P repacked); one arrival per consumer warp releases the K
+// stage once S is done, the V stage once P·V is. Both warpgroups compute
+// every tile of the block (masking decides what counts). Query tiles run in
+// reverse order (the longest causal rows start first).
 // Not covered here (the launcher sends them to v2): quantized caches, d_head 96
 // and 256, misaligned q / out.
 // Launch: grid (ceil(n_tokens / 128), n_heads, n_seqs), block 384, dynamic
-// shared memory 1024 (alignment slack) + 128 * D * 2 (Q) + 2 * STAGES * 128 * D
-// * 2 (K, V) + 3 * STAGES * 8 (barriers): d 128 165936 bytes, d 64 83016.
-// The launcher (ops::attention, AttnKernel::V3) mirrors BM, BN and STAGES.
+// shared memory 1024 (alignment slack) + 128 * D * 2 (Q) + 2 * ST * 128 * D * 2
+// (K, V) + 4 * ST * 8 (barriers): d 128 164928 bytes, d 64 148608.
+// The launcher (ops::attention_v3) mirrors BM, BN and stages(D).
 // CPU twin: backend::cpu::attention::attention on the same bf16-rounded q, k, v
 // (tests/gpu_ops.rs attention_case).
 #include "sm90a.cuh"
@@ -53,7 +58,6 @@ namespace attn3 {
 constexpr int THREADS = 384;
 constexpr int BM = 128;     // queries per block (2 consumer warpgroups of 64)
 constexpr int BN = 128;     // keys per tile
-constexpr int STAGES = 2;   // K/V stages
 constexpr int BOX = 64;     // columns per TMA box (128 bytes: the swizzle span)
 
 // D(64 x 128, f32) += A(64 x 16, bf16, K-major, smem) * B(128 x 16, bf16, K-major, smem)ᵀ.
@@ -147,9 +151,14 @@ __device__ __forceinline__ void st_shared_v4(uint32_t addr, uint4 v) {
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
+// K/V stages: 4 at d_head 64, 2 at 128 (shared memory: Q 32 KiB plus four 32 KiB
+// stages at d 128 fill the 227 KiB a block may have).
+__host__ __device__ constexpr int stages(int d) { return d <= 64 ? 4 : 2; }
+
 template <int D, typename OUT>
 __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a) {
     static_assert(D % BOX == 0 && (D == 64 || D == 128), "attn_wgmma: d_head 64 or 128");
+    constexpr int ST = stages(D);
     constexpr int NB = D / BOX;           // 64-column boxes per row
     constexpr int KS = D / 16;            // k-steps of Q·Kᵀ
     constexpr int VS = BN / 16;           // k-steps of P·V
@@ -160,13 +169,14 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a) {
     extern __shared__ uint8_t attn3_smem[];
     // 1024-byte alignment for the 128-byte swizzle (the launcher adds 1 KiB of slack).
     const uint32_t base = (smem_addr(attn3_smem) + 1023u) & ~1023u;
-    const uint32_t sq = base;                      // (NB boxes, BM rows, 64) bf16, swizzled
-    const uint32_t sk = sq + Q_BYTES;              // (STAGES, NB, BN, 64) bf16, swizzled
-    const uint32_t sv = sk + STAGES * KV_BYTES;    // (STAGES, NB, BN, 64) bf16, swizzled
-    const uint32_t bars = sv + STAGES * KV_BYTES;  // full_k[STAGES], full_v[STAGES], empty[STAGES]
+    const uint32_t sq = base;                 // (NB boxes, BM rows, 64) bf16, swizzled
+    const uint32_t sk = sq + Q_BYTES;         // (ST, NB, BN, 64) bf16, swizzled
+    const uint32_t sv = sk + ST * KV_BYTES;   // (ST, NB, BN, 64) bf16, swizzled
+    const uint32_t bars = sv + ST * KV_BYTES;  // full_k[ST], full_v[ST], empty_k[ST], empty_v[ST]
     auto full_k = [&](int s) { return bars + 8 * s; };
-    auto full_v = [&](int s) { return bars + 8 * (STAGES + s); };
-    auto empty = [&](int s) { return bars + 8 * (2 * STAGES + s); };
+    auto full_v = [&](int s) { return bars + 8 * (ST + s); };
+    auto empty_k = [&](int s) { return bars + 8 * (2 * ST + s); };
+    auto empty_v = [&](int s) { return bars + 8 * (3 * ST + s); };
 
     const int t0 = (int)(gridDim.x - 1 - blockIdx.x) * BM;  // longest causal rows first
     const int h = blockIdx.y, seq = blockIdx.z;
@@ -177,30 +187,34 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a) {
     const int t_last = min(t0 + BM, n_tokens) - 1;
     const int tile_last = (pos0 + t_last) / BN;
     const int tile_first = window > 0 ? max(pos0 + t0 - window + 1, 0) / BN : 0;
+    const int n_tiles = tile_last - tile_first + 1;
     const int warpgroup = threadIdx.x / 128, tid = threadIdx.x % 128;
 
     if (threadIdx.x == 0) {
 #pragma unroll
-        for (int s = 0; s < STAGES; ++s) {
+        for (int s = 0; s < ST; ++s) {
             mbar_init(full_k(s), 1);  // the producer's expect_tx
             mbar_init(full_v(s), 1);
-            mbar_init(empty(s), 8);  // one arrival per consumer warp
+            mbar_init(empty_k(s), 8);  // one arrival per consumer warp
+            mbar_init(empty_v(s), 8);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
 
     if (warpgroup == 0) {
-        // Producer: one thread issues every copy; the stage is reused once all 8
-        // consumer warps have arrived on its empty barrier.
+        // Producer: one thread issues every copy; a K (V) stage is reused once all 8
+        // consumer warps have arrived on its empty_k (empty_v) barrier.
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
         if (tid == 0) {
-            for (int tile = tile_first, i = 0; tile <= tile_last; ++tile, ++i) {
-                const int s = i % STAGES;
-                mbar_wait(empty(s), ((i / STAGES) & 1) ^ 1);
+            for (int i = 0; i < n_tiles; ++i) {
+                const int s = i % ST, tile = tile_first + i;
+                const uint32_t ph = ((i / ST) & 1) ^ 1;
+                mbar_wait(empty_k(s), ph);
                 mbar_arrive_expect_tx(full_k(s), KV_BYTES);
 #pragma unroll
                 for (int b = 0; b < NB; ++b) tma_load_3d(sk + s * KV_BYTES + b * BN * 128, &a.k, full_k(s), b * BOX, tile * BN, slab);
+                mbar_wait(empty_v(s), ph);
                 mbar_arrive_expect_tx(full_v(s), KV_BYTES);
 #pragma unroll
                 for (int b = 0; b < NB; ++b) tma_load_3d(sv + s * KV_BYTES + b * BN * 128, &a.v, full_v(s), b * BOX, tile * BN, slab);
@@ -243,107 +257,138 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a) {
     const int row_w = t0 + c * 64 + warp * 16;  // the warp's first row (token)
     const int qp0 = pos0 + row_w + g;           // this thread's rows: positions qp0 and qp0 + 8
     const int qp_min = pos0 + row_w, qp_max = qp_min + 15;
-    const int wg_min = pos0 + t0 + c * 64, wg_max = wg_min + 63;
-    const bool wg_rows = t0 + c * 64 < n_tokens;  // the warpgroup has a row to compute
     const uint64_t dq = sw128_desc(sq + c * 64 * 128);
 
-    for (int tile = tile_first, i = 0; tile <= tile_last; ++tile, ++i) {
-        const int s = i % STAGES;
-        const uint32_t ph = (i / STAGES) & 1;
-        const int kbase = tile * BN;
-        // Does any row of this warpgroup see a key of this tile?
-        const bool seen = wg_rows && kbase <= wg_max && (window <= 0 || wg_min - (kbase + BN - 1) < window);
-        mbar_wait(full_k(s), ph);
-        if (seen) {
-            float sc[BN / 2];
+    float sc[BN / 2];     // S of the tile being scored, then its probabilities
+    uint32_t pa[VS][4];   // P of the previous tile, bf16, as the A fragments of its P·V
+    // S = Q·Kᵀ of tile i (stage i % ST) issued as one commit group (not waited for).
+    auto issue_s = [&](int i) {
 #pragma unroll
-            for (int j = 0; j < BN / 2; ++j) sc[j] = 0.f;
-            const uint64_t dk = sw128_desc(sk + s * KV_BYTES);
-            wgmma_fence();
+        for (int j = 0; j < BN / 2; ++j) sc[j] = 0.f;
+        const uint64_t dk = sw128_desc(sk + (i % ST) * KV_BYTES);
+        wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < KS; ++kk) {
-                const uint32_t qoff = (kk / 4) * (BM * 128) + (kk % 4) * 32;
-                const uint32_t koff = (kk / 4) * (BN * 128) + (kk % 4) * 32;
-                wgmma_ss_m64n128k16(sc, dq + (qoff >> 4), dk + (koff >> 4));
-            }
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_regs(sc);
-
-            // Scale, soft-cap, mask; the online softmax update (v2's arithmetic).
-            const bool full = kbase + BN - 1 <= qp_min && kbase + BN <= kv_len && (window <= 0 || qp_max - kbase < window);
-            float mx[2] = {m_run[0], m_run[1]};
-#pragma unroll
-            for (int j = 0; j < NS; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float x;
-                    if (cap > 0.f) x = cap * tanhf(sc[4 * j + e] * scale / cap) * LOG2E;
-                    else x = sc[4 * j + e] * scale_l2;
-                    if (!full) {
-                        const int kp = kbase + 8 * j + cq + (e & 1);
-                        const int qp = qp0 + 8 * (e >> 1);
-                        const bool vis = kp <= qp && kp < kv_len && (window <= 0 || qp - kp < window);
-                        x = vis ? x : -INFINITY;
-                    }
-                    sc[4 * j + e] = x;
-                    mx[e >> 1] = fmaxf(mx[e >> 1], x);
-                }
-            }
-            float base_r[2], corr[2], rs[2] = {0.f, 0.f};
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                base_r[r] = mx[r] == -INFINITY ? 0.f : mx[r];  // a row with nothing visible yet
-                corr[r] = exp2_approx(m_run[r] - base_r[r]);    // 0 while m_run is -inf
-                m_run[r] = mx[r];
-            }
-#pragma unroll
-            for (int j = 0; j < NS; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float p = exp2_approx(sc[4 * j + e] - base_r[e >> 1]);
-                    sc[4 * j + e] = p;
-                    rs[e >> 1] += p;
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * corr[r] + rs[r];
-#pragma unroll
-            for (int j = 0; j < NO; ++j) {
-                o[4 * j] *= corr[0];
-                o[4 * j + 1] *= corr[0];
-                o[4 * j + 2] *= corr[1];
-                o[4 * j + 3] *= corr[1];
-            }
-            // P as the A fragments of the 16-key steps: accumulator chunks 2kk and 2kk + 1.
-            uint32_t pa[VS][4];
-#pragma unroll
-            for (int kk = 0; kk < VS; ++kk) {
-                pa[kk][0] = pack_bf16x2(sc[8 * kk], sc[8 * kk + 1]);
-                pa[kk][1] = pack_bf16x2(sc[8 * kk + 2], sc[8 * kk + 3]);
-                pa[kk][2] = pack_bf16x2(sc[8 * kk + 4], sc[8 * kk + 5]);
-                pa[kk][3] = pack_bf16x2(sc[8 * kk + 6], sc[8 * kk + 7]);
-            }
-
-            mbar_wait(full_v(s), ph);
-            const uint32_t vs = sv + s * KV_BYTES;
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < VS; ++kk) {
-                const uint64_t dv = sw128_mn_desc(vs + kk * 16 * 128, BN * 128);
-                if constexpr (D == 128) wgmma_rs_m64n128k16_tb(o, pa[kk], dv);
-                else wgmma_rs_m64n64k16_tb(o, pa[kk], dv);
-            }
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_regs(o);
-        } else {
-            mbar_wait(full_v(s), ph);
+        for (int kk = 0; kk < KS; ++kk) {
+            const uint32_t qoff = (kk / 4) * (BM * 128) + (kk % 4) * 32;
+            const uint32_t koff = (kk / 4) * (BN * 128) + (kk % 4) * 32;
+            wgmma_ss_m64n128k16(sc, dq + (qoff >> 4), dk + (koff >> 4));
         }
+        wgmma_commit();
+    };
+    // O += P·V of tile i (stage i % ST, P in pa) issued as one commit group.
+    auto issue_pv = [&](int i) {
+        const uint32_t vs = sv + (i % ST) * KV_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < VS; ++kk) {
+            const uint64_t dv = sw128_mn_desc(vs + kk * 16 * 128, BN * 128);
+            if constexpr (D == 128) wgmma_rs_m64n128k16_tb(o, pa[kk], dv);
+            else wgmma_rs_m64n64k16_tb(o, pa[kk], dv);
+        }
+        wgmma_commit();
+    };
+    // Scale, soft-cap, mask S of tile `tile` (v2's arithmetic); the online softmax
+    // update of m and l; the probabilities left in sc; corr = the factor O needs.
+    auto softmax = [&](int tile, float corr[2]) {
+        const int kbase = tile * BN;
+        const bool full = kbase + BN - 1 <= qp_min && kbase + BN <= kv_len && (window <= 0 || qp_max - kbase < window);
+        float mx[2] = {m_run[0], m_run[1]};
+#pragma unroll
+        for (int j = 0; j < NS; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x;
+                if (cap > 0.f) x = cap * tanhf(sc[4 * j + e] * scale / cap) * LOG2E;
+                else x = sc[4 * j + e] * scale_l2;
+                if (!full) {
+                    const int kp = kbase + 8 * j + cq + (e & 1);
+                    const int qp = qp0 + 8 * (e >> 1);
+                    const bool vis = kp <= qp && kp < kv_len && (window <= 0 || qp - kp < window);
+                    x = vis ? x : -INFINITY;
+                }
+                sc[4 * j + e] = x;
+                mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            }
+        }
+        float base_r[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            base_r[r] = mx[r] == -INFINITY ? 0.f : mx[r];  // a row with nothing visible yet
+            corr[r] = exp2_approx(m_run[r] - base_r[r]);    // 0 while m_run is -inf
+            m_run[r] = mx[r];
+        }
+#pragma unroll
+        for (int j = 0; j < NS; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = exp2_approx(sc[4 * j + e] - base_r[e >> 1]);
+                sc[4 * j + e] = p;
+                rs[e >> 1] += p;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * corr[r] + rs[r];
+    };
+    // P of the scored tile as the A fragments of the 16-key steps: chunks 2kk and 2kk + 1.
+    auto pack_p = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < VS; ++kk) {
+            pa[kk][0] = pack_bf16x2(sc[8 * kk], sc[8 * kk + 1]);
+            pa[kk][1] = pack_bf16x2(sc[8 * kk + 2], sc[8 * kk + 3]);
+            pa[kk][2] = pack_bf16x2(sc[8 * kk + 4], sc[8 * kk + 5]);
+            pa[kk][3] = pack_bf16x2(sc[8 * kk + 6], sc[8 * kk + 7]);
+        }
+    };
+    auto rescale_o = [&](const float corr[2]) {
+#pragma unroll
+        for (int j = 0; j < NO; ++j) {
+            o[4 * j] *= corr[0];
+            o[4 * j + 1] *= corr[0];
+            o[4 * j + 2] *= corr[1];
+            o[4 * j + 3] *= corr[1];
+        }
+    };
+    auto release = [&](uint32_t bar) {
         __syncwarp();
-        if (lane == 0) mbar_arrive(empty(s));
+        if (lane == 0) mbar_arrive(bar);
+    };
+
+    // Software pipeline (FlashAttention-3's intra-warpgroup overlap): while tile i's
+    // softmax runs on the CUDA cores, tile i - 1's P·V runs on the tensor cores.
+    // Tile 0: S, its softmax (O is zero: no rescale).
+    float corr[2];
+    mbar_wait(full_k(0), 0);
+    issue_s(0);
+    wgmma_wait<0>();
+    fence_regs(sc);
+    release(empty_k(0));
+    softmax(tile_first, corr);
+    pack_p();
+    for (int i = 1; i < n_tiles; ++i) {
+        const int s = i % ST, sp = (i - 1) % ST;
+        mbar_wait(full_k(s), (i / ST) & 1);
+        issue_s(i);
+        mbar_wait(full_v(sp), ((i - 1) / ST) & 1);
+        issue_pv(i - 1);
+        wgmma_wait<1>();  // S of tile i done (groups retire in order); P·V of i - 1 may run
+        fence_regs(sc);
+        release(empty_k(s));
+        softmax(tile_first + i, corr);
+        wgmma_wait<0>();  // P·V of tile i - 1 done: pa and o are free
+        fence_regs(o);
+        release(empty_v(sp));
+        rescale_o(corr);
+        pack_p();
+    }
+    {
+        const int sp = (n_tiles - 1) % ST;
+        mbar_wait(full_v(sp), ((n_tiles - 1) / ST) & 1);
+        issue_pv(n_tiles - 1);
+        wgmma_wait<0>();
+        fence_regs(o);
+        release(empty_v(sp));
     }
 
     // O / l per row.

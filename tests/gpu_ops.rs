@@ -1055,7 +1055,7 @@ fn attention_prefill_gqa_window_multi_pass() {
 /// starting inside a 128-key tile, sliding windows that start and end inside tiles,
 /// soft-cap, f32 and bf16 outputs, query counts that are not multiples of the 128-row
 /// block (a consumer warpgroup with no rows), several 128-key tiles per block. With
-/// `ops::ATTN_V3_BY_DEFAULT` on, each case also checks that `ops::attention` sends
+/// d_head in `ops::ATTN_V3_DEFAULT_HEAD_DIMS`, each case also checks that `ops::attention` sends
 /// the call for v2 to v3 (same bits).
 /// Without the sm_90a module (not a 9.0 device) it checks the error and stops.
 #[test]

@@ -809,19 +809,26 @@ pub fn dequant_bf16(dev: &CudaDevice, w: &QuantMatrix, out: DevViewMut<bf16>) ->
 /// A 2-D bf16 tensor map over a row-major (rows, k) matrix, boxes of (64, box_rows)
 /// elements, 128-byte swizzle, zeros outside the matrix.
 fn tensor_map_bf16(ptr: u64, rows: usize, k: usize, box_rows: u32) -> Result<cudarc::driver::sys::CUtensorMap> {
-    use cudarc::driver::sys;
     ensure!(ptr % 16 == 0 && (k * 2) % 16 == 0, "tensor map: base {ptr:#x} or row of {k} bf16 not 16-byte aligned");
-    let dims: [u64; 2] = [k as u64, rows as u64];
-    let strides: [u64; 1] = [(k * 2) as u64];
-    let boxes: [u32; 2] = [GEMM_BK as u32, box_rows];
-    let elem_strides: [u32; 2] = [1, 1];
+    encode_bf16_map(ptr, [k as u64, rows as u64], [(k * 2) as u64], [GEMM_BK as u32, box_rows])
+        .with_context(|| format!("tensor map of {rows} x {k} bf16, box 64 x {box_rows}"))
+}
+
+/// cuTensorMapEncodeTiled for a bf16 tensor of rank R at `ptr`: `dims` innermost
+/// first, `strides` the bytes between consecutive indices of dims 1.. R - 1, `boxes`
+/// the box per dim; 128-byte swizzle, zeros outside the tensor, L2 promotion 256 B.
+fn encode_bf16_map<const R: usize, const S: usize>(ptr: u64, dims: [u64; R], strides: [u64; S], boxes: [u32; R]) -> Result<cudarc::driver::sys::CUtensorMap> {
+    use cudarc::driver::sys;
+    const { assert!(S + 1 == R, "a tensor map of rank R has R - 1 strides") };
+    let elem_strides = [1u32; R];
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
-    // SAFETY: every array has the rank's length (2, and 1 stride); the map is written by the call.
+    // SAFETY: dims, boxes and elem_strides have the rank's length R, strides R - 1
+    // (asserted above); the map is written by the call.
     let r = unsafe {
         sys::cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
             sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            2,
+            R as u32,
             ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
             strides.as_ptr(),
@@ -833,7 +840,7 @@ fn tensor_map_bf16(ptr: u64, rows: usize, k: usize, box_rows: u32) -> Result<cud
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
     };
-    r.result().map_err(|e| anyhow!("cuTensorMapEncodeTiled ({rows} x {k} bf16, box 64 x {box_rows}): {e}"))?;
+    r.result().map_err(|e| anyhow!("cuTensorMapEncodeTiled (dims {dims:?}, strides {strides:?}, box {boxes:?}): {e}"))?;
     // SAFETY: the call succeeded, so it wrote the whole map.
     Ok(unsafe { map.assume_init() })
 }
@@ -1124,7 +1131,7 @@ pub enum AttnKernel {
     /// registers), K/V stages filled by TMA from a producer warp, two consumer
     /// warpgroups; v2's numerics. A bf16 cache at d_head 64 or 128 only
     /// ([`AttnKernel::covers`]); [`attention`] sends v2's calls there when it does
-    /// and [`ATTN_V3_BY_DEFAULT`] is on.
+    /// at the head sizes of [`ATTN_V3_DEFAULT_HEAD_DIMS`].
     V3,
 }
 
@@ -1142,10 +1149,10 @@ impl AttnKernel {
     pub fn covers(dev: &CudaDevice, kv: &str, d_head: usize) -> bool {
         kv == "bf16" && ATTN_V3_HEAD_DIMS.contains(&d_head) && dev.has_function(&attn_v3_name(d_head, "f32"))
     }
-    /// Whether [`attention`] sends a call for v2 to v3: where v3 covers it and
-    /// [`ATTN_V3_BY_DEFAULT`] is on.
+    /// Whether [`attention`] sends a call for v2 to v3: where v3 covers it, at the
+    /// head sizes of [`ATTN_V3_DEFAULT_HEAD_DIMS`].
     pub fn routes_to_v3(dev: &CudaDevice, kv: &str, d_head: usize) -> bool {
-        ATTN_V3_BY_DEFAULT && Self::covers(dev, kv, d_head)
+        ATTN_V3_DEFAULT_HEAD_DIMS.contains(&d_head) && Self::covers(dev, kv, d_head)
     }
     /// One line for the report's execution info.
     pub fn describe(self) -> &'static str {
@@ -1157,7 +1164,9 @@ impl AttnKernel {
                  accumulation and f32 online softmax; a bf16 cache fetched with cp.async, or a quantized cache's \
                  stored rows fetched with cp.async two tiles ahead and decoded from shared memory (src/kv's \
                  decode, code * scale, rounded to bf16), tile n + 1 between tile n's MMAs; Hadamard-rotated \
-                 K: q rotated (f32) in the kernel before its rounding; rotated V: the output rotated back (f32)"
+                 K: q rotated (f32) in the kernel before its rounding; rotated V: the output rotated back (f32); \
+                 on a compute capability 9.0 device a bf16 cache at the head sizes of \
+                 ops::ATTN_V3_DEFAULT_HEAD_DIMS runs kernel v3 (attn_wgmma) instead"
             }
             Self::V3 => {
                 "v3: flash attention on Hopper's wgmma (FlashAttention-3's design: 128 queries per block in two \
@@ -1200,18 +1209,22 @@ const _: () = assert!(size_of::<AttnArgs>() == 104, "AttnArgs must match kernels
 // SAFETY: plain data of fixed C layout (asserted above), passed by value as the kernel's parameter.
 unsafe impl cudarc::driver::DeviceRepr for AttnArgs {}
 
-/// Whether the default route's attention (calls for v2) runs kernel v3 where it
-/// covers the case. Off: measured on the H200 (benches/attention.rs, 2026-12-01),
-/// this v3 is slower than v2 (docs/performance.md, "Prefill attention kernels").
-pub const ATTN_V3_BY_DEFAULT: bool = false;
+/// Head sizes at which the default route's attention (calls for v2 on a bf16 cache)
+/// runs kernel v3: where the H200 measurement (benches/attention.rs;
+/// docs/performance.md, "Prefill attention kernels") has v3 ahead of v2. None
+/// today: measured on 2026-12-01, v3 runs at 162 / 99 TFLOP/s (d 128 / 64,
+/// causal, context 4096) against v2's 230 / 196.
+pub const ATTN_V3_DEFAULT_HEAD_DIMS: &[usize] = &[];
 
 /// Head sizes of kernel v3 (`attn_wgmma_d<D>_bf16_<out>`).
 const ATTN_V3_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Queries per block and keys per K/V stage of kernel v3 (BM, BN in kernels/attention_sm90a.cu).
 const ATTN_V3_BM: usize = 128;
 const ATTN_V3_BN: usize = 128;
-/// K/V stages of kernel v3 (STAGES).
-const ATTN_V3_STAGES: usize = 2;
+/// K/V stages of kernel v3 (`stages(D)` in kernels/attention_sm90a.cu).
+fn attn_v3_stages(d_head: usize) -> usize {
+    if d_head <= 64 { 4 } else { 2 }
+}
 /// Threads per block of kernel v3 (a producer and two consumer warpgroups).
 const ATTN_V3_THREADS: u32 = 384;
 
@@ -1220,9 +1233,10 @@ fn attn_v3_name(d_head: usize, out: &str) -> String {
 }
 
 /// Dynamic shared memory of kernel v3: 1 KiB alignment slack, Q (BM x d_head bf16),
-/// STAGES stages of K and of V (BN x d_head bf16 each), 3 * STAGES mbarriers.
+/// the stages of K and of V (BN x d_head bf16 each), 4 mbarriers per stage.
 fn attn_v3_smem_bytes(d_head: usize) -> usize {
-    1024 + ATTN_V3_BM * d_head * 2 + 2 * ATTN_V3_STAGES * ATTN_V3_BN * d_head * 2 + 3 * ATTN_V3_STAGES * 8
+    let st = attn_v3_stages(d_head);
+    1024 + ATTN_V3_BM * d_head * 2 + 2 * st * ATTN_V3_BN * d_head * 2 + 4 * st * 8
 }
 
 /// `AttnWgmmaArgs` of kernels/common.cuh (attn_wgmma_*'s one `__grid_constant__` parameter).
@@ -1254,34 +1268,11 @@ unsafe impl cudarc::driver::DeviceRepr for AttnWgmmaArgs {}
 /// (d_head, kv_len, n_slabs): rows at or past kv_len read as zeros; boxes of
 /// (64, ATTN_V3_BN, 1), 128-byte swizzle.
 fn tensor_map_kv(ptr: u64, d_head: usize, kv_len: usize, n_ctx: usize, n_slabs: usize) -> Result<cudarc::driver::sys::CUtensorMap> {
-    use cudarc::driver::sys;
     ensure!(ptr % 16 == 0, "attention v3: cache base {ptr:#x} not 16-byte aligned");
-    let dims: [u64; 3] = [d_head as u64, kv_len as u64, n_slabs as u64];
-    let strides: [u64; 2] = [(d_head * 2) as u64, (n_ctx * d_head * 2) as u64];
-    let boxes: [u32; 3] = [64, ATTN_V3_BN as u32, 1];
-    let elem_strides: [u32; 3] = [1, 1, 1];
-    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
-    // SAFETY: every array has the rank's length (3, and 2 strides); the map is written by the call.
-    let r = unsafe {
-        sys::cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            3,
-            ptr as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            elem_strides.as_ptr(),
-            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    };
-    r.result()
-        .map_err(|e| anyhow!("cuTensorMapEncodeTiled (attention cache {n_slabs} x {kv_len} of {n_ctx} x {d_head} bf16): {e}"))?;
-    // SAFETY: the call succeeded, so it wrote the whole map.
-    Ok(unsafe { map.assume_init() })
+    let dims = [d_head as u64, kv_len as u64, n_slabs as u64];
+    let strides = [(d_head * 2) as u64, (n_ctx * d_head * 2) as u64];
+    encode_bf16_map(ptr, dims, strides, [64, ATTN_V3_BN as u32, 1])
+        .with_context(|| format!("attention v3: tensor map of a cache of {n_slabs} x {kv_len} (of {n_ctx}) rows of {d_head} bf16"))
 }
 
 /// (queries per block, keys per tile) of `attn_flash_d<d_head>_*` for a bf16 cache or
@@ -1313,7 +1304,7 @@ fn attn_flash_smem_bytes(d_head: usize, raw_row_bytes: Option<(usize, usize)>) -
 /// out[t, h*d_head ..] = softmax(q·Kᵀ * scale, causal/window mask) · V, per head with GQA,
 /// with the chosen kernel (`AttnKernel::V2` needs a bf16 cache), except that a call for
 /// v2 runs v3 (the same numerics) where [`AttnKernel::routes_to_v3`] says so (sm_90a,
-/// bf16 cache, d_head 64/128, [`ATTN_V3_BY_DEFAULT`]). [`attention_exact`] runs the
+/// bf16 cache, the head sizes of [`ATTN_V3_DEFAULT_HEAD_DIMS`]). [`attention_exact`] runs the
 /// kernel named, always.
 /// q: (n_seqs * n_tokens, q_stride) f32; caches: `shape`; out: (n_seqs * n_tokens, out_stride).
 #[allow(clippy::too_many_arguments)]
