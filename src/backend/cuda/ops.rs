@@ -1115,7 +1115,8 @@ pub struct AttnParams {
 const ATTN_HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
 
 /// The prefill attention kernels, kept side by side for comparison
-/// (kernels/attention.cu); execution info names the one that ran.
+/// (kernels/attention.cu: v1, v2; kernels/attention_sm90a.cu: v3); execution info
+/// names the one that ran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttnKernel {
     /// `attn_prefill_*`: f32 FMA on the CUDA cores, q in f32, cache read as
