@@ -7,7 +7,9 @@
 //! published H100 figures at seqlen 4096 (causal, bf16; from the research notes
 //! in ../shared/research/speed-and-kv-facts.md). Also the two real models'
 //! attention shapes (SmolLM2: 9/3 heads of 64; Gemma-3-270M: 4/1 heads of 256,
-//! sliding window 512). Then kernel v2 on a cache of each quantized format
+//! sliding window 512). Kernel v3 (wgmma, kernels/attention_sm90a.cu) first, on
+//! the shapes it covers (bf16, d_head 64/128), then kernel v2 on bf16 (exactly
+//! v2: `ops::attention_exact`) and on a cache of each quantized format
 //! (src/kv's rows, encoded by `kv_encode` from the same kind of random values;
 //! its tile loads decode and round to bf16, rotated formats rotate q and the
 //! output in the kernel) on the same shapes, for the quantized formats' target
@@ -101,7 +103,7 @@ fn bench(dev: &CudaDevice, s: &Shape, kernel: AttnKernel, format: KvFormat, book
     let ms = if quantized {
         time_ms(dev, reps, || ops::attention_coded::<f32>(dev, format, qd.view(), kcq.view(), vcq.view(), kv, out.view_mut(), &p, Some(book)))?
     } else {
-        time_ms(dev, reps, || ops::attention::<bf16, f32>(dev, kernel, qd.view(), kc.view(), vc.view(), kv, out.view_mut(), &p))?
+        time_ms(dev, reps, || ops::attention_exact::<bf16, f32>(dev, kernel, qd.view(), kc.view(), vc.view(), kv, out.view_mut(), &p))?
     };
     let sample = dev.download_range(&out, 0..n_rows * width)?;
     let bad = sample.iter().filter(|v| !v.is_finite()).count();
@@ -152,6 +154,12 @@ fn main() -> Result<()> {
         Shape { name: "Gemma-3 4/1 d256 ctx4096 b8 global", n_seqs: 8, n_tokens: 4096, n_heads: 4, n_kv_heads: 1, d_head: 256, window: 0, targets: None },
     ];
     let book = ops::VqBook::upload(&dev)?;
+    // Kernel v3 (wgmma, sm_90a) on a bf16 cache where it covers the shape.
+    for s in &shapes {
+        if AttnKernel::covers(&dev, "bf16", s.d_head) {
+            bench(&dev, s, AttnKernel::V3, KvFormat::Bf16, &book, &mut rng)?;
+        }
+    }
     for format in KvFormat::ALL.into_iter().filter(|f| *f == KvFormat::Bf16 || f.is_quantized()) {
         for s in &shapes {
             bench(&dev, s, AttnKernel::V2, format, &book, &mut rng)?;

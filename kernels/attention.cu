@@ -263,14 +263,7 @@ __host__ __device__ constexpr int key_tile(int d, bool raw) { return raw || d <=
 // would not fit beside O, so Q stays in shared memory and is read with ldmatrix.
 __host__ __device__ constexpr bool q_in_regs(int d) { return d <= 128; }
 
-// 2^x (MUFU.EX2, flush-to-zero; 2^-inf = 0): the probabilities are rounded to
-// bf16 next, far coarser than its ~2 ulp error.
-__device__ __forceinline__ float exp2_approx(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-constexpr float LOG2E = 1.4426950408889634f;
+// exp2_approx, LOG2E and store2 (shared with attention_sm90a.cu): common.cuh, block "attn".
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -410,16 +403,6 @@ struct DecVq2 {  // D/4 codeword indices (4 elements each), f32 RMS at D/4; valu
     }
 };
 
-template <typename OUT>
-__device__ __forceinline__ void store2(OUT* p, float a, float b);
-template <>
-__device__ __forceinline__ void store2<float>(float* p, float a, float b) {
-    *reinterpret_cast<float2*>(p) = make_float2(a, b);
-}
-template <>
-__device__ __forceinline__ void store2<bf16>(bf16* p, float a, float b) {
-    *reinterpret_cast<uint32_t*>(p) = pack_bf16x2(a, b);
-}
 }  // namespace flash
 
 template <int D, typename OUT, typename KD, typename VD>

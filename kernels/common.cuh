@@ -533,3 +533,52 @@ struct MoeCombineArgs {
 };
 static_assert(sizeof(MoeCombineArgs) == 48, "MoeCombineArgs layout differs from moe::MoeCombineArgs");
 // --- end moecuda ---
+
+// --- attn ---
+// Shared by the flash-attention kernels v2 (attention.cu) and v3 (attention_sm90a.cu).
+
+// 2^x (MUFU.EX2, flush-to-zero; 2^-inf = 0): the probabilities are rounded to
+// bf16 next, far coarser than its ~2 ulp error.
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+constexpr float LOG2E = 1.4426950408889634f;
+
+// Two adjacent outputs (8-byte aligned f32 pair, or one 32-bit bf16 pair, nearest even).
+template <typename OUT>
+__device__ __forceinline__ void store2(OUT* p, float a, float b);
+template <>
+__device__ __forceinline__ void store2<float>(float* p, float a, float b) {
+    *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+template <>
+__device__ __forceinline__ void store2<bf16>(bf16* p, float a, float b) {
+    *reinterpret_cast<uint32_t*>(p) = pack_bf16x2(a, b);
+}
+
+// attn_wgmma_*'s one parameter (kernels/attention_sm90a.cu, a __grid_constant__),
+// mirrored by `ops::AttnWgmmaArgs`. k, v: 3-D bf16 tensor maps over one layer's
+// cache seen as (d_head, kv_len = pos0 + n_tokens, n_seqs * n_kv_heads) (strides
+// 2 * d_head and 2 * n_ctx * d_head bytes), box (64, 128, 1), 128-byte swizzle,
+// zeros outside; q: (n_seqs * n_tokens, q_stride) f32, 16-byte aligned, q_stride %
+// 4 == 0; out: (n_seqs * n_tokens, out_stride) f32 or bf16, pairs aligned.
+struct AttnWgmmaArgs {
+    TmaDesc k;
+    TmaDesc v;
+    const float* q;
+    void* out;
+    long long q_stride;
+    long long out_stride;
+    int n_tokens;
+    int n_heads;
+    int n_kv_heads;
+    int pos0;
+    int window;  // 0 = full causal
+    float scale;
+    float softcap;  // 0 = none
+    int pad_;
+};
+static_assert(sizeof(AttnWgmmaArgs) == 384 && alignof(AttnWgmmaArgs) == 128, "AttnWgmmaArgs layout (ops::AttnWgmmaArgs)");
+// --- end attn ---

@@ -1019,12 +1019,22 @@ fn attention_case<KV: Elem + Poison + ops::KvElem, O: Elem + Poison + ops::OutEl
             q_stride: width,
             out_stride: width,
         };
-        ops::attention::<KV, O>(dev, kernel, qd.view(), kc.view(), vc.view(), shape, out.view_mut(), &p).unwrap();
+        ops::attention_exact::<KV, O>(dev, kernel, qd.view(), kc.view(), vc.view(), shape, out.view_mut(), &p).unwrap();
         let gpu: Vec<f32> = dev.download(&out).unwrap().into_iter().map(Poison::as_f32).collect();
-        // v2 rounds q to bf16 in the kernel: the reference gets the same rounded q.
+        if kernel == AttnKernel::V3 && AttnKernel::routes_to_v3(dev, KV::NAME, d) {
+            // The dispatching entry sends this call for v2 to v3: the same bits.
+            let mut out2 = poisoned::<O>(dev, n_rows * width);
+            ops::attention::<KV, O>(dev, AttnKernel::V2, qd.view(), kc.view(), vc.view(), shape, out2.view_mut(), &p).unwrap();
+            let gpu2: Vec<f32> = dev.download(&out2).unwrap().into_iter().map(Poison::as_f32).collect();
+            assert!(
+                gpu.iter().zip(&gpu2).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "ops::attention (v2 asked, v3 covers) differs from attention_exact v3"
+            );
+        }
+        // v2 and v3 round q to bf16 in the kernel: the reference gets the same rounded q.
         let q_in: Vec<f32> = match kernel {
             AttnKernel::V1 => q.clone(),
-            AttnKernel::V2 => q.iter().map(|&x| twin::round_bf16(x)).collect(),
+            AttnKernel::V2 | AttnKernel::V3 => q.iter().map(|&x| twin::round_bf16(x)).collect(),
         };
         // Each window against its own slot, alone, through the CPU backend's op.
         let reference = |qs: &[f32]| -> Vec<f64> {
@@ -1038,7 +1048,7 @@ fn attention_case<KV: Elem + Poison + ops::KvElem, O: Elem + Poison + ops::OutEl
         };
         let cpu = reference(&q_in);
         let tol = match (kernel, O::NAME) {
-            (AttnKernel::V2, _) => TOL_ATTN_BF16_TC,
+            (AttnKernel::V2 | AttnKernel::V3, _) => TOL_ATTN_BF16_TC,
             (AttnKernel::V1, "bf16") => TOL_BF16_OUT,
             (AttnKernel::V1, _) => TOL_ATTN_F32,
         };
@@ -1054,7 +1064,7 @@ fn attention_case<KV: Elem + Poison + ops::KvElem, O: Elem + Poison + ops::OutEl
             c.softcap
         );
         last = check(&what, &gpu, &cpu, tol);
-        if kernel == AttnKernel::V2 {
+        if kernel != AttnKernel::V1 {
             // For the record: against the unrounded q; the q rounding must show.
             let exact = reference(&q);
             let info = check(&format!("  {} vs f32 q", kernel.name()), &gpu, &exact, Tol { atol_rel: 1e-1, rtol: 5e-2, nmse: 1e-3 });
@@ -1127,6 +1137,68 @@ fn attention_prefill_gqa_window_multi_pass() {
     let p = AttnParams { q_stride: 64, out_stride: 64, ..p };
     let err = ops::attention::<f32, f32>(dev, V2, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p).unwrap_err();
     assert!(format!("{err:#}").contains("v2") && format!("{err:#}").contains("f32 cache"), "{err:#}");
+}
+
+/// Kernel v3 (wgmma, TMA, kernels/attention_sm90a.cu) against the CPU backend through
+/// the same case runner and tolerance as v2 (the same numerics): d_head 64 and 128,
+/// GQA and MHA, many windows per launch, passes over a cache filled by earlier passes
+/// starting inside a 128-key tile, sliding windows that start and end inside tiles,
+/// soft-cap, f32 and bf16 outputs, query counts that are not multiples of the 128-row
+/// block (a consumer warpgroup with no rows), several 128-key tiles per block. With
+/// d_head in `ops::ATTN_V3_DEFAULT_HEAD_DIMS`, each case also checks that `ops::attention` sends
+/// the call for v2 to v3 (same bits).
+/// Without the sm_90a module (not a 9.0 device) it checks the error and stops.
+#[test]
+fn attention_v3_wgmma_against_cpu_backend() {
+    let Some(dev) = device() else { return };
+    let mut rng = rng_for("attention_v3");
+    use AttnKernel::V3;
+    if !AttnKernel::covers(dev, "bf16", 128) {
+        let shape = KvShape { n_seqs: 1, n_kv_heads: 1, n_ctx: 8, d_head: 128 };
+        let kc = dev.alloc_zeros::<bf16>(shape.len()).unwrap();
+        let q = dev.alloc_zeros::<f32>(128).unwrap();
+        let mut o = dev.alloc_zeros::<f32>(128).unwrap();
+        let p = AttnParams { n_seqs: 1, n_tokens: 1, n_heads: 1, pos0: 0, window: 0, scale: 1.0, softcap: 0.0, q_stride: 128, out_stride: 128 };
+        let err = ops::attention_exact::<bf16, f32>(dev, V3, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p).unwrap_err();
+        assert!(format!("{err:#}").contains("not loaded"), "{err:#}");
+        eprintln!("attention v3: no sm_90a module on this device; only its error was checked");
+        return;
+    }
+    // SmolLM2-like: 9 heads over 3 KV heads of 64, one pass of 150 (two blocks, the second one 22 rows).
+    let c = AttnCase { n_seqs: 1, n_heads: 9, n_kv_heads: 3, d_head: 64, n_ctx: 160, passes: vec![150], window: 0, softcap: 0.0 };
+    attention_case::<bf16, f32>(dev, &mut rng, &c, V3);
+    // 128-d heads, 8 over 2, window larger than the context, two passes, soft-cap, both outputs.
+    let c = AttnCase { n_seqs: 2, n_heads: 8, n_kv_heads: 2, d_head: 128, n_ctx: 300, passes: vec![128, 100], window: 1000, softcap: 0.5 };
+    attention_case::<bf16, bf16>(dev, &mut rng, &c, V3);
+    attention_case::<bf16, f32>(dev, &mut rng, &c, V3);
+    // Several tiles per pass: a window of 100 starting and ending inside tiles, passes
+    // starting mid-tile (pos0 = 200, 370), 2 windows; the same causal with soft-cap 1.5.
+    let c = AttnCase { n_seqs: 2, n_heads: 4, n_kv_heads: 2, d_head: 128, n_ctx: 520, passes: vec![200, 170, 150], window: 100, softcap: 0.0 };
+    attention_case::<bf16, f32>(dev, &mut rng, &c, V3);
+    let c = AttnCase { window: 0, softcap: 1.5, ..c };
+    attention_case::<bf16, f32>(dev, &mut rng, &c, V3);
+    // Window 1 (each query sees only itself), MHA of 64.
+    let c = AttnCase { n_seqs: 1, n_heads: 2, n_kv_heads: 2, d_head: 64, n_ctx: 40, passes: vec![33], window: 1, softcap: 0.0 };
+    attention_case::<bf16, f32>(dev, &mut rng, &c, V3);
+    // Long rows: 1024 then 70 tokens, 3 windows, d 64 (bf16 out) and d 128 with a window of 300.
+    let c = AttnCase { n_seqs: 3, n_heads: 6, n_kv_heads: 3, d_head: 64, n_ctx: 1100, passes: vec![1024, 70], window: 0, softcap: 0.0 };
+    attention_case::<bf16, bf16>(dev, &mut rng, &c, V3);
+    let c = AttnCase { n_seqs: 2, n_heads: 4, n_kv_heads: 1, d_head: 128, n_ctx: 1100, passes: vec![700, 333], window: 300, softcap: 0.0 };
+    attention_case::<bf16, f32>(dev, &mut rng, &c, V3);
+    // Not covered: an f32 cache and d_head 96 are errors naming v3's limits.
+    let shape = KvShape { n_seqs: 1, n_kv_heads: 1, n_ctx: 8, d_head: 64 };
+    let kc = dev.alloc_zeros::<f32>(shape.len()).unwrap();
+    let q = dev.alloc_zeros::<f32>(96).unwrap();
+    let mut o = dev.alloc_zeros::<f32>(96).unwrap();
+    let p = AttnParams { n_seqs: 1, n_tokens: 1, n_heads: 1, pos0: 0, window: 0, scale: 1.0, softcap: 0.0, q_stride: 64, out_stride: 64 };
+    let err = ops::attention_exact::<f32, f32>(dev, V3, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p).unwrap_err();
+    assert!(format!("{err:#}").contains("v3 reads a bf16 cache"), "{err:#}");
+    let shape = KvShape { d_head: 96, ..shape };
+    let kb = dev.alloc_zeros::<bf16>(shape.len()).unwrap();
+    let p = AttnParams { q_stride: 96, out_stride: 96, ..p };
+    let err = ops::attention_exact::<bf16, f32>(dev, V3, q.view(), kb.view(), kb.view(), shape, o.view_mut(), &p).unwrap_err();
+    assert!(format!("{err:#}").contains("d_head 96"), "{err:#}");
+    assert!(!AttnKernel::covers(dev, "bf16", 96) && !AttnKernel::covers(dev, "fp8", 128) && AttnKernel::covers(dev, "bf16", 64));
 }
 
 // ---------------------------------------------------------------- LM head

@@ -455,7 +455,11 @@ impl CudaBackend {
     fn kv_cache_kernels(&self) -> String {
         let reader = match self.attention_kernel() {
             ops::AttnKernel::V1 => "attn_prefill_d<D>",
+            ops::AttnKernel::V2 if !ops::ATTN_V3_DEFAULT_HEAD_DIMS.is_empty() => {
+                "attn_flash_d<D> (attn_wgmma_d<D>, kernel v3, for a bf16 cache at the head sizes of ops::ATTN_V3_DEFAULT_HEAD_DIMS on sm_90a)"
+            }
             ops::AttnKernel::V2 => "attn_flash_d<D>",
+            ops::AttnKernel::V3 => "attn_wgmma_d<D>",
         };
         let f = self.kv_dtype;
         if !f.is_quantized() {

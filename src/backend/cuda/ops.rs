@@ -924,19 +924,26 @@ pub fn dequant_bf16(dev: &CudaDevice, w: &QuantMatrix, out: DevViewMut<bf16>) ->
 /// A 2-D bf16 tensor map over a row-major (rows, k) matrix, boxes of (64, box_rows)
 /// elements, 128-byte swizzle, zeros outside the matrix.
 fn tensor_map_bf16(ptr: u64, rows: usize, k: usize, box_rows: u32) -> Result<cudarc::driver::sys::CUtensorMap> {
-    use cudarc::driver::sys;
     ensure!(ptr % 16 == 0 && (k * 2) % 16 == 0, "tensor map: base {ptr:#x} or row of {k} bf16 not 16-byte aligned");
-    let dims: [u64; 2] = [k as u64, rows as u64];
-    let strides: [u64; 1] = [(k * 2) as u64];
-    let boxes: [u32; 2] = [GEMM_BK as u32, box_rows];
-    let elem_strides: [u32; 2] = [1, 1];
+    encode_bf16_map(ptr, [k as u64, rows as u64], [(k * 2) as u64], [GEMM_BK as u32, box_rows])
+        .with_context(|| format!("tensor map of {rows} x {k} bf16, box 64 x {box_rows}"))
+}
+
+/// cuTensorMapEncodeTiled for a bf16 tensor of rank R at `ptr`: `dims` innermost
+/// first, `strides` the bytes between consecutive indices of dims 1.. R - 1, `boxes`
+/// the box per dim; 128-byte swizzle, zeros outside the tensor, L2 promotion 256 B.
+fn encode_bf16_map<const R: usize, const S: usize>(ptr: u64, dims: [u64; R], strides: [u64; S], boxes: [u32; R]) -> Result<cudarc::driver::sys::CUtensorMap> {
+    use cudarc::driver::sys;
+    const { assert!(S + 1 == R, "a tensor map of rank R has R - 1 strides") };
+    let elem_strides = [1u32; R];
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
-    // SAFETY: every array has the rank's length (2, and 1 stride); the map is written by the call.
+    // SAFETY: dims, boxes and elem_strides have the rank's length R, strides R - 1
+    // (asserted above); the map is written by the call.
     let r = unsafe {
         sys::cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
             sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            2,
+            R as u32,
             ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
             strides.as_ptr(),
@@ -948,7 +955,7 @@ fn tensor_map_bf16(ptr: u64, rows: usize, k: usize, box_rows: u32) -> Result<cud
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
     };
-    r.result().map_err(|e| anyhow!("cuTensorMapEncodeTiled ({rows} x {k} bf16, box 64 x {box_rows}): {e}"))?;
+    r.result().map_err(|e| anyhow!("cuTensorMapEncodeTiled (dims {dims:?}, strides {strides:?}, box {boxes:?}): {e}"))?;
     // SAFETY: the call succeeded, so it wrote the whole map.
     Ok(unsafe { map.assume_init() })
 }
@@ -1223,7 +1230,8 @@ pub struct AttnParams {
 const ATTN_HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
 
 /// The prefill attention kernels, kept side by side for comparison
-/// (kernels/attention.cu); execution info names the one that ran.
+/// (kernels/attention.cu: v1, v2; kernels/attention_sm90a.cu: v3); execution info
+/// names the one that ran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttnKernel {
     /// `attn_prefill_*`: f32 FMA on the CUDA cores, q in f32, cache read as
@@ -1234,6 +1242,13 @@ pub enum AttnKernel {
     /// accumulation and f32 online softmax); a bf16 cache, or a quantized one
     /// decoded and rounded to bf16 in its tile loads ([`attention_coded`]).
     V2,
+    /// `attn_wgmma_*` (kernels/attention_sm90a.cu, sm_90a only): FlashAttention-3's
+    /// design, wgmma for QKᵀ (Q and K from swizzled shared memory) and PV (P from
+    /// registers), K/V stages filled by TMA from a producer warp, two consumer
+    /// warpgroups; v2's numerics. A bf16 cache at d_head 64 or 128 only
+    /// ([`AttnKernel::covers`]); [`attention`] sends v2's calls there when it does
+    /// at the head sizes of [`ATTN_V3_DEFAULT_HEAD_DIMS`].
+    V3,
 }
 
 impl AttnKernel {
@@ -1241,7 +1256,19 @@ impl AttnKernel {
         match self {
             Self::V1 => "v1",
             Self::V2 => "v2",
+            Self::V3 => "v3",
         }
+    }
+    /// Whether kernel v3 runs this case: the sm_90a module is loaded (a compute
+    /// capability 9.0 device, nvcc present at build time), a bf16 cache, d_head 64
+    /// or 128.
+    pub fn covers(dev: &CudaDevice, kv: &str, d_head: usize) -> bool {
+        kv == "bf16" && ATTN_V3_HEAD_DIMS.contains(&d_head) && dev.has_function(&attn_v3_name(d_head, "f32"))
+    }
+    /// Whether [`attention`] sends a call for v2 to v3: where v3 covers it, at the
+    /// head sizes of [`ATTN_V3_DEFAULT_HEAD_DIMS`].
+    pub fn routes_to_v3(dev: &CudaDevice, kv: &str, d_head: usize) -> bool {
+        ATTN_V3_DEFAULT_HEAD_DIMS.contains(&d_head) && Self::covers(dev, kv, d_head)
     }
     /// One line for the report's execution info.
     pub fn describe(self) -> &'static str {
@@ -1253,7 +1280,15 @@ impl AttnKernel {
                  accumulation and f32 online softmax; a bf16 cache fetched with cp.async, or a quantized cache's \
                  stored rows fetched with cp.async two tiles ahead and decoded from shared memory (src/kv's \
                  decode, code * scale, rounded to bf16), tile n + 1 between tile n's MMAs; Hadamard-rotated \
-                 K: q rotated (f32) in the kernel before its rounding; rotated V: the output rotated back (f32)"
+                 K: q rotated (f32) in the kernel before its rounding; rotated V: the output rotated back (f32); \
+                 on a compute capability 9.0 device a bf16 cache at the head sizes of \
+                 ops::ATTN_V3_DEFAULT_HEAD_DIMS runs kernel v3 (attn_wgmma) instead"
+            }
+            Self::V3 => {
+                "v3: flash attention on Hopper's wgmma (FlashAttention-3's design: 128 queries per block in two \
+                 consumer warpgroups, S = Q·Kᵀ with Q and K from 128-byte-swizzled shared memory, P from \
+                 registers for P·V, 128-key K/V stages filled by TMA from a producer warp through mbarriers); \
+                 v2's numerics (q and P rounded to bf16, f32 scores, softmax and accumulation); bf16 cache, d_head 64/128"
             }
         }
     }
@@ -1290,6 +1325,72 @@ const _: () = assert!(size_of::<AttnArgs>() == 104, "AttnArgs must match kernels
 // SAFETY: plain data of fixed C layout (asserted above), passed by value as the kernel's parameter.
 unsafe impl cudarc::driver::DeviceRepr for AttnArgs {}
 
+/// Head sizes at which the default route's attention (calls for v2 on a bf16 cache)
+/// runs kernel v3: where the H200 measurement (benches/attention.rs;
+/// docs/performance.md, "Prefill attention kernels") has v3 ahead of v2. None
+/// today: measured on 2026-12-01, v3 runs at 162 / 99 TFLOP/s (d 128 / 64,
+/// causal, context 4096) against v2's 230 / 196.
+pub const ATTN_V3_DEFAULT_HEAD_DIMS: &[usize] = &[];
+
+/// Head sizes of kernel v3 (`attn_wgmma_d<D>_bf16_<out>`).
+const ATTN_V3_HEAD_DIMS: [usize; 2] = [64, 128];
+/// Queries per block and keys per K/V stage of kernel v3 (BM, BN in kernels/attention_sm90a.cu).
+const ATTN_V3_BM: usize = 128;
+const ATTN_V3_BN: usize = 128;
+/// K/V stages of kernel v3 (`stages(D)` in kernels/attention_sm90a.cu).
+fn attn_v3_stages(d_head: usize) -> usize {
+    if d_head <= 64 { 4 } else { 2 }
+}
+/// Threads per block of kernel v3 (a producer and two consumer warpgroups).
+const ATTN_V3_THREADS: u32 = 384;
+
+fn attn_v3_name(d_head: usize, out: &str) -> String {
+    format!("attn_wgmma_d{d_head}_bf16_{out}")
+}
+
+/// Dynamic shared memory of kernel v3: 1 KiB alignment slack, Q (BM x d_head bf16),
+/// the stages of K and of V (BN x d_head bf16 each), 4 mbarriers per stage.
+fn attn_v3_smem_bytes(d_head: usize) -> usize {
+    let st = attn_v3_stages(d_head);
+    1024 + ATTN_V3_BM * d_head * 2 + 2 * st * ATTN_V3_BN * d_head * 2 + 4 * st * 8
+}
+
+/// `AttnWgmmaArgs` of kernels/common.cuh (attn_wgmma_*'s one `__grid_constant__` parameter).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AttnWgmmaArgs {
+    /// K cache as (d_head, kv_len, n_seqs * n_kv_heads) bf16, box (64, 128, 1).
+    k: cudarc::driver::sys::CUtensorMap,
+    /// V cache, the same.
+    v: cudarc::driver::sys::CUtensorMap,
+    q: u64,
+    out: u64,
+    q_stride: i64,
+    out_stride: i64,
+    n_tokens: i32,
+    n_heads: i32,
+    n_kv_heads: i32,
+    pos0: i32,
+    window: i32,
+    scale: f32,
+    softcap: f32,
+    pad_: i32,
+}
+const _: () = assert!(size_of::<AttnWgmmaArgs>() == 384 && align_of::<AttnWgmmaArgs>() == 128);
+// SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
+unsafe impl cudarc::driver::DeviceRepr for AttnWgmmaArgs {}
+
+/// A 3-D bf16 tensor map over one layer's cache (n_slabs, n_ctx, d_head) seen as
+/// (d_head, kv_len, n_slabs): rows at or past kv_len read as zeros; boxes of
+/// (64, ATTN_V3_BN, 1), 128-byte swizzle.
+fn tensor_map_kv(ptr: u64, d_head: usize, kv_len: usize, n_ctx: usize, n_slabs: usize) -> Result<cudarc::driver::sys::CUtensorMap> {
+    ensure!(ptr % 16 == 0, "attention v3: cache base {ptr:#x} not 16-byte aligned");
+    let dims = [d_head as u64, kv_len as u64, n_slabs as u64];
+    let strides = [(d_head * 2) as u64, (n_ctx * d_head * 2) as u64];
+    encode_bf16_map(ptr, dims, strides, [64, ATTN_V3_BN as u32, 1])
+        .with_context(|| format!("attention v3: tensor map of a cache of {n_slabs} x {kv_len} (of {n_ctx}) rows of {d_head} bf16"))
+}
+
 /// (queries per block, keys per tile) of `attn_flash_d<d_head>_*` for a bf16 cache or
 /// (`coded`) a quantized one: the kernel's `4 * 16 * m_tiles(D)` and
 /// `key_tile(D, raw)` (kernels/attention.cu).
@@ -1317,10 +1418,30 @@ fn attn_flash_smem_bytes(d_head: usize, raw_row_bytes: Option<(usize, usize)>) -
 }
 
 /// out[t, h*d_head ..] = softmax(q·Kᵀ * scale, causal/window mask) · V, per head with GQA,
-/// with the chosen kernel (`AttnKernel::V2` needs a bf16 cache).
+/// with the chosen kernel (`AttnKernel::V2` needs a bf16 cache), except that a call for
+/// v2 runs v3 (the same numerics) where [`AttnKernel::routes_to_v3`] says so (sm_90a,
+/// bf16 cache, the head sizes of [`ATTN_V3_DEFAULT_HEAD_DIMS`]). [`attention_exact`] runs the
+/// kernel named, always.
 /// q: (n_seqs * n_tokens, q_stride) f32; caches: `shape`; out: (n_seqs * n_tokens, out_stride).
 #[allow(clippy::too_many_arguments)]
 pub fn attention<KV: KvElem, O: OutElem>(
+    dev: &CudaDevice,
+    kernel: AttnKernel,
+    q: DevView<f32>,
+    k_cache: DevView<KV>,
+    v_cache: DevView<KV>,
+    shape: KvShape,
+    out: DevViewMut<O>,
+    p: &AttnParams,
+) -> Result<()> {
+    let kernel = if kernel == AttnKernel::V2 && AttnKernel::routes_to_v3(dev, KV::NAME, shape.d_head) { AttnKernel::V3 } else { kernel };
+    attention_exact::<KV, O>(dev, kernel, q, k_cache, v_cache, shape, out, p)
+}
+
+/// [`attention`] on exactly the kernel named (`V3`: a bf16 cache at d_head 64/128 on a
+/// device with the sm_90a module, else an error naming what is missing).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_exact<KV: KvElem, O: OutElem>(
     dev: &CudaDevice,
     kernel: AttnKernel,
     q: DevView<f32>,
@@ -1421,6 +1542,7 @@ fn attention_launch<O: OutElem>(
         return Ok(());
     }
     let (name, smem, block_q) = match kernel {
+        AttnKernel::V3 => return attention_v3::<O>(dev, q, &cache, shape, out, p),
         AttnKernel::V1 => {
             ensure!(
                 matches!(cache.kv, "bf16" | "f32"),
@@ -1490,7 +1612,7 @@ fn attention_launch<O: OutElem>(
         AttnKernel::V1 => {
             b.arg(&qp).arg(&kp).arg(&vp).arg(&op).arg(&nt).arg(&nh).arg(&nkv).arg(&nc).arg(&p0).arg(&win).arg(&p.scale).arg(&p.softcap).arg(&qs).arg(&os);
         }
-        AttnKernel::V2 => {
+        AttnKernel::V2 | AttnKernel::V3 => {
             b.arg(&args);
         }
     }
@@ -1499,6 +1621,58 @@ fn attention_launch<O: OutElem>(
     // both caches checked above and by the callers (lengths; v2: alignment too); dynamic
     // shared memory set to the kernel's need.
     unsafe { b.launch(cfg(grid, 128, smem as u32)) }.map_err(|e| launch_err(&name, e))?;
+    Ok(())
+}
+
+/// Kernel v3 (`attn_wgmma_d<D>_bf16_<out>`) for a call `attention_launch` checked
+/// (shapes, GQA, positions, q and out lengths).
+fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef, shape: KvShape, out: DevViewMut<O>, p: &AttnParams) -> Result<()> {
+    let d = shape.d_head;
+    ensure!(cache.kv == "bf16", "attention kernel v3 reads a bf16 cache; a {} cache runs kernel v2", cache.kv);
+    ensure!(ATTN_V3_HEAD_DIMS.contains(&d), "attention kernel v3: d_head {d} has no kernel (built: {ATTN_V3_HEAD_DIMS:?}); it runs kernel v2");
+    let name = attn_v3_name(d, O::NAME);
+    ensure!(
+        dev.has_function(&name),
+        "attention kernel v3: {name} is not loaded (it needs a compute capability 9.0 device and nvcc at build time)"
+    );
+    ensure!(q.ptr() % 16 == 0 && p.q_stride % 4 == 0, "attention v3: q must be 16-byte aligned with a stride that is a multiple of 4");
+    ensure!(out.ptr() % 8 == 0 && p.out_stride % 2 == 0, "attention v3: out must be 8-byte aligned with an even stride");
+    let f = func(dev, &name)?;
+    let smem = attn_v3_smem_bytes(d);
+    ensure!(
+        smem <= dev.info().max_smem_per_block_bytes as usize,
+        "attention: {name} needs {smem} bytes of shared memory, the device allows {}",
+        dev.info().max_smem_per_block_bytes
+    );
+    f.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+        .map_err(|e| anyhow!("{name}: raising dynamic shared memory to {smem} bytes: {e}"))?;
+    let kv_len = p.pos0 + p.n_tokens;
+    let n_slabs = p.n_seqs * shape.n_kv_heads;
+    let args = AttnWgmmaArgs {
+        k: tensor_map_kv(cache.k, d, kv_len, shape.n_ctx, n_slabs)?,
+        v: tensor_map_kv(cache.v, d, kv_len, shape.n_ctx, n_slabs)?,
+        q: q.ptr(),
+        out: out.ptr(),
+        q_stride: p.q_stride as i64,
+        out_stride: p.out_stride as i64,
+        n_tokens: i32_of(p.n_tokens, "n_tokens")?,
+        n_heads: i32_of(p.n_heads, "n_heads")?,
+        n_kv_heads: i32_of(shape.n_kv_heads, "n_kv_heads")?,
+        pos0: i32_of(p.pos0, "pos0")?,
+        window: i32_of(p.window, "window")?,
+        scale: p.scale,
+        softcap: p.softcap,
+        pad_: 0,
+    };
+    let grid = (grid_1d(p.n_tokens, ATTN_V3_BM as u32)?, u32::try_from(p.n_heads)?, u32::try_from(p.n_seqs)?);
+    ensure!(grid.1 <= 65535 && grid.2 <= 65535, "attention: {} heads x {} windows exceed the grid", p.n_heads, p.n_seqs);
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&args);
+    // SAFETY: `args` mirrors AttnWgmmaArgs of kernels/common.cuh (size asserted); the tensor
+    // maps cover the first p.n_seqs slots' positions [0, pos0 + n_tokens) of both caches
+    // (lengths checked by the callers); q and out checked by attention_launch and above;
+    // dynamic shared memory set to the kernel's need.
+    unsafe { b.launch(cfg(grid, ATTN_V3_THREADS, smem as u32)) }.map_err(|e| launch_err(&name, e))?;
     Ok(())
 }
 
