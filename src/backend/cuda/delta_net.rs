@@ -258,7 +258,9 @@ impl CudaBackend {
 
     /// See [`Backend::sigmoid_mul`](crate::backend::Backend::sigmoid_mul): in
     /// place on f32 values; a bf16-only activation (the default route's
-    /// attention output) is replaced by the f32 product of its bf16 values.
+    /// attention output) is replaced by the f32 product of its bf16 values
+    /// (one rounding more than the CPU's emulation of the route, which keeps
+    /// the attention output in f32 until the next matmul).
     pub(super) fn sigmoid_mul_cuda(&self, x: &mut CudaAct, gate: &CudaAct) -> Result<()> {
         ensure!(
             gate.n_rows == x.n_rows && (gate.n_cols == x.n_cols || gate.n_cols == 1),
