@@ -582,3 +582,47 @@ struct AttnWgmmaArgs {
 };
 static_assert(sizeof(AttnWgmmaArgs) == 384 && alignof(AttnWgmmaArgs) == 128, "AttnWgmmaArgs layout (ops::AttnWgmmaArgs)");
 // --- end attn ---
+
+// --- delta ---
+// Parameters of delta_net_conv (kernels/delta_net.cu), mirrored by
+// `delta_net::DeltaConvArgs` (src/backend/cuda/delta_net.rs). x, out: (n_seqs *
+// n_tokens, n_channels) f32, window-major rows; w: (n_channels, width) taps;
+// history: (n_seqs, width - 1, n_channels), read then overwritten.
+#define DELTA_CONV_MAX_WIDTH 8
+struct DeltaConvArgs {
+    const float* x;
+    const float* w;
+    float* history;
+    float* out;
+    int n_seqs;
+    int n_tokens;
+    int n_channels;
+    int width;
+};
+static_assert(sizeof(DeltaConvArgs) == 48, "DeltaConvArgs layout differs from delta_net::DeltaConvArgs");
+
+// Parameters of delta_net_scan (kernels/delta_net.cu), mirrored by
+// `delta_net::DeltaScanArgs`. mixed: (n_rows, 2 * n_k_heads * d_k + n_v_heads *
+// d_v) the convolved q | k | v; z: (n_rows, n_v_heads * d_v); ba: (n_rows, 2 *
+// n_v_heads) per key head its beta then alpha inputs; a, dt_bias: (n_v_heads);
+// norm: (d_v); state: (n_seqs, n_v_heads, d_k, d_v) f64, read then overwritten;
+// out: (n_rows, n_v_heads * d_v). Rows are window-major, n_tokens per window.
+struct DeltaScanArgs {
+    const float* mixed;
+    const float* z;
+    const float* ba;
+    const float* a;
+    const float* dt_bias;
+    const float* norm;
+    double* state;
+    float* out;
+    double eps;
+    int n_tokens;
+    int n_k_heads;
+    int n_v_heads;
+    int d_k;
+    int d_v;
+    int pad_;
+};
+static_assert(sizeof(DeltaScanArgs) == 96, "DeltaScanArgs layout differs from delta_net::DeltaScanArgs");
+// --- end delta ---

@@ -250,10 +250,11 @@ fn tolerance_catches_schedule_and_mapping_bugs() {
 
 /// Several windows per pass, through `infernix-perplexity`: every window
 /// starts from zero recurrent state, so batching windows changes no score and
-/// no routing count; and the CUDA backend refuses qwen3next by name before
-/// any device is touched.
+/// no routing count; and the CUDA backend no longer refuses qwen3next: without
+/// a device the error is the device's, with one the model loads (its scores on
+/// CUDA are tests/gpu_e2e.rs's).
 #[test]
-fn batching_windows_changes_nothing_and_cuda_refuses_qwen3next() {
+fn batching_windows_changes_nothing_and_cuda_accepts_qwen3next() {
     use infernix_perplexity::backend::ExecutionSpec;
     let tmp = tempfile::tempdir().unwrap();
     let art = tmp.path().join("next.ninfer");
@@ -287,8 +288,10 @@ fn batching_windows_changes_nothing_and_cuda_refuses_qwen3next() {
 
     let artifact = Artifact::open(&art).unwrap();
     let cuda = BackendKind::Cuda { device: 0, spec: ExecutionSpec::lossless(512) };
-    let e = format!("{:#}", load_model(&artifact, cuda, 1.0).err().expect("CUDA must refuse"));
-    assert!(e.contains("qwen3next") && e.contains("not supported on the CUDA backend") && e.contains("--backend cpu"), "{e}");
+    if let Err(e) = load_model(&artifact, cuda, 1.0) {
+        let e = format!("{e:#}");
+        assert!(!e.contains("qwen3next") && !e.contains("not supported"), "CUDA refused qwen3next: {e}");
+    }
 }
 
 /// Issue 13's bad inputs for qwen3next, through the real `ninfer-convert`: an

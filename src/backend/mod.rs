@@ -284,6 +284,45 @@ pub struct DeltaNetParams {
     pub eps: f64,
 }
 
+impl DeltaNetParams {
+    /// Channels of the causal convolution: q, k (`n_k_heads * d_k` each), v (`n_v_heads * d_v`).
+    pub fn conv_channels(&self) -> usize {
+        2 * self.n_k_heads * self.d_k + self.n_v_heads * self.d_v
+    }
+
+    /// The shape checks of every backend's [`Backend::delta_net`]: heads that
+    /// share key heads evenly, inputs of `n_rows` rows of their widths
+    /// (`(rows, cols)` of `qkv`, `z`, `ba`), weights of their lengths (`conv`,
+    /// `a`, `dt_bias`, `norm`), a state per window.
+    #[allow(clippy::too_many_arguments)]
+    pub fn check_inputs(&self, n_rows: usize, qkv: (usize, usize), z: (usize, usize), ba: (usize, usize), weights: [usize; 4], n_states: usize, n_seqs: usize) -> Result<()> {
+        let (nk, nv) = (self.n_k_heads, self.n_v_heads);
+        ensure!(nk > 0 && nv % nk == 0, "delta_net: {nv} value heads do not share {nk} key heads evenly");
+        let (channels, vd) = (self.conv_channels(), nv * self.d_v);
+        ensure!(
+            qkv == (n_rows, channels) && z == (n_rows, vd) && ba == (n_rows, 2 * nv),
+            "delta_net: qkv {} x {}, z {} x {}, ba {} x {}; a pass of {n_rows} rows of {self:?} needs {channels}, {vd}, {}",
+            qkv.0,
+            qkv.1,
+            z.0,
+            z.1,
+            ba.0,
+            ba.1,
+            2 * nv
+        );
+        ensure!(
+            self.conv_kernel >= 1 && weights == [channels * self.conv_kernel, nv, nv, self.d_v],
+            "delta_net: weights of {}, {}, {}, {} values for {self:?}",
+            weights[0],
+            weights[1],
+            weights[2],
+            weights[3]
+        );
+        ensure!(n_states >= n_seqs, "delta_net: {n_states} recurrent states for {n_seqs} windows");
+        Ok(())
+    }
+}
+
 /// The state a Gated DeltaNet layer carries from one prefill pass of a
 /// window to the next, as attention carries its KV cache: the last
 /// `conv_kernel - 1` convolution inputs and the recurrent state. Host memory,
@@ -298,7 +337,7 @@ pub struct RecurrentState {
 
 impl RecurrentState {
     pub fn new(p: &DeltaNetParams) -> Self {
-        let channels = 2 * p.n_k_heads * p.d_k + p.n_v_heads * p.d_v;
+        let channels = p.conv_channels();
         Self { conv: vec![0.0; (p.conv_kernel - 1) * channels], ssm: vec![0.0; p.n_v_heads * p.d_k * p.d_v] }
     }
 }
@@ -435,7 +474,7 @@ pub trait Backend {
 
     /// In place, `x[i, j] *= sigmoid(gate[i, j])`, or `sigmoid(gate[i, 0])`
     /// when `gate` has one column (Qwen3-Next's attention gate and shared-expert
-    /// gate). The default refuses: only the CPU reference implements it so far.
+    /// gate). The default refuses (the CPU and CUDA backends implement it).
     fn sigmoid_mul(&self, _x: &mut Self::Act, _gate: &Self::Act) -> Result<()> {
         bail!("{}: sigmoid gating (qwen3next) is not supported on this backend: use --backend cpu", self.describe())
     }
@@ -446,7 +485,7 @@ pub trait Backend {
     /// gated delta rule with L2-normed q and k, then per value head
     /// `norm · rmsnorm(o) · silu(z)`. Window `s` of the pass reads and updates
     /// `states[s]`. -> `(n, n_v_heads * d_v)`, before the out-projection.
-    /// The default refuses: only the CPU reference implements it so far.
+    /// The default refuses (the CPU and CUDA backends implement it).
     #[allow(clippy::too_many_arguments)]
     fn delta_net(
         &self,

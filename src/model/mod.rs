@@ -664,9 +664,9 @@ where
 }
 
 /// Refuses, before any device is opened, what the CUDA backend cannot run
-/// yet: qwen3next (Gated DeltaNet, sigmoid gating) and a token-embedding table
-/// in a format its embedding kernel does not read (MXFP4, which it multiplies
-/// but does not embed). The message names the architecture or the tensor and format.
+/// yet: a token-embedding table in a format its embedding kernel does not read
+/// (MXFP4, which it multiplies but does not embed). The message names the
+/// tensor and format. (qwen3next runs on CUDA: `backend::cuda::delta_net`.)
 pub fn check_cuda_support(artifact: &Artifact) -> Result<()> {
     let meta = &artifact.meta;
     if let Some(t) = meta.tensors.iter().find(|t| t.name == names::TOKEN_EMBD && !t.format.cuda_embeds()) {
@@ -679,13 +679,6 @@ pub fn check_cuda_support(artifact: &Artifact) -> Result<()> {
             t.format
         );
     }
-    ensure!(
-        meta.hparams.hybrid.is_none(),
-        "{}: architecture {} (Gated DeltaNet linear attention, gated full attention, shared expert) is not supported on the \
-         CUDA backend yet: use --backend cpu",
-        artifact.path.display(),
-        meta.architecture.name()
-    );
     Ok(())
 }
 

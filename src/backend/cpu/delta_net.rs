@@ -181,31 +181,11 @@ pub fn delta_net_layer(
     rows: PassRows,
 ) -> Result<CpuTensor> {
     let (nk, nv, dk, dv) = (p.n_k_heads, p.n_v_heads, p.d_k, p.d_v);
-    ensure!(nk > 0 && nv % nk == 0, "delta_net: {nv} value heads do not share {nk} key heads evenly");
-    let (kd, vd) = (nk * dk, nv * dv);
-    let channels = 2 * kd + vd;
     let n = rows.n_rows();
-    let shape_ok = |t: &CpuTensor, cols: usize| t.n_rows == n && t.n_cols == cols;
-    ensure!(
-        shape_ok(qkv, channels) && shape_ok(z, vd) && shape_ok(ba, 2 * nv),
-        "delta_net: qkv {} x {}, z {} x {}, ba {} x {}; a pass of {n} rows of {p:?} needs {channels}, {vd}, {}",
-        qkv.n_rows,
-        qkv.n_cols,
-        z.n_rows,
-        z.n_cols,
-        ba.n_rows,
-        ba.n_cols,
-        2 * nv
-    );
-    ensure!(
-        w.conv.len() == channels * p.conv_kernel && w.a.len() == nv && w.dt_bias.len() == nv && w.norm.len() == dv,
-        "delta_net: weights of {}, {}, {}, {} values for {p:?}",
-        w.conv.len(),
-        w.a.len(),
-        w.dt_bias.len(),
-        w.norm.len()
-    );
-    ensure!(states.len() >= rows.n_seqs, "delta_net: {} recurrent states for {} windows", states.len(), rows.n_seqs);
+    let lens = [w.conv.len(), w.a.len(), w.dt_bias.len(), w.norm.len()];
+    p.check_inputs(n, (qkv.n_rows, qkv.n_cols), (z.n_rows, z.n_cols), (ba.n_rows, ba.n_cols), lens, states.len(), rows.n_seqs)?;
+    let (kd, vd) = (nk * dk, nv * dv);
+    let channels = p.conv_channels();
     let shape = DeltaNetShape { n_k_heads: nk, n_v_heads: nv, d_k: dk, d_v: dv, qk_l2norm: true };
     let group = nv / nk;
     let t = rows.n_tokens;

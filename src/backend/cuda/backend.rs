@@ -76,7 +76,8 @@ use crate::artifact::meta::{Activation, RopeStyle};
 use crate::artifact::TensorView;
 use crate::backend::cpu::{dequant, head::check_request};
 use crate::backend::{
-    AttnParams, Backend, DeviceMemory, ExecutionInfo, Expert, HeadRequest, KvGeometry, MoeRouting, PassRows, RopeParams, RowScore,
+    AttnParams, Backend, DeltaNetParams, DeltaNetWeights, DeviceMemory, ExecutionInfo, Expert, HeadRequest, KvGeometry, MoeRouting,
+    PassRows, RecurrentState, RopeParams, RowScore,
 };
 use crate::kv::KvFormat;
 
@@ -790,6 +791,25 @@ impl Backend for CudaBackend {
     fn moe_ffn(&self, x: &CudaAct, router_logits: &CudaAct, experts: &[Expert<CudaMatrix>], p: &MoeRouting, counts: &mut [u64]) -> Result<CudaAct> {
         let _prof = self.prof.scope(&self.dev, "moe")?;
         self.moe_ffn_cuda(x, router_logits, experts, p, counts)
+    }
+
+    fn sigmoid_mul(&self, x: &mut CudaAct, gate: &CudaAct) -> Result<()> {
+        let _prof = self.prof.scope(&self.dev, "elementwise")?;
+        self.sigmoid_mul_cuda(x, gate)
+    }
+
+    fn delta_net(
+        &self,
+        qkv: &CudaAct,
+        z: &CudaAct,
+        ba: &CudaAct,
+        w: &DeltaNetWeights<DeviceBuffer<f32>>,
+        p: &DeltaNetParams,
+        states: &mut [RecurrentState],
+        rows: PassRows,
+    ) -> Result<CudaAct> {
+        let _prof = self.prof.scope(&self.dev, "delta_net")?;
+        self.delta_net_cuda(qkv, z, ba, w, p, states, rows)
     }
 
     fn add_assign(&self, x: &mut CudaAct, y: &CudaAct) -> Result<()> {

@@ -6,12 +6,13 @@
 //! error, never a panic) and loads every module; `buffer` holds device memory
 //! and weight matrices in their stored formats; `ops` has one typed launcher
 //! per kernel family; `backend` implements the backend seam on top of them
-//! (the model's forward pass, two numeric routes); `moe` the routed experts (grouped by expert); `profile` times its ops per
+//! (the model's forward pass, two numeric routes); `moe` the routed experts (grouped by expert); `delta_net` Qwen3-Next's Gated DeltaNet step and sigmoid gates; `profile` times its ops per
 //! family with CUDA events when asked (`INFERNIX_CUDA_PROFILE=1`). A binary built without nvcc still compiles this module;
 //! every entry point then reports "built without CUDA kernels".
 
 pub mod backend;
 pub mod buffer;
+pub mod delta_net;
 pub mod device;
 pub mod moe;
 pub mod ops;

@@ -1,0 +1,345 @@
+//! Qwen3-Next's Gated DeltaNet mixing step and its sigmoid gates on CUDA
+//! ([`Backend::delta_net`] and [`Backend::sigmoid_mul`] of
+//! [`CudaBackend`]), kernels/delta_net.cu: the typed launchers of its three
+//! kernels (`delta_net_conv`, `delta_net_scan`, `sigmoid_mul_*`) and the
+//! backend methods built on them.
+//!
+//! The recurrence is the exact per-token one the CPU oracle defines
+//! (`backend::cpu::delta_net`), in its order of operations and in f64, with
+//! the head's state in shared memory; the convolution, gates and gated RMSNorm
+//! round once to f32 as the CPU does. The seam keeps the carried state on the
+//! host ([`RecurrentState`], f64, as the CPU backend holds it), so each call
+//! uploads the windows' convolution histories and states and downloads them
+//! after the scan: exact (the device holds them in the same f64 / f32), at the
+//! cost of one synchronizing copy per DeltaNet layer and pass
+//! (`n_seqs * n_v_heads * d_k * d_v * 8` bytes each way). The chunked
+//! tensor-core form of the scan is not implemented.
+//!
+//! This module does not do the input and output projections (matmuls of the
+//! model code) and does not route experts (`moe`).
+//!
+//! [`Backend::delta_net`]: crate::backend::Backend::delta_net
+//! [`Backend::sigmoid_mul`]: crate::backend::Backend::sigmoid_mul
+
+use anyhow::{ensure, Context, Result};
+use cudarc::driver::PushKernelArg;
+
+use super::backend::{CudaAct, CudaBackend};
+use super::buffer::{DevView, DevViewMut, DeviceBuffer};
+use super::device::CudaDevice;
+use super::ops::{cfg, func, grid_1d, i32_of, launch_err};
+use crate::backend::{DeltaNetParams, DeltaNetWeights, PassRows, RecurrentState};
+
+/// The widest causal convolution `delta_net_conv` holds in registers (`DELTA_CONV_MAX_WIDTH`).
+pub const CONV_MAX_WIDTH: usize = 8;
+
+/// Threads per block of `delta_net_conv` (one per channel).
+const CONV_BLOCK: u32 = 128;
+
+/// Parameters of `delta_net_conv`, mirrored by `DeltaConvArgs` in kernels/common.cuh.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct DeltaConvArgs {
+    /// (n_seqs * n_tokens, n_channels) f32.
+    x: u64,
+    /// (n_channels, width) f32.
+    w: u64,
+    /// (n_seqs, width - 1, n_channels) f32, read then overwritten.
+    history: u64,
+    /// (n_seqs * n_tokens, n_channels) f32.
+    out: u64,
+    n_seqs: i32,
+    n_tokens: i32,
+    n_channels: i32,
+    width: i32,
+}
+const _: () = assert!(size_of::<DeltaConvArgs>() == 48);
+// SAFETY: plain data with the layout of the CUDA struct (size asserted on both sides); passed by value.
+unsafe impl cudarc::driver::DeviceRepr for DeltaConvArgs {}
+
+/// Parameters of `delta_net_scan`, mirrored by `DeltaScanArgs` in kernels/common.cuh.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct DeltaScanArgs {
+    /// (n_rows, conv_channels) f32: the convolved q | k | v.
+    mixed: u64,
+    /// (n_rows, n_v_heads * d_v) f32.
+    z: u64,
+    /// (n_rows, 2 * n_v_heads) f32.
+    ba: u64,
+    /// (n_v_heads) f32.
+    a: u64,
+    /// (n_v_heads) f32.
+    dt_bias: u64,
+    /// (d_v) f32.
+    norm: u64,
+    /// (n_seqs, n_v_heads, d_k, d_v) f64, read then overwritten.
+    state: u64,
+    /// (n_rows, n_v_heads * d_v) f32.
+    out: u64,
+    eps: f64,
+    n_tokens: i32,
+    n_k_heads: i32,
+    n_v_heads: i32,
+    d_k: i32,
+    d_v: i32,
+    pad_: i32,
+}
+const _: () = assert!(size_of::<DeltaScanArgs>() == 96);
+// SAFETY: plain data with the layout of the CUDA struct (size asserted on both sides); passed by value.
+unsafe impl cudarc::driver::DeviceRepr for DeltaScanArgs {}
+
+/// Dynamic shared memory of `delta_net_scan`: the `(d_k, d_v)` f64 state, then q, k
+/// `(d_k)` and o `(d_v)` in f32.
+pub fn scan_smem_bytes(d_k: usize, d_v: usize) -> usize {
+    d_k * d_v * 8 + (2 * d_k + d_v) * 4
+}
+
+/// The depthwise causal convolution + SiLU of `x` `(rows.n_rows(), n_channels)`
+/// with taps `w` `(n_channels, width)`, each window's earlier inputs read from
+/// `history` `(rows.n_seqs, width - 1, n_channels)`, which is updated.
+/// -> `out` `(rows.n_rows(), n_channels)`.
+pub fn conv(
+    dev: &CudaDevice,
+    x: DevView<f32>,
+    w: DevView<f32>,
+    width: usize,
+    history: DevViewMut<f32>,
+    out: DevViewMut<f32>,
+    rows: PassRows,
+) -> Result<()> {
+    let n = rows.n_rows();
+    ensure!((1..=CONV_MAX_WIDTH).contains(&width), "delta_net_conv: width {width} outside 1..={CONV_MAX_WIDTH}");
+    ensure!(width > 0 && w.len() % width == 0, "delta_net_conv: {} taps are not channels of {width}", w.len());
+    let c = w.len() / width;
+    ensure!(
+        x.len() == n * c && out.len() == n * c && history.len() == rows.n_seqs * (width - 1) * c,
+        "delta_net_conv: x {}, out {}, history {} values for {rows:?} of {c} channels, width {width}",
+        x.len(),
+        out.len(),
+        history.len()
+    );
+    if n == 0 || c == 0 {
+        return Ok(());
+    }
+    let name = "delta_net_conv";
+    let f = func(dev, name)?;
+    let args = DeltaConvArgs {
+        x: x.ptr(),
+        w: w.ptr(),
+        history: history.ptr(),
+        out: out.ptr(),
+        n_seqs: i32_of(rows.n_seqs, "n_seqs")?,
+        n_tokens: i32_of(rows.n_tokens, "n_tokens")?,
+        n_channels: i32_of(c, "n_channels")?,
+        width: i32_of(width, "width")?,
+    };
+    let gy = u32::try_from(rows.n_seqs).context("delta_net_conv: windows")?;
+    ensure!(gy <= 65535, "{name}: {gy} windows exceed the grid's y limit 65535");
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&args);
+    // SAFETY: `args` mirrors DeltaConvArgs of kernels/common.cuh (size asserted); every buffer holds
+    // the elements the kernel indexes (checked above).
+    unsafe { b.launch(cfg((grid_1d(c, CONV_BLOCK)?, gy, 1), CONV_BLOCK, 0)) }.map_err(|e| launch_err(name, e))?;
+    Ok(())
+}
+
+/// The gated delta rule and the gated RMSNorm of every value head of every
+/// window (see kernels/delta_net.cu): `mixed` `(n, conv_channels)`, `z` `(n,
+/// n_v_heads * d_v)`, `ba` `(n, 2 * n_v_heads)`, `state` `(n_seqs, n_v_heads,
+/// d_k, d_v)` f64 (updated). -> `out` `(n, n_v_heads * d_v)`.
+#[allow(clippy::too_many_arguments)]
+pub fn scan(
+    dev: &CudaDevice,
+    mixed: DevView<f32>,
+    z: DevView<f32>,
+    ba: DevView<f32>,
+    w: &DeltaNetWeights<DeviceBuffer<f32>>,
+    p: &DeltaNetParams,
+    state: DevViewMut<f64>,
+    out: DevViewMut<f32>,
+    rows: PassRows,
+) -> Result<()> {
+    let n = rows.n_rows();
+    let (nv, dk, dv) = (p.n_v_heads, p.d_k, p.d_v);
+    ensure!(p.n_k_heads > 0 && nv % p.n_k_heads == 0, "delta_net_scan: {nv} value heads do not share {} key heads evenly", p.n_k_heads);
+    ensure!(
+        w.a.len() == nv && w.dt_bias.len() == nv && w.norm.len() == dv,
+        "delta_net_scan: a {}, dt_bias {}, norm {} values for {p:?}",
+        w.a.len(),
+        w.dt_bias.len(),
+        w.norm.len()
+    );
+    ensure!(
+        mixed.len() == n * p.conv_channels() && z.len() == n * nv * dv && ba.len() == n * 2 * nv && out.len() == n * nv * dv,
+        "delta_net_scan: mixed {}, z {}, ba {}, out {} values for {n} rows of {p:?}",
+        mixed.len(),
+        z.len(),
+        ba.len(),
+        out.len()
+    );
+    ensure!(state.len() == rows.n_seqs * nv * dk * dv, "delta_net_scan: state of {} values for {} windows of {p:?}", state.len(), rows.n_seqs);
+    ensure!((1..=1024).contains(&dv) && dk >= 1, "delta_net_scan: d_v {dv} outside 1..=1024 (one thread per column), d_k {dk}");
+    if n == 0 || nv == 0 {
+        return Ok(());
+    }
+    let name = "delta_net_scan";
+    let f = func(dev, name)?;
+    let smem = scan_smem_bytes(dk, dv);
+    let max = dev.info().max_smem_per_block_bytes as usize;
+    ensure!(smem <= max, "{name}: a {dk} x {dv} state needs {smem} bytes of shared memory, the device allows {max}");
+    if smem > 48 << 10 {
+        f.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+            .map_err(|e| anyhow::anyhow!("{name}: raising dynamic shared memory to {smem} bytes: {e}"))?;
+    }
+    let args = DeltaScanArgs {
+        mixed: mixed.ptr(),
+        z: z.ptr(),
+        ba: ba.ptr(),
+        a: w.a.view().ptr(),
+        dt_bias: w.dt_bias.view().ptr(),
+        norm: w.norm.view().ptr(),
+        state: state.ptr(),
+        out: out.ptr(),
+        eps: p.eps,
+        n_tokens: i32_of(rows.n_tokens, "n_tokens")?,
+        n_k_heads: i32_of(p.n_k_heads, "n_k_heads")?,
+        n_v_heads: i32_of(nv, "n_v_heads")?,
+        d_k: i32_of(dk, "d_k")?,
+        d_v: i32_of(dv, "d_v")?,
+        pad_: 0,
+    };
+    let (gx, gy) = (u32::try_from(nv).context("delta_net_scan: heads")?, u32::try_from(rows.n_seqs).context("delta_net_scan: windows")?);
+    ensure!(gy <= 65535, "{name}: {gy} windows exceed the grid's y limit 65535");
+    let block = dv.div_ceil(32) as u32 * 32;
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&args);
+    // SAFETY: `args` mirrors DeltaScanArgs of kernels/common.cuh (size asserted); every buffer holds
+    // the elements the kernel indexes (checked above, the weights by check_inputs); the shared
+    // memory asked for is what the kernel lays out (scan_smem_bytes) and within the device's limit.
+    unsafe { b.launch(cfg((gx, gy, 1), block, smem as u32)) }.map_err(|e| launch_err(name, e))?;
+    Ok(())
+}
+
+/// `out[r, c] = x[r, c] * sigmoid(gate[r, c or 0])` in f64, one f32 rounding; `x`
+/// `(n_rows, n_cols)` of f32 or bf16 (`bf16_x`), `gate` `(n_rows, gate_cols)`
+/// with `gate_cols` 1 or `n_cols`. `out` may be `x` itself (f32).
+fn sigmoid_mul_raw(dev: &CudaDevice, x: u64, bf16_x: bool, gate: DevView<f32>, gate_cols: usize, out: DevViewMut<f32>, n_cols: usize) -> Result<()> {
+    let n = out.len();
+    ensure!(n_cols > 0 && n % n_cols == 0, "sigmoid_mul: {n} outputs are not rows of {n_cols}");
+    ensure!(gate_cols == 1 || gate_cols == n_cols, "sigmoid_mul: gate of {gate_cols} columns for rows of {n_cols}");
+    ensure!(gate.len() == n / n_cols * gate_cols, "sigmoid_mul: gate has {} values for {} rows of {gate_cols}", gate.len(), n / n_cols);
+    if n == 0 {
+        return Ok(());
+    }
+    let name = if bf16_x { "sigmoid_mul_bf16" } else { "sigmoid_mul_f32" };
+    let f = func(dev, name)?;
+    let (gp, op, nn) = (gate.ptr(), out.ptr(), n as i64);
+    let (nc, gc) = (i32_of(n_cols, "n_cols")?, i32_of(gate_cols, "gate_cols")?);
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&x).arg(&gp).arg(&op).arg(&nn).arg(&nc).arg(&gc);
+    // SAFETY: arguments match `sigmoid_mul_{f32,bf16}` in kernels/delta_net.cu; x (the caller's
+    // buffer of n elements of its type) and out hold n elements, gate n / n_cols rows of gate_cols.
+    unsafe { b.launch(cfg((grid_1d(n, 256)?, 1, 1), 256, 0)) }.map_err(|e| launch_err(name, e))?;
+    Ok(())
+}
+
+impl CudaBackend {
+    /// An f32 activation `(n_rows, n_cols)` holding `host` (the parity tests'
+    /// inputs of any width; `embed` takes rows of multiples of 32 only).
+    pub fn upload_act(&self, n_rows: usize, n_cols: usize, host: &[f32]) -> Result<CudaAct> {
+        ensure!(host.len() == n_rows * n_cols, "upload_act: {} values for {n_rows} x {n_cols}", host.len());
+        let mut act = self.new_act(n_rows, n_cols)?;
+        if !host.is_empty() {
+            self.device().copy_to_device(host, act.f32_mut("upload_act")?)?;
+        }
+        Ok(act)
+    }
+
+    /// See [`Backend::sigmoid_mul`](crate::backend::Backend::sigmoid_mul): in
+    /// place on f32 values; a bf16-only activation (the default route's
+    /// attention output) is replaced by the f32 product of its bf16 values
+    /// (one rounding more than the CPU's emulation of the route, which keeps
+    /// the attention output in f32 until the next matmul).
+    pub(super) fn sigmoid_mul_cuda(&self, x: &mut CudaAct, gate: &CudaAct) -> Result<()> {
+        ensure!(
+            gate.n_rows == x.n_rows && (gate.n_cols == x.n_cols || gate.n_cols == 1),
+            "sigmoid_mul: gate is {} x {}, x is {} x {} (same shape, or one gate column)",
+            gate.n_rows,
+            gate.n_cols,
+            x.n_rows,
+            x.n_cols
+        );
+        let dev = self.device();
+        let g = gate.f32("sigmoid_mul")?.view();
+        if x.f32("sigmoid_mul").is_ok() {
+            let n_cols = x.n_cols;
+            let xv = x.f32_mut("sigmoid_mul")?.view_mut();
+            let ptr = xv.ptr();
+            return sigmoid_mul_raw(dev, ptr, false, g, gate.n_cols, xv, n_cols);
+        }
+        let xb = x.bf16().context("sigmoid_mul: activation without values")?;
+        let mut out = self.new_act(x.n_rows, x.n_cols)?;
+        sigmoid_mul_raw(dev, xb.view().ptr(), true, g, gate.n_cols, out.f32_mut("sigmoid_mul")?.view_mut(), x.n_cols)?;
+        *x = out;
+        Ok(())
+    }
+
+    /// See [`Backend::delta_net`](crate::backend::Backend::delta_net); window
+    /// `s` of the pass carries `states[s]` (uploaded, updated on the device,
+    /// downloaded: the call waits for the stream).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn delta_net_cuda(
+        &self,
+        qkv: &CudaAct,
+        z: &CudaAct,
+        ba: &CudaAct,
+        w: &DeltaNetWeights<DeviceBuffer<f32>>,
+        p: &DeltaNetParams,
+        states: &mut [RecurrentState],
+        rows: PassRows,
+    ) -> Result<CudaAct> {
+        let n = rows.n_rows();
+        let lens = [w.conv.len(), w.a.len(), w.dt_bias.len(), w.norm.len()];
+        p.check_inputs(n, (qkv.n_rows, qkv.n_cols), (z.n_rows, z.n_cols), (ba.n_rows, ba.n_cols), lens, states.len(), rows.n_seqs)?;
+        let dev = self.device();
+        let (channels, hist_len, state_len) = (p.conv_channels(), (p.conv_kernel - 1) * p.conv_channels(), p.n_v_heads * p.d_k * p.d_v);
+        let states = &mut states[..rows.n_seqs];
+        for (s, st) in states.iter().enumerate() {
+            ensure!(
+                st.conv.len() == hist_len && st.ssm.len() == state_len,
+                "delta_net: window {s}'s state holds {} + {} values, {p:?} needs {hist_len} + {state_len}",
+                st.conv.len(),
+                st.ssm.len()
+            );
+        }
+        // (n_seqs, conv_kernel - 1, channels) and (n_seqs, n_v_heads, d_k, d_v)
+        let hist_host: Vec<f32> = states.iter().flat_map(|st| st.conv.iter().copied()).collect();
+        let ssm_host: Vec<f64> = states.iter().flat_map(|st| st.ssm.iter().copied()).collect();
+        if n == 0 {
+            return self.new_act(0, p.n_v_heads * p.d_v);
+        }
+        // One spare element: a width-1 convolution carries no history, and no buffer is empty.
+        let hist_padded: Vec<f32> = hist_host.iter().copied().chain([0.0]).collect();
+        let mut hist = dev.upload(&hist_padded).context("delta_net: convolution history to the device")?;
+        let mut ssm = dev.upload(&ssm_host).context("delta_net: recurrent state to the device")?;
+        // (n, channels)
+        let mut mixed = dev.alloc_uninit::<f32>(n * channels)?;
+        let hv = hist.slice_mut(0..hist_host.len())?;
+        conv(dev, qkv.f32("delta_net")?.view(), w.conv.view(), p.conv_kernel, hv, mixed.view_mut(), rows)?;
+        let mut out = self.new_act(n, p.n_v_heads * p.d_v)?;
+        let (zv, bav) = (z.f32("delta_net")?.view(), ba.f32("delta_net")?.view());
+        scan(dev, mixed.view(), zv, bav, w, p, ssm.view_mut(), out.f32_mut("delta_net")?.view_mut(), rows)?;
+        let hist_back = if hist_host.is_empty() {
+            Vec::new()
+        } else {
+            dev.download_range(&hist, 0..hist_host.len()).context("delta_net: convolution history to the host")?
+        };
+        let ssm_back = dev.download(&ssm).context("delta_net: recurrent state to the host")?;
+        for (s, st) in states.iter_mut().enumerate() {
+            st.conv.copy_from_slice(&hist_back[s * hist_len..(s + 1) * hist_len]);
+            st.ssm.copy_from_slice(&ssm_back[s * state_len..(s + 1) * state_len]);
+        }
+        Ok(out)
+    }
+}
