@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use super::gguf::{GgufFile, GgufValue, GgufWriter};
 use super::{source_file, tokenizer, CONVERTER};
 use crate::artifact::format::TensorFormat;
-use crate::artifact::meta::{Activation, Architecture, ArtifactMeta, Component, HParams, Provenance, RopeStyle};
+use crate::artifact::meta::{Activation, Architecture, ArtifactMeta, Component, HParams, Provenance, RopeStyle, TokenizerMeta};
 use crate::artifact::names::{blk, OUTPUT, OUTPUT_NORM, TOKEN_EMBD};
 use crate::artifact::writer::{write_artifact, TensorSource};
 
@@ -117,10 +117,7 @@ pub fn write_synthetic(
     out: &Path,
     gguf_out: Option<&Path>,
 ) -> Result<ArtifactMeta> {
-    let tok_gguf = GgufFile::open(tokenizer_source)?;
-    let (tokenizer_json, tokenizer) = tokenizer::tokenizer_from_gguf(&tok_gguf)
-        .with_context(|| tokenizer_source.display().to_string())?;
-    let n_vocab = tok_gguf.get_array("tokenizer.ggml.tokens")?.len();
+    let (tok_gguf, tokenizer_json, tokenizer, n_vocab) = tokenizer_of(tokenizer_source)?;
     let d_head = geo.d_model / geo.n_heads;
     let d = geo.d_model;
     let n_kv = geo.n_kv_heads * d_head;
@@ -183,24 +180,7 @@ pub fn write_synthetic(
         tied_embeddings: geo.tied,
         moe: None, hybrid: None,
     };
-    let tok_bytes = std::fs::read(tokenizer_source).with_context(|| format!("read {}", tokenizer_source.display()))?;
-    let meta = ArtifactMeta {
-        architecture: Architecture::Llama,
-        public_name: format!("synthetic {} {format} seed {seed}", geo.name),
-        hparams: hparams.clone(),
-        components: vec![Component::Text],
-        tokenizer,
-        provenance: Provenance {
-            sources: vec![source_file(tokenizer_source, &tok_bytes)],
-            converter: CONVERTER.into(),
-            converter_version: env!("CARGO_PKG_VERSION").into(),
-            source_layers: None,
-            synthetic: Some(serde_json::json!({ "geometry": geo.name, "format": format.name(), "seed": seed })),
-            source_metadata: serde_json::json!({}),
-        },
-        tensors: Vec::new(),
-    };
-    drop(tok_bytes);
+    let meta = synthetic_meta(Architecture::Llama, geo.name, format, seed, &hparams, tokenizer, tokenizer_source)?;
     let meta = write_artifact(out, meta, &tensors, &tokenizer_json)?;
 
     if let Some(gguf_out) = gguf_out {
@@ -209,9 +189,47 @@ pub fn write_synthetic(
     Ok(meta)
 }
 
+/// The tokenizer of a synthetic model, from the GGUF `source`: the file, the
+/// tokenizer.json bytes, its metadata and the vocabulary size.
+fn tokenizer_of(source: &Path) -> Result<(GgufFile, Vec<u8>, TokenizerMeta, usize)> {
+    let g = GgufFile::open(source)?;
+    let (json, meta) = tokenizer::tokenizer_from_gguf(&g).with_context(|| source.display().to_string())?;
+    let n_vocab = g.get_array("tokenizer.ggml.tokens")?.len();
+    Ok((g, json, meta, n_vocab))
+}
+
+/// The metadata of a synthetic artifact of `geometry` (tensors filled in by the writer).
+fn synthetic_meta(
+    architecture: Architecture,
+    geometry: &str,
+    format: TensorFormat,
+    seed: u64,
+    hparams: &HParams,
+    tokenizer: TokenizerMeta,
+    tokenizer_source: &Path,
+) -> Result<ArtifactMeta> {
+    let tok_bytes = std::fs::read(tokenizer_source).with_context(|| format!("read {}", tokenizer_source.display()))?;
+    Ok(ArtifactMeta {
+        architecture,
+        public_name: format!("synthetic {geometry} {format} seed {seed}"),
+        hparams: hparams.clone(),
+        components: vec![Component::Text],
+        tokenizer,
+        provenance: Provenance {
+            sources: vec![source_file(tokenizer_source, &tok_bytes)],
+            converter: CONVERTER.into(),
+            converter_version: env!("CARGO_PKG_VERSION").into(),
+            source_layers: None,
+            synthetic: Some(serde_json::json!({ "geometry": geometry, "format": format.name(), "seed": seed })),
+            source_metadata: serde_json::json!({}),
+        },
+        tensors: Vec::new(),
+    })
+}
+
 fn write_gguf_twin(hp: &HParams, tok: &GgufFile, tensors: &[TensorSource<'_>], out: &Path, name: &str) -> Result<()> {
     let u32v = |v: usize| GgufValue::U32(v as u32);
-    let mut metadata = vec![
+    let metadata = vec![
         ("general.architecture".to_string(), GgufValue::String("llama".into())),
         ("general.name".to_string(), GgufValue::String(name.into())),
         ("llama.block_count".to_string(), u32v(hp.n_layers)),
@@ -225,6 +243,12 @@ fn write_gguf_twin(hp: &HParams, tok: &GgufFile, tensors: &[TensorSource<'_>], o
         ("llama.attention.layer_norm_rms_epsilon".to_string(), GgufValue::F32(hp.rms_eps as f32)),
         ("llama.vocab_size".to_string(), u32v(hp.n_vocab)),
     ];
+    write_gguf(metadata, tok, tensors, out)
+}
+
+/// A GGUF file of `metadata`, `tok`'s tokenizer keys and `tensors` (shapes
+/// reversed into GGUF order, bytes as they are).
+fn write_gguf(mut metadata: Vec<(String, GgufValue)>, tok: &GgufFile, tensors: &[TensorSource<'_>], out: &Path) -> Result<()> {
     metadata.extend(tok.metadata.iter().filter(|(k, _)| k.starts_with("tokenizer.")).cloned());
     let w = GgufWriter {
         metadata,
@@ -361,14 +385,11 @@ pub fn write_synthetic_moe(
     out: &Path,
     gguf_out: Option<&Path>,
 ) -> Result<ArtifactMeta> {
-    let tok_gguf = GgufFile::open(tokenizer_source)?;
-    let (tokenizer_json, tokenizer) = tokenizer::tokenizer_from_gguf(&tok_gguf)
-        .with_context(|| tokenizer_source.display().to_string())?;
-    let n_vocab = tok_gguf.get_array("tokenizer.ggml.tokens")?.len();
+    let (tok_gguf, tokenizer_json, tokenizer, n_vocab) = tokenizer_of(tokenizer_source)?;
     let (d, n_q, n_kv) = (geo.d_model, geo.n_heads * geo.d_head, geo.n_kv_heads * geo.d_head);
     let (n_e, fe) = (geo.n_experts, geo.d_ffn_expert);
 
-    // (name, artifact shape, format, n_cols of one row) in GGUF order; norms are F32 ones.
+    // (name, artifact shape (rows first), format) in GGUF order; norms are F32 ones.
     let mut plan: Vec<(String, Vec<usize>, TensorFormat)> = vec![(TOKEN_EMBD.into(), vec![n_vocab, d], format)];
     for l in 0..geo.n_layers {
         plan.push((blk(l, "attn_norm.weight"), vec![d], TensorFormat::F32));
@@ -403,24 +424,7 @@ pub fn write_synthetic_moe(
     }
 
     let hparams = moe_hparams(geo, n_vocab);
-    let tok_bytes = std::fs::read(tokenizer_source).with_context(|| format!("read {}", tokenizer_source.display()))?;
-    let meta = ArtifactMeta {
-        architecture: Architecture::Qwen3Moe,
-        public_name: format!("synthetic {} {format} seed {seed}", geo.name),
-        hparams: hparams.clone(),
-        components: vec![Component::Text],
-        tokenizer,
-        provenance: Provenance {
-            sources: vec![source_file(tokenizer_source, &tok_bytes)],
-            converter: CONVERTER.into(),
-            converter_version: env!("CARGO_PKG_VERSION").into(),
-            source_layers: None,
-            synthetic: Some(serde_json::json!({ "geometry": geo.name, "format": format.name(), "seed": seed })),
-            source_metadata: serde_json::json!({}),
-        },
-        tensors: Vec::new(),
-    };
-    drop(tok_bytes);
+    let meta = synthetic_meta(Architecture::Qwen3Moe, geo.name, format, seed, &hparams, tokenizer, tokenizer_source)?;
     let meta = write_artifact(out, meta, &tensors, &tokenizer_json)?;
     if let Some(gguf_out) = gguf_out {
         write_gguf_twin_moe(&hparams, &tok_gguf, &tensors, gguf_out, &meta.public_name)?;
@@ -435,7 +439,7 @@ fn write_gguf_twin_moe(hp: &HParams, tok: &GgufFile, tensors: &[TensorSource<'_>
     let u32v = |v: usize| GgufValue::U32(v as u32);
     let a = Architecture::Qwen3Moe.name();
     let k = |key: &str| format!("{a}.{key}");
-    let mut metadata = vec![
+    let metadata = vec![
         ("general.architecture".to_string(), GgufValue::String(a.into())),
         ("general.name".to_string(), GgufValue::String(name.into())),
         (k("block_count"), u32v(hp.n_layers)),
@@ -453,13 +457,5 @@ fn write_gguf_twin_moe(hp: &HParams, tok: &GgufFile, tensors: &[TensorSource<'_>
         (k("rope.freq_base"), GgufValue::F32(hp.rope_base as f32)),
         (k("vocab_size"), u32v(hp.n_vocab)),
     ];
-    metadata.extend(tok.metadata.iter().filter(|(k, _)| k.starts_with("tokenizer.")).cloned());
-    let w = GgufWriter {
-        metadata,
-        tensors: tensors
-            .iter()
-            .map(|t| (t.name.clone(), t.shape.iter().rev().copied().collect(), t.format as u32, t.bytes.as_ref()))
-            .collect(),
-    };
-    w.write(out)
+    write_gguf(metadata, tok, tensors, out)
 }
