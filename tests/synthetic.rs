@@ -155,3 +155,51 @@ fn synthetic_qwen3moe_with_gguf_twin_converts_back_and_scores() {
         assert!(l.routed.iter().filter(|&&c| c > 0).count() > 3, "layer {}: routing collapsed, {:?}", l.layer, l.routed);
     }
 }
+
+/// Synthetic weights of every format have mean zero and the asked spread
+/// (decoded by the CPU dequantizer). Codes with a mean offset (Q4_0 codes
+/// 0..=15 around 8 have mean -0.5) put a common all-ones component in every
+/// row; through 48 layers it made every token's hidden state point the same
+/// way, and the qwen3moe-30b-a3b twin routed every token to the same 8 of 128
+/// experts in every layer (measured on the H200, docs/performance.md).
+#[test]
+fn synthetic_weights_have_mean_zero_and_the_asked_spread() {
+    use infernix_perplexity::backend::cpu::dequant::dequantize_matrix;
+    use infernix_perplexity::convert::synthetic::random_matrix;
+    let (n_rows, n_cols, sigma) = (64, 4096, 1.0 / 64.0);
+    for format in [TensorFormat::F32, TensorFormat::F16, TensorFormat::Bf16, TensorFormat::Q4_0, TensorFormat::Q4_1, TensorFormat::Q8_0] {
+        let bytes = random_matrix(format, n_rows, n_cols, sigma, 11).unwrap();
+        let v = dequantize_matrix(format, &bytes, n_rows, n_cols).unwrap();
+        let n = v.len() as f64;
+        let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n;
+        let sd = (v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n).sqrt();
+        // The standard error of the mean is sigma / 512 here; the old Q4_0 offset was -0.109 sigma.
+        assert!(mean.abs() < 0.01 * sigma as f64, "{format}: mean {mean:e}, sigma {sigma}");
+        assert!((sd / sigma as f64 - 1.0).abs() < 0.05, "{format}: standard deviation {sd:e}, asked {sigma}");
+    }
+}
+
+/// A deep, narrow qwen3moe body (48 layers like qwen3moe-30b-a3b): no layer
+/// sends every row to the same top_k experts. With Q4_0 codes of mean -0.5
+/// (before this test) 22 of these 48 layers did. Routing is still skewed
+/// (some layer has an expert that takes every row: random attention averages
+/// the tokens together), which the test prints but does not forbid.
+#[test]
+fn synthetic_qwen3moe_routing_stays_spread_through_48_layers() {
+    use infernix_perplexity::convert::synthetic::{moe_geometry, write_synthetic_moe, MoeGeometry};
+    let tmp = tempfile::tempdir().unwrap();
+    let geo = MoeGeometry { name: "deep-test", n_layers: 48, n_experts: 16, n_experts_used: 4, ..moe_geometry("qwen3moe-tiny").unwrap() };
+    let path = tmp.path().join("deep.ninfer");
+    write_synthetic_moe(&geo, TensorFormat::Q4_0, 3, &model(SMOLLM2_GGUF), &path, None).unwrap();
+    let a = Artifact::open(&path).unwrap();
+    let mut m = load_model(&a, BackendKind::Cpu(Default::default()), 1.0).unwrap();
+    let tokens: Vec<u32> = (0..128u32).map(|i| i * 701 % 49152).collect();
+    m.score_window(&tokens, 1, &ScoreOptions::default(), &[]).unwrap();
+    let usage = m.expert_usage().unwrap();
+    let worst = usage.layers.iter().map(|l| *l.routed.iter().max().unwrap()).max().unwrap();
+    let spread: Vec<usize> = usage.layers.iter().map(|l| l.routed.iter().filter(|&&c| c > 0).count()).collect();
+    eprintln!("experts used per layer: {spread:?}");
+    let collapsed = usage.layers.iter().filter(|l| l.routed.iter().filter(|&&c| c > 0).count() == 4).count();
+    eprintln!("busiest expert {worst} of {} rows; layers with only top_k experts used: {collapsed}", usage.rows);
+    assert_eq!(collapsed, 0, "layers routing every row to the same experts");
+}

@@ -83,22 +83,27 @@ fn fill_random(format: TensorFormat, out: &mut [u8], sigma: f32, rng: &mut ChaCh
         TensorFormat::Bf16 => out
             .chunks_exact_mut(2)
             .for_each(|b| b.copy_from_slice(&half::bf16::from_f32(uniform(rng)).to_le_bytes())),
-        // Uniform 4-bit codes around 8 have standard deviation ~4.6.
+        // Every format's values have mean zero: codes with a mean offset give
+        // every row of every matrix a common component along the all-ones
+        // direction, which compounds through the layers until every token's
+        // hidden state points the same way (a MoE router then sends every token
+        // to the same experts).
+        // Q4_0: x = d*(q - 8); codes uniform in 1..=15 (-7..7, standard deviation ~4.32).
         TensorFormat::Q4_0 => out.chunks_exact_mut(18).for_each(|b| {
-            b[0..2].copy_from_slice(&half::f16::from_f32(sigma / 4.6).to_le_bytes());
-            rng.fill(&mut b[2..]);
+            b[0..2].copy_from_slice(&half::f16::from_f32(sigma / 4.32).to_le_bytes());
+            b[2..].iter_mut().for_each(|c| *c = rng.gen_range(1u8..16) | (rng.gen_range(1u8..16) << 4));
         }),
-        // Q4_1: x = d*q + m with m = -8d centres the codes.
+        // Q4_1: x = d*q + m; codes uniform in 0..=15 (standard deviation ~4.61), m = -7.5d centres them.
         TensorFormat::Q4_1 => out.chunks_exact_mut(20).for_each(|b| {
-            let d = sigma / 4.6;
+            let d = sigma / 4.61;
             b[0..2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
-            b[2..4].copy_from_slice(&half::f16::from_f32(-8.0 * d).to_le_bytes());
+            b[2..4].copy_from_slice(&half::f16::from_f32(-7.5 * d).to_le_bytes());
             rng.fill(&mut b[4..]);
         }),
-        // Uniform i8 codes have standard deviation ~73.9.
+        // Q8_0: i8 codes uniform in -127..=127 (standard deviation ~73.6).
         TensorFormat::Q8_0 => out.chunks_exact_mut(34).for_each(|b| {
-            b[0..2].copy_from_slice(&half::f16::from_f32(sigma / 73.9).to_le_bytes());
-            rng.fill(&mut b[2..]);
+            b[0..2].copy_from_slice(&half::f16::from_f32(sigma / 73.6).to_le_bytes());
+            b[2..].iter_mut().for_each(|c| *c = rng.gen_range(-127i8..=127) as u8);
         }),
         _ => unreachable!("checked against SYNTHETIC_FORMATS"),
     }
