@@ -89,3 +89,117 @@ fn nonfinite_scores_are_counted_and_fail_the_run() {
         assert!(String::from_utf8_lossy(&o.stderr).contains("126"), "the count is reported on stderr");
     }
 }
+
+/// `--synthetic qwen3moe-*`: a qwen3moe body (routed experts, QK norm) as an
+/// artifact and a GGUF twin with llama.cpp's qwen3moe keys and names; the twin
+/// converts back to the same hyperparameters and tensor bytes, and the CPU
+/// backend scores the tiny shape with finite scores and every layer routing
+/// `top_k` experts per row.
+#[test]
+fn synthetic_qwen3moe_with_gguf_twin_converts_back_and_scores() {
+    use infernix_perplexity::convert::synthetic::{moe_geometry, write_synthetic_moe};
+    let tmp = tempfile::tempdir().unwrap();
+    let big = moe_geometry("qwen3moe-30b-a3b").unwrap();
+    assert_eq!(
+        (big.n_layers, big.d_model, big.n_heads, big.n_kv_heads, big.d_head, big.n_experts, big.n_experts_used, big.d_ffn_expert),
+        (48, 2048, 32, 4, 128, 128, 8, 768)
+    );
+    assert!(moe_geometry("llama-8b").is_none() && geometry("qwen3moe-tiny").is_err());
+
+    let geo = moe_geometry("qwen3moe-tiny").unwrap();
+    let (a_path, g_path) = (tmp.path().join("m.ninfer"), tmp.path().join("m.gguf"));
+    write_synthetic_moe(&geo, TensorFormat::Q4_0, 5, &model(SMOLLM2_GGUF), &a_path, Some(&g_path)).unwrap();
+    let a = Artifact::open(&a_path).unwrap();
+    a.verify().unwrap();
+    let moe = a.meta.hparams.moe.expect("moe hyperparameters");
+    assert_eq!((moe.n_experts, moe.n_experts_used, moe.d_ffn_expert, moe.norm_topk_prob), (8, 3, 64, true));
+    assert_eq!(a.tensor("blk.1.ffn_gate_exps.weight").unwrap().entry.shape, vec![8, 64, 64]);
+    assert_eq!(a.tensor("blk.1.ffn_down_exps.weight").unwrap().format(), TensorFormat::Q4_0);
+    assert_eq!(a.tensor("blk.0.attn_q.weight").unwrap().entry.shape, vec![128, 64]);
+    assert_eq!(a.tensor("blk.0.ffn_gate_inp.weight").unwrap().format(), TensorFormat::F32);
+
+    // The twin: llama.cpp's keys and names, GGUF shapes reversed, the same bytes.
+    let g = GgufFile::open(&g_path).unwrap();
+    assert_eq!(g.get_str("general.architecture").unwrap(), "qwen3moe");
+    for (key, want) in [("expert_count", 8), ("expert_used_count", 3), ("expert_feed_forward_length", 64), ("attention.key_length", 32)] {
+        assert_eq!(g.get_u64(&format!("qwen3moe.{key}")).unwrap(), want, "{key}");
+    }
+    let bank = g.tensors.iter().find(|t| t.name == "blk.0.ffn_up_exps.weight").unwrap();
+    assert_eq!(bank.dims, vec![64, 64, 8]);
+    assert_eq!(g.tensors.len(), a.meta.tensors.len());
+
+    // Converted back by the GGUF path: the same hyperparameters and bytes.
+    let back_path = tmp.path().join("back.ninfer");
+    infernix_perplexity::convert::convert(&g_path, &back_path, &Default::default()).unwrap();
+    let back = Artifact::open(&back_path).unwrap();
+    assert_eq!(back.meta.architecture, a.meta.architecture);
+    assert_eq!(back.meta.hparams, a.meta.hparams);
+    assert_eq!(back.meta.tensors.len(), a.meta.tensors.len());
+    for t in &a.meta.tensors {
+        let b = back.tensor(&t.name).unwrap();
+        assert_eq!((&b.entry.shape, b.format(), &b.entry.sha256), (&t.shape, t.format, &t.sha256), "{}", t.name);
+    }
+
+    // It runs on the CPU: finite scores near ln(n_vocab), top_k experts per row.
+    let mut m = load_model(&a, BackendKind::Cpu(Default::default()), 1.0).unwrap();
+    let tokens: Vec<u32> = (0..48u32).map(|i| i * 701 % 49152).collect();
+    let s = m.score_window(&tokens, 1, &ScoreOptions::default(), &[]).unwrap();
+    assert_eq!(s.len(), 47);
+    let mean = s.iter().map(|r| r.nll).sum::<f64>() / s.len() as f64;
+    assert!(mean.is_finite() && mean > 1.0 && mean < 40.0, "mean NLL {mean}");
+    let usage = m.expert_usage().expect("a MoE model reports expert usage");
+    assert_eq!(usage.layers.len(), 2);
+    assert_eq!(usage.rows, 48);
+    for l in &usage.layers {
+        assert_eq!(l.routed.iter().sum::<u64>(), 48 * 3, "layer {}", l.layer);
+        assert!(l.routed.iter().filter(|&&c| c > 0).count() > 3, "layer {}: routing collapsed, {:?}", l.layer, l.routed);
+    }
+}
+
+/// Synthetic weights of every format have mean zero and the asked spread
+/// (decoded by the CPU dequantizer). Codes with a mean offset (Q4_0 codes
+/// 0..=15 around 8 have mean -0.5) put a common all-ones component in every
+/// row; through 48 layers it made every token's hidden state point the same
+/// way, and the qwen3moe-30b-a3b twin routed every token to the same 8 of 128
+/// experts in every layer (measured on the H200, docs/performance.md).
+#[test]
+fn synthetic_weights_have_mean_zero_and_the_asked_spread() {
+    use infernix_perplexity::backend::cpu::dequant::dequantize_matrix;
+    use infernix_perplexity::convert::synthetic::{random_matrix, SYNTHETIC_FORMATS};
+    let (n_rows, n_cols, sigma) = (64, 4096, 1.0 / 64.0);
+    for format in SYNTHETIC_FORMATS {
+        let bytes = random_matrix(format, n_rows, n_cols, sigma, 11).unwrap();
+        let v = dequantize_matrix(format, &bytes, n_rows, n_cols).unwrap();
+        let n = v.len() as f64;
+        let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n;
+        let sd = (v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n).sqrt();
+        // The standard error of the mean is sigma / 512 here; the old Q4_0 offset was -0.109 sigma.
+        assert!(mean.abs() < 0.01 * sigma as f64, "{format}: mean {mean:e}, sigma {sigma}");
+        assert!((sd / sigma as f64 - 1.0).abs() < 0.05, "{format}: standard deviation {sd:e}, asked {sigma}");
+    }
+}
+
+/// A deep, narrow qwen3moe body (48 layers like qwen3moe-30b-a3b): no layer
+/// sends every row to the same top_k experts. With Q4_0 codes of mean -0.5
+/// (before this test) 22 of these 48 layers did. Routing is still skewed
+/// (some layer has an expert that takes every row: random attention averages
+/// the tokens together), which the test prints but does not forbid.
+#[test]
+fn synthetic_qwen3moe_routing_stays_spread_through_48_layers() {
+    use infernix_perplexity::convert::synthetic::{moe_geometry, write_synthetic_moe, MoeGeometry};
+    let tmp = tempfile::tempdir().unwrap();
+    let geo = MoeGeometry { name: "deep-test", n_layers: 48, n_experts: 16, n_experts_used: 4, ..moe_geometry("qwen3moe-tiny").unwrap() };
+    let path = tmp.path().join("deep.ninfer");
+    write_synthetic_moe(&geo, TensorFormat::Q4_0, 3, &model(SMOLLM2_GGUF), &path, None).unwrap();
+    let a = Artifact::open(&path).unwrap();
+    let mut m = load_model(&a, BackendKind::Cpu(Default::default()), 1.0).unwrap();
+    let tokens: Vec<u32> = (0..128u32).map(|i| i * 701 % 49152).collect();
+    m.score_window(&tokens, 1, &ScoreOptions::default(), &[]).unwrap();
+    let usage = m.expert_usage().unwrap();
+    let worst = usage.layers.iter().map(|l| *l.routed.iter().max().unwrap()).max().unwrap();
+    let spread: Vec<usize> = usage.layers.iter().map(|l| l.routed.iter().filter(|&&c| c > 0).count()).collect();
+    eprintln!("experts used per layer: {spread:?}");
+    let collapsed = usage.layers.iter().filter(|l| l.routed.iter().filter(|&&c| c > 0).count() == 4).count();
+    eprintln!("busiest expert {worst} of {} rows; layers with only top_k experts used: {collapsed}", usage.rows);
+    assert_eq!(collapsed, 0, "layers routing every row to the same experts");
+}

@@ -26,6 +26,12 @@ LlamaForCausalLM of Llama-3-8B's body (d_model 4096, 32 layers, 32/8 heads of
 the device: the dense-speed peer of our 8B-class synthetic twins (dense speed
 does not depend on weight values; its perplexity means nothing and is marked
 so; transformers' GGUF loader would take a quarter of an hour per twin).
+`--random-body qwen3moe-30b-a3b` does the same with a Qwen3MoeForCausalLM of
+Qwen3-30B-A3B's body (48 layers, d_model 2048, 32/4 heads of 128, 128 experts
+of 768, top 8, norm_topk_prob, QK norm), the peer of our qwen3moe-30b-a3b twin
+(MoE speed depends on the routing, hence on the weights: ours and this one
+route random weights differently, both spread tokens over the experts; the
+summary records the experts implementation transformers used).
 
 A window of L tokens with targets from `first_target` on: the logits at rows
 first_target-begin-1 .. L-2 predict ids first_target-begin .. L-1 of the window.
@@ -206,21 +212,29 @@ def load_model(gguf: Path, dtype_name: str, device: str, torch):
 RANDOM_BODIES = {
     "llama-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                      intermediate_size=14336, max_position_embeddings=8192, rms_norm_eps=1e-5),
+    # Qwen3-30B-A3B's config.json body (Qwen3MoeForCausalLM): every layer MoE, no shared expert.
+    "qwen3moe-30b-a3b": dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                             head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                             num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                             max_position_embeddings=40960, rms_norm_eps=1e-6),
 }
+# The transformers classes of each random body: (config class, model class).
+RANDOM_CLASSES = {"llama-8b": ("LlamaConfig", "LlamaForCausalLM"), "qwen3moe-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
 
 def random_model(body: str, n_vocab: int, dtype_name: str, device, torch):
-    """A random-weight LlamaForCausalLM of `body`'s geometry in `dtype_name`, built on `device` (seed 0)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random-weight model of `body` (RANDOM_CLASSES) in `dtype_name`, built on `device` (seed 0)."""
+    import transformers
 
+    config_class, model_class = (getattr(transformers, c) for c in RANDOM_CLASSES[body])
     dtype = getattr(torch, dtype_name)
-    cfg = LlamaConfig(vocab_size=n_vocab, tie_word_embeddings=False, attn_implementation="sdpa", **RANDOM_BODIES[body])
+    cfg = config_class(vocab_size=n_vocab, tie_word_embeddings=False, attn_implementation="sdpa", **RANDOM_BODIES[body])
     torch.manual_seed(0)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg)
+            model = model_class(cfg)
     finally:
         torch.set_default_dtype(prev)
     model.eval()
@@ -340,6 +354,7 @@ def score_file(model, torch, transformers, gguf_version, args, tokens: Path, out
         "logits": f"the model's own forward in {args.dtype} ({'logits_to_keep' if takes_keep else 'full logits'}), "
                   "log-softmax in float32, sums in float64",
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "experts_implementation": getattr(model.config, "_experts_implementation", None),
         "params_not_in_dtype": getattr(model, "params_not_in_dtype", {}),
         "tokens_file": {"path": str(tokens), "sha256": sha256_of(tokens)},
         "method": fp.get("method"),

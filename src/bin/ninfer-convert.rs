@@ -34,7 +34,7 @@ struct Args {
     /// Keep only source blocks A..B (end exclusive): a qualification artifact.
     #[arg(long, value_name = "A..B")]
     layers: Option<String>,
-    /// Write a seeded random-weight model of this geometry instead (smollm2-135m, llama-8b).
+    /// Write a seeded random-weight model of this geometry instead (smollm2-135m, llama-8b, qwen3moe-30b-a3b, qwen3moe-tiny).
     #[arg(long, value_name = "GEOMETRY")]
     synthetic: Option<String>,
     /// Block format of the synthetic weights (F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K).
@@ -79,10 +79,17 @@ fn run(args: Args) -> Result<()> {
     let started = std::time::Instant::now();
     signal::install()?;
     check_paths(&args)?;
-    let meta = if let Some(geo) = &args.synthetic {
-        let geo = synthetic::geometry(geo)?;
+    let meta = if let Some(name) = &args.synthetic {
         let format = TensorFormat::from_name(&args.format).context("--format")?;
-        synthetic::write_synthetic(&geo, format, args.seed, &args.source, &args.out, args.gguf_twin.as_deref())?
+        let twin = args.gguf_twin.as_deref();
+        match synthetic::moe_geometry(name) {
+            Some(moe) => synthetic::write_synthetic_moe(&moe, format, args.seed, &args.source, &args.out, twin)?,
+            None => {
+                let geo = synthetic::geometry(name)
+                    .map_err(|_| anyhow::anyhow!("--synthetic {name:?}: unknown geometry (known: {})", synthetic::all_geometry_names()))?;
+                synthetic::write_synthetic(&geo, format, args.seed, &args.source, &args.out, twin)?
+            }
+        }
     } else {
         if args.gguf_twin.is_some() {
             bail!("--gguf-twin is only for --synthetic");

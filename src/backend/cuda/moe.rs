@@ -27,6 +27,7 @@
 use anyhow::{ensure, Context, Result};
 use cudarc::driver::PushKernelArg;
 use half::bf16;
+use rayon::prelude::*;
 
 use super::backend::{CudaAct, CudaBackend, CudaMatrix, Route};
 use super::buffer::{DevView, DevViewMut, DeviceBuffer, QuantMatrix};
@@ -107,7 +108,9 @@ impl MoePlan {
     pub fn new(logits: &[f32], p: &MoeRouting) -> Result<Self> {
         let n_e = p.n_experts;
         ensure!(n_e > 0 && logits.len() % n_e == 0, "moe_ffn: {} router logits for {n_e} experts", logits.len());
-        let routes: Vec<Vec<(usize, f64)>> = logits.chunks_exact(n_e).map(|l| route(l, p.top_k, p.norm_topk_prob)).collect();
+        // Rows are routed independently (in parallel; each by the same function,
+        // so the plan does not depend on the thread count).
+        let routes: Vec<Vec<(usize, f64)>> = logits.par_chunks_exact(n_e).map(|l| route(l, p.top_k, p.norm_topk_prob)).collect();
         let mut per_expert = vec![0usize; n_e];
         for picked in &routes {
             ensure!(picked.len() == p.top_k, "moe_ffn: a row routed to {} experts, top_k is {}", picked.len(), p.top_k);
