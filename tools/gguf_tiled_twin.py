@@ -23,8 +23,8 @@ import os
 import struct
 import sys
 
-# GGUF metadata value types: fixed sizes (8 = string and 9 = array are variable).
-SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+from gguf_header import read_header
+
 # ggml tensor type: (elements per block, bytes per block).
 BLOCKS = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 36),
           10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 30: (1, 2)}
@@ -36,23 +36,6 @@ def fail(msg):
     sys.exit(2)
 
 
-def skip_value(b, at, t):
-    if t in SIZES:
-        return at + SIZES[t]
-    if t == 8:
-        (n,) = struct.unpack_from("<Q", b, at)
-        return at + 8 + n
-    if t == 9:
-        (it, n) = struct.unpack_from("<IQ", b, at)
-        at += 12
-        if it in SIZES:
-            return at + n * SIZES[it]
-        for _ in range(n):
-            at = skip_value(b, at, it)
-        return at
-    raise ValueError(f"metadata value type {t}")
-
-
 def main():
     if len(sys.argv) != 3:
         fail("usage: gguf_tiled_twin.py IN.gguf OUT.gguf")
@@ -62,32 +45,9 @@ def main():
     except OSError as e:
         fail(f"{src}: {e}")
     try:
-        magic, _version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", b, 0)
-        if magic != b"GGUF":
-            fail(f"{src}: magic {magic!r}, not a GGUF file")
-        at, align = 24, 32
-        for _ in range(n_kv):
-            (n,) = struct.unpack_from("<Q", b, at)
-            key = bytes(b[at + 8 : at + 8 + n]).decode()
-            at += 8 + n
-            (t,) = struct.unpack_from("<I", b, at)
-            if key == "general.alignment":
-                (align,) = struct.unpack_from("<I", b, at + 4)
-            at = skip_value(b, at + 4, t)
-        infos = []
-        for _ in range(n_tensors):
-            (n,) = struct.unpack_from("<Q", b, at)
-            name = bytes(b[at + 8 : at + 8 + n]).decode()
-            at += 8 + n
-            (nd,) = struct.unpack_from("<I", b, at)
-            dims = struct.unpack_from(f"<{nd}Q", b, at + 4)
-            at += 4 + 8 * nd
-            t, off = struct.unpack_from("<IQ", b, at)
-            at += 12
-            infos.append((name, dims, t, off))
+        _n_kv, _kv_end, n_tensors, infos, data = read_header(b)
     except (struct.error, ValueError, UnicodeDecodeError) as e:
         fail(f"{src}: malformed GGUF header: {e}")
-    data = at + (-at) % align
     tiled = kept = 0
     for name, dims, t, off in infos:
         if t not in BLOCKS:
