@@ -1962,8 +1962,9 @@ struct DeltaCase {
 /// `Backend::delta_net` on CUDA (kernels/delta_net.cu, src/backend/cuda/delta_net.rs)
 /// against the CPU backend's op, its definition (the exact recurrence in f64):
 /// several windows side by side, run in passes of 7, 1 and the rest with the
-/// recurrent state and the convolution history carried by the seam's
-/// `RecurrentState`; shapes with d_v below a warp and not a multiple of it,
+/// recurrent state and the convolution history carried by the backend
+/// (`Backend::Recurrent`: device memory on CUDA, read back once at the end);
+/// shapes with d_v below a warp and not a multiple of it,
 /// grouped value heads, and a 128 x 128 state (the model's, 130 KiB of shared
 /// memory). Outputs within the f32 rule of a few roundings, carried states
 /// within 1e-12 of their RMS; the same windows in one CUDA pass give the same
@@ -2024,7 +2025,7 @@ fn delta_net_exact_recurrence_against_the_cpu_backend() {
             let v: Vec<B::Vector> = vecs.iter().map(|(e, by)| b.load_vector(&TensorView { entry: e, bytes: by }).unwrap()).collect();
             let mut v = v.into_iter();
             let w = DeltaNetWeights { conv: v.next().unwrap(), a: v.next().unwrap(), dt_bias: v.next().unwrap(), norm: v.next().unwrap() };
-            let mut states = vec![RecurrentState::new(p); c.n_seqs];
+            let mut states = b.new_recurrent(p, c.n_seqs).unwrap();
             let vd = p.n_v_heads * p.d_v;
             let mut out = vec![f32::NAN; c.n_seqs * c.n_tokens * vd];
             for pass in bounds.windows(2) {
@@ -2041,7 +2042,7 @@ fn delta_net_exact_recurrence_against_the_cpu_backend() {
                     out[(s * c.n_tokens + t) * vd..][..vd].copy_from_slice(row);
                 }
             }
-            (out, states)
+            (out, b.recurrent_states(&states).unwrap())
         }
         let cpu_act = |r: usize, cols: usize, v: Vec<f32>| CpuTensor::new(r, cols, v).unwrap();
         let gpu_act = |r: usize, cols: usize, v: Vec<f32>| cuda.upload_act(r, cols, &v).unwrap();

@@ -485,6 +485,7 @@ impl Backend for CudaBackend {
     type Matrix = CudaMatrix;
     type Vector = DeviceBuffer<f32>;
     type KvCache = CudaKvCache;
+    type Recurrent = super::delta_net::CudaRecurrent;
 
     fn describe(&self) -> String {
         format!("cuda {} (route {}, KV {})", self.dev.info(), self.route.name(), self.kv_dtype.name())
@@ -503,6 +504,14 @@ impl Backend for CudaBackend {
         let shape = &view.entry.shape;
         ensure!(shape.len() == 1, "tensor {}: shape {shape:?} is not a vector", view.entry.name);
         self.dev.upload(&dequant::dequantize(view)?)
+    }
+
+    fn new_recurrent(&self, p: &DeltaNetParams, n_seqs: usize) -> Result<super::delta_net::CudaRecurrent> {
+        super::delta_net::CudaRecurrent::new(&self.dev, p, n_seqs)
+    }
+
+    fn recurrent_states(&self, r: &super::delta_net::CudaRecurrent) -> Result<Vec<RecurrentState>> {
+        r.to_host(&self.dev)
     }
 
     fn new_kv_cache(&self, g: KvGeometry) -> Result<CudaKvCache> {
@@ -805,7 +814,7 @@ impl Backend for CudaBackend {
         ba: &CudaAct,
         w: &DeltaNetWeights<DeviceBuffer<f32>>,
         p: &DeltaNetParams,
-        states: &mut [RecurrentState],
+        states: &mut super::delta_net::CudaRecurrent,
         rows: PassRows,
     ) -> Result<CudaAct> {
         let _prof = self.prof.scope(&self.dev, "delta_net")?;
