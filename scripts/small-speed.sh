@@ -17,19 +17,20 @@
 #       this script; TESTS_DIR/{gpu_ops,gpu_e2e} (release test executables) as
 #       gpu_ops.xz, gpu_e2e.xz when given.
 # On the GPU machine (repository root, carry .devcarry/small4):
-#   BINS="before after" [PROF=1] [TF=1] [PARITY=1 OPS_FILTER=...] bash .devcarry/small4/small-speed.sh run
+#   BINS="before after" [PROF=1] [TF=1] [PARITY=1 OPS_FILTER=...] [SMALL_MODELS=...] bash .devcarry/small4/small-speed.sh run
 #       Converts the twins to .ninfer with the carried converter; for each
 #       binary in BINS each model's three window sets over all of
 #       wiki.test.raw, default route, one timed run each (PROF=1: then one
 #       more with INFERNIX_CUDA_PROFILE=1, not timed); PARITY=1: the gpu_ops
 #       tests matching OPS_FILTER and gpu_e2e tiny_models; TF=1: transformers
 #       bf16 (tools/transformers_peer.py) on each twin over the same windows.
-#       All logs in $OUT/logs.tgz; one OURS/TF line per run and the profiles last.
+#       SMALL_MODELS narrows the models (space-separated stems). All logs in
+#       $OUT/logs.tgz; one OURS/TF line per run and the profiles last.
 set -u
 cmd="${1:-}"
 root="$(pwd)"
 D="$root/.devcarry/small4"
-MODELS="SmolLM2-135M-Instruct.Q4_1 gemma-3-270m-q4_k_m"
+MODELS="${SMALL_MODELS:-SmolLM2-135M-Instruct.Q4_1 gemma-3-270m-q4_k_m}"
 TEXT=eval/corpora/ppl-v1/wikitext-2-raw/wiki.test.raw
 PLANS=("chunks512:--method chunks --context 512" "chunks4096:--method chunks --context 4096" "sliding4096:--method sliding --context 4096 --stride 2048")
 die() { echo "small-speed.sh: error: $*" >&2; exit 2; }
