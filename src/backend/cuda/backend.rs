@@ -26,7 +26,9 @@
 //! Attention ([`CudaBackend::attention_kernel`]): on the default route with a
 //! bf16 or quantized cache the tensor-core flash attention (kernel v2: q and P
 //! rounded to bf16, f32 accumulation and softmax; quantized K/V decoded and
-//! rounded to bf16 in its tile loads); on the FP32 route and with an f32 cache the f32
+//! rounded to bf16 in its tile loads; on sm_90a a bf16 cache at the head sizes of
+//! `ops::ATTN_V3_DEFAULT_HEAD_DIMS` runs kernel v3, wgmma, the same numerics up to
+//! the order of f32 sums); on the FP32 route and with an f32 cache the f32
 //! CUDA-core kernel (v1). The report names the one that ran and the cache's
 //! store and read kernels.
 //!
@@ -450,6 +452,25 @@ impl CudaBackend {
             Route::Bf16TensorCore if self.kv_dtype != KvFormat::F32 => ops::AttnKernel::V2,
             _ => ops::AttnKernel::V1,
         }
+    }
+
+    /// The report's line on attention: the route's kernel, and where kernel v3 runs its
+    /// calls instead (`ops::AttnKernel::routes_to_v3`: sm_90a, bf16 cache, the head sizes
+    /// of `ops::ATTN_V3_DEFAULT_HEAD_DIMS`), the head sizes it takes on this device.
+    fn attention_description(&self) -> String {
+        let kernel = self.attention_kernel();
+        let mut s = kernel.describe().to_string();
+        if kernel == ops::AttnKernel::V2 {
+            let v3: Vec<usize> = ops::ATTN_V3_DEFAULT_HEAD_DIMS
+                .iter()
+                .copied()
+                .filter(|&d| ops::AttnKernel::routes_to_v3(&self.dev, self.kv_dtype.name(), d))
+                .collect();
+            if !v3.is_empty() {
+                s.push_str(&format!("; on this device kernel v3 runs it at d_head {v3:?}: {}", ops::AttnKernel::V3.describe()));
+            }
+        }
+        s
     }
 
     /// The kernels that store and read the KV cache, for the report.
@@ -996,7 +1017,7 @@ impl Backend for CudaBackend {
                     Route::Fp32 => "none (f32 everywhere)".to_string(),
                 },
                 "attention_kernel": self.attention_kernel().name(),
-                "attention": self.attention_kernel().describe(),
+                "attention": self.attention_description(),
                 "kv_cache": self.kv_cache_kernels(),
                 "lm_head": format!("{} in tiles of {LM_HEAD_TILE_ROWS} rows; max, f64 sum of exp, target, top-k on the GPU", match self.route {
                     Route::Bf16TensorCore => "bf16 rows x head on the tensor cores (f32 accumulation, f32 logits)",
