@@ -192,3 +192,36 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const MoeCombineAr
     }
     a.out[i] = __double2float_rn(acc);
 }
+
+// moe_dequant_bank_<fmt>: the wgmma route's (kernels/moe_sm90a.cu) bf16 operand of
+// one bank: out[e] = bf16(dequant(W[e])) for every expert, expert-major
+// (n_experts, n_rows, K), each expert read through the base-pointer table; the
+// same dequant8 + pack_bf16x8 rounding as moe_fetch above and dequant_bf16_<fmt>
+// (matmul.cu), so every kernel multiplies identical operands. One thread per
+// group of 8 elements: grid (ceil(n_rows * K / 8 / 256), n_experts), block 256.
+#define MOE_DEQUANT(name, id)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) moe_dequant_bank_##name(const MoeDequantArgs a) { \
+        const long long per_expert = (long long)a.n_rows * a.groups_per_row;                        \
+        const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;                       \
+        if (i >= per_expert) return;                                                                 \
+        const long long row = i / a.groups_per_row;                                                  \
+        const int g = (int)(i - row * a.groups_per_row);                                             \
+        const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w[blockIdx.y]);                        \
+        float v[8];                                                                                  \
+        dequant8<id>(w + row * a.row_bytes, g, v);                                                   \
+        reinterpret_cast<uint4*>(a.out)[blockIdx.y * per_expert + i] = pack_bf16x8(v);               \
+    }
+FOR_EACH_FORMAT(MOE_DEQUANT)
+MOE_DEQUANT(mxfp4, FMT_MXFP4)
+
+// moe_gather_bf16: out[s] = x[rows[s]], the rows of x in slot order (the wgmma
+// route's A operand, one TMA-loadable matrix). One thread per 16 bytes: grid
+// ceil(n_slots * groups_per_row / 256), block 256.
+extern "C" __global__ void __launch_bounds__(256) moe_gather_bf16(const MoeGatherArgs a) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)a.n_slots * a.groups_per_row) return;
+    const long long s = i / a.groups_per_row;
+    const int g = (int)(i - s * a.groups_per_row);
+    reinterpret_cast<uint4*>(a.out)[i] =
+        reinterpret_cast<const uint4*>(a.x)[(long long)a.rows[s] * a.groups_per_row + g];
+}

@@ -1853,7 +1853,10 @@ fn f32_entry(name: &str, shape: Vec<u64>, format: TensorFormat, n_bytes: usize) 
 /// family, both activations and both routes: the default route against the CPU's
 /// bf16 emulation, the FP32 route against the plain CPU. The routing counts must
 /// be equal, and rows must not depend on the pass they share: the first 70 rows
-/// alone give bit-identical outputs.
+/// alone give bit-identical outputs. On sm_90a the default route runs the wgmma
+/// kernels (kernels/moe_sm90a.cu; `INFERNIX_MOE_KERNEL=mma_sync` the mma.sync ones
+/// of kernels/moe.cu): an expert over two 128-slot tiles, widths (f 160, d 128)
+/// whose column tiles reach into the next expert's weight rows.
 #[test]
 fn moe_ffn_grouped_by_expert_against_the_cpu_backend() {
     use infernix_perplexity::artifact::meta::Activation as Act;
@@ -1936,7 +1939,8 @@ fn moe_ffn_grouped_by_expert_against_the_cpu_backend() {
             let op = format!("moe_ffn {} {} {act:?} top{top_k} ({n}x{d}, f {f})", route.name(), format.name());
             check(&op, &gy, &to_f64(&want.data), tol);
             let same = gy.iter().zip(&want.data).filter(|(a, b)| a.to_bits() == b.to_bits()).count();
-            println!("MOE {op}: {same} of {} outputs bit-identical to the CPU backend", gy.len());
+            let kernel = infernix_perplexity::backend::cuda::moe::MoeKernel::for_shape(cuda.device(), d, f);
+            println!("MOE {op} ({kernel:?}): {same} of {} outputs bit-identical to the CPU backend", gy.len());
             // The first 70 rows alone (other tiles, other slots): the same bits.
             let head = 70.min(n);
             let (part, _) = run(&cuda, xv, lv, &ids[..head], &ge, &p);
