@@ -670,4 +670,31 @@ struct MoeWgmmaParams {
     int n, k, n_tiles, pad_;
 };
 static_assert(sizeof(MoeWgmmaParams) == 512 && alignof(MoeWgmmaParams) == 128, "MoeWgmmaParams layout (moe::MoeWgmmaParams)");
+// Parameters of moe_route (kernels/moe.cu), mirrored by `moe::MoeRouteArgs`:
+// logits (n_rows, n_experts) f32; experts (n_rows, top_k) i32 and weights
+// (n_rows, top_k) f64, ascending expert per row; top_k <= MOE_MAX_TOP_K.
+#define MOE_MAX_TOP_K 32
+struct MoeRouteArgs {
+    const float* logits;
+    int* experts;
+    double* weights;
+    int n_experts;
+    int top_k;
+    int norm_topk_prob;
+    int pad_;
+};
+static_assert(sizeof(MoeRouteArgs) == 40, "MoeRouteArgs layout differs from moe::MoeRouteArgs");
+
+// Parameters of moe_plan_slots (kernels/moe.cu), mirrored by `moe::MoePlanArgs`:
+// experts (n_rows, top_k) from moe_route; seg (n_experts + 1) slot offsets;
+// slot_rows (n_slots) and combine_slots (n_rows, top_k) written.
+struct MoePlanArgs {
+    const int* experts;
+    const int* seg;
+    int* slot_rows;
+    int* combine_slots;
+    int n_rows;
+    int top_k;
+};
+static_assert(sizeof(MoePlanArgs) == 40, "MoePlanArgs layout differs from moe::MoePlanArgs");
 // --- end moe4 ---

@@ -1950,6 +1950,46 @@ fn moe_ffn_grouped_by_expert_against_the_cpu_backend() {
     }
 }
 
+/// moe_route, moe_count and moe_plan_slots (kernels/moe.cu, `moe::DevicePlan::route`)
+/// against the CPU oracle's `cpu::moe::route` through the host plan
+/// (`moe::MoePlan::new`): the same per-expert counts, the same slot layout and
+/// the same weights bit for bit, over random logits, tie-heavy ones (integers in
+/// -2..=2: many exact ties, the lower index must win) and rows whose
+/// probabilities fall into the subnormals or to zero (exp's subnormal step, ties
+/// at 0), from 8 experts top 3 to 512 top 10 and 40 top 32 (the device's most).
+#[test]
+fn moe_routing_on_the_device_is_the_oracles_bit_for_bit() {
+    use infernix_perplexity::artifact::meta::Activation as Act;
+    use infernix_perplexity::backend::cuda::moe::{DevicePlan, MoePlan};
+    use infernix_perplexity::backend::MoeRouting;
+    let Some(dev) = device() else { return };
+    let mut rng = rng_for("moe_route");
+    for (n_rows, n_e, top_k, norm) in [(300usize, 128usize, 8usize, true), (257, 32, 4, false), (64, 512, 10, true), (100, 8, 3, true), (40, 40, 32, false)] {
+        for kind in ["random", "ties", "underflow"] {
+            let mut logits = randn(&mut rng, n_rows * n_e, 2.0);
+            match kind {
+                "ties" => logits.iter_mut().for_each(|v| *v = v.round().clamp(-2.0, 2.0)),
+                // Per row a few experts near 0, the rest 700 to ~1300 below them.
+                "underflow" => logits.iter_mut().enumerate().filter(|(i, _)| (i % n_e) % 7 != 0).for_each(|(_, v)| *v = -700.0 - v.abs() * 150.0),
+                _ => {}
+            }
+            let p = MoeRouting { n_experts: n_e, top_k, norm_topk_prob: norm, activation: Act::Silu };
+            let want = MoePlan::new(&logits, &p).unwrap();
+            let lg = dev.upload(&logits).unwrap();
+            let got = DevicePlan::route(dev, lg.view(), &p).unwrap();
+            let what = format!("moe_route {kind} ({n_rows} rows, {n_e} experts, top {top_k}, norm {norm})");
+            assert_eq!(got.seg, want.seg, "{what}: per-expert counts");
+            assert_eq!(dev.download(&got.slot_rows).unwrap(), want.slot_rows, "{what}: slot rows");
+            assert_eq!(dev.download(&got.combine_slots).unwrap(), want.combine_slots, "{what}: slots per row");
+            let gw = dev.download(&got.combine_weights).unwrap();
+            let first_bad = gw.iter().zip(&want.combine_weights).position(|(a, b)| a.to_bits() != b.to_bits());
+            assert!(first_bad.is_none(), "{what}: weight {first_bad:?} differs in its bits: {:?}", first_bad.map(|i| (gw[i], want.combine_weights[i])));
+            let zeros = want.combine_weights.iter().filter(|w| **w == 0.0).count();
+            println!("MOE_ROUTE {what}: counts, slots and weights identical to the CPU's ({zeros} zero weights)");
+        }
+    }
+}
+
 // ---------------------------------------------------------------- Gated DeltaNet (delta)
 
 /// One Gated DeltaNet geometry of the parity test.

@@ -1,28 +1,35 @@
 //! The routed mixture-of-experts FFN on CUDA ([`Backend::moe_ffn`] of
 //! [`CudaBackend`]) and the typed launchers of `kernels/moe.cu`.
 //!
-//! Routing is the CPU oracle's, not a second copy of it: the `(n_rows,
-//! n_experts)` router logits (the model's router matmul, on the device) are
-//! copied to the host and routed by [`cpu::moe::route`] (f64 softmax, top-k,
-//! lower index on ties, `norm_topk_prob`), so both backends pick the same
-//! experts with the same weights from the same logits. That copy is one small
-//! synchronizing download per MoE layer and pass. The host then lays the
-//! (row, expert) pairs out as slots, expert-major and rows ascending inside an
-//! expert ([`MoePlan`]), and the device computes, on the default route, one
-//! grouped launch for the gate and up products with the activation
-//! (`moe_gemm_gated_<act>_<fmt>`), one for the down products (`moe_gemm_<fmt>`),
-//! both covering every expert through a tile table and a table of expert base
-//! pointers, and the weighted sum in ascending expert order in f64
-//! (`moe_combine`), which makes the result independent of scheduling. On the FP32
-//! route (`--lossless`) each expert's rows are gathered and run through the
-//! route's f32 matmuls and gated kernel (one product per expert for all its
-//! rows), then the same `moe_combine`.
+//! Routing is the CPU oracle's rule, bit for bit: on the device
+//! ([`DevicePlan::route`]: `moe_route` per row, f64 softmax with
+//! [`cpu::moe::exp_f64`], top-k under `total_cmp` with the lower index on ties,
+//! `norm_topk_prob`; `moe_count`; `moe_plan_slots`), or with
+//! `INFERNIX_MOE_ROUTING=host` on the host (the logits downloaded, routed by
+//! [`cpu::moe::route`] itself, the plan uploaded); both lay the (row, expert)
+//! pairs out as slots, expert-major and rows ascending inside an expert
+//! ([`MoePlan`] is the host layout). The one synchronizing download per MoE
+//! layer and pass left is the per-expert counts (n_experts i32), which give the
+//! tile table and the expert-usage counts. On the default route the expert
+//! products run on wgmma where the sm_90a module is loaded ([`MoeKernel::Wgmma`]:
+//! the banks of the experts that took rows dequantized to bf16 scratches, the
+//! rows gathered into slot order, `moe_wgmma_gated_<act>` then
+//! `moe_wgmma_plain`), else on mma.sync (`moe_gemm_gated_<act>_<fmt>`,
+//! `moe_gemm_<fmt>`, weights dequantized in the loader), both covering every
+//! expert through a tile table, then the weighted sum in ascending expert order
+//! in f64 (`moe_combine`), which makes the result independent of scheduling. On
+//! the FP32 route (`--lossless`) each expert's rows are gathered and run through
+//! the route's f32 matmuls and gated kernel (one product per expert for all its
+//! rows), then the same `moe_combine`. With `INFERNIX_CUDA_PROFILE=1` the parts
+//! are timed apart (`moe_route`, `moe_dequant_gather`, `moe_gate_up`,
+//! `moe_down`, `moe_combine`; the router product is in `matmul`).
 //!
 //! It does not load the expert banks (`crate::model::moe`) and does not own the
 //! routing rule (`backend::cpu::moe`).
 //!
 //! [`Backend::moe_ffn`]: crate::backend::Backend::moe_ffn
 //! [`cpu::moe::route`]: crate::backend::cpu::moe::route
+//! [`cpu::moe::exp_f64`]: crate::backend::cpu::moe::exp_f64
 
 use anyhow::{ensure, Context, Result};
 use cudarc::driver::PushKernelArg;
@@ -183,7 +190,11 @@ impl MoeKernel {
             Route::Bf16TensorCore => {
                 let k = Self::for_shape(dev, 8, 8);
                 let rest = if k == Self::Wgmma { "; widths not multiples of 8: mma.sync" } else { "" };
-                format!("routing on the host by the CPU oracle's rule; {}{rest}; f64 combine in ascending expert order", k.describe())
+                let site = match MoeRouteSite::for_top_k(1) {
+                    MoeRouteSite::Device => "routing on the device (moe_route: the CPU oracle's rule bit for bit; the per-expert counts downloaded per layer)",
+                    MoeRouteSite::Host => "routing on the host by the CPU oracle's rule (INFERNIX_MOE_ROUTING=host)",
+                };
+                format!("{site}; {}{rest}; f64 combine in ascending expert order", k.describe())
             }
         }
     }
@@ -259,27 +270,12 @@ impl MoePlan {
     /// field is its index among [`Self::live_experts`] (the wgmma route's banks
     /// hold those experts only) instead of its own.
     pub fn tiles_of(&self, slots_per_tile: usize, compact: bool) -> Result<Vec<i32>> {
-        ensure!(slots_per_tile > 0, "moe_ffn: tiles of 0 slots");
-        let mut tiles = Vec::new();
-        let mut live = 0usize;
-        for e in 0..self.seg.len() - 1 {
-            let (a, b) = (self.seg[e], self.seg[e + 1]);
-            if a == b {
-                continue;
-            }
-            let id = if compact { live } else { e };
-            for s0 in (a..b).step_by(slots_per_tile) {
-                let s1 = (s0 + slots_per_tile).min(b);
-                tiles.extend([i32_of(id, "expert")?, i32_of(s0, "slot")?, i32_of(s1, "slot")?]);
-            }
-            live += 1;
-        }
-        Ok(tiles)
+        tiles_of(&self.seg, slots_per_tile, compact)
     }
 
     /// The experts that took at least one row, ascending.
     pub fn live_experts(&self) -> Vec<usize> {
-        (0..self.seg.len() - 1).filter(|&e| self.rows_of(e) > 0).collect()
+        live_experts(&self.seg)
     }
 
     pub fn n_slots(&self) -> usize {
@@ -290,6 +286,204 @@ impl MoePlan {
     pub fn rows_of(&self, e: usize) -> usize {
         self.seg[e + 1] - self.seg[e]
     }
+}
+
+/// `MoeRouteArgs` of kernels/common.cuh (moe_route's one parameter).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MoeRouteArgs {
+    /// (n_rows, n_experts) f32.
+    logits: u64,
+    /// (n_rows, top_k) i32, ascending per row.
+    experts: u64,
+    /// (n_rows, top_k) f64.
+    weights: u64,
+    n_experts: i32,
+    top_k: i32,
+    norm_topk_prob: i32,
+    pad_: i32,
+}
+const _: () = assert!(size_of::<MoeRouteArgs>() == 40);
+// SAFETY: plain data with the layout of the CUDA struct (size asserted on both sides); passed by value.
+unsafe impl cudarc::driver::DeviceRepr for MoeRouteArgs {}
+
+/// `MoePlanArgs` of kernels/common.cuh (moe_plan_slots's one parameter).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MoePlanArgs {
+    /// (n_rows, top_k) i32 from moe_route.
+    experts: u64,
+    /// (n_experts + 1) i32.
+    seg: u64,
+    /// (n_slots) i32.
+    slot_rows: u64,
+    /// (n_rows, top_k) i32.
+    combine_slots: u64,
+    n_rows: i32,
+    top_k: i32,
+}
+const _: () = assert!(size_of::<MoePlanArgs>() == 40);
+// SAFETY: plain data with the layout of the CUDA struct (size asserted on both sides); passed by value.
+unsafe impl cudarc::driver::DeviceRepr for MoePlanArgs {}
+
+/// Most experts a row may pick on the device (`MOE_MAX_TOP_K` of kernels/common.cuh).
+pub const MOE_MAX_TOP_K: usize = 32;
+/// `host` here routes on the host (the router logits downloaded, [`route`] per
+/// row, the plan uploaded), the route before moe4; the same selections and weights.
+pub const MOE_ROUTING_ENV: &str = "INFERNIX_MOE_ROUTING";
+
+/// Where a layer's rows are routed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoeRouteSite {
+    /// `moe_route`, `moe_count`, `moe_plan_slots` (kernels/moe.cu); only the
+    /// per-expert counts (n_experts i32) come to the host.
+    Device,
+    /// The router logits downloaded and routed by [`route`], the plan uploaded.
+    Host,
+}
+
+impl MoeRouteSite {
+    /// Device unless [`MOE_ROUTING_ENV`] is `host`, or top_k exceeds [`MOE_MAX_TOP_K`].
+    pub fn for_top_k(top_k: usize) -> Self {
+        if std::env::var(MOE_ROUTING_ENV).is_ok_and(|v| v == "host") || top_k > MOE_MAX_TOP_K {
+            Self::Host
+        } else {
+            Self::Device
+        }
+    }
+}
+
+/// One layer call's routing on the device: the slot layout of [`MoePlan`]
+/// (expert-major, rows ascending inside an expert), its tables on the device.
+pub struct DevicePlan {
+    /// (n_experts + 1), on the host: expert e owns slots `seg[e]..seg[e + 1]`.
+    pub seg: Vec<usize>,
+    /// (n_slots) i32: the row each slot reads.
+    pub slot_rows: DeviceBuffer<i32>,
+    /// (n_rows, top_k) i32: per row its experts' slots, ascending expert.
+    pub combine_slots: DeviceBuffer<i32>,
+    /// (n_rows, top_k) f64: the matching routing weights.
+    pub combine_weights: DeviceBuffer<f64>,
+    /// (n_rows, top_k) i32: per row its experts, ascending (None when routed on the host).
+    pub experts: Option<DeviceBuffer<i32>>,
+}
+
+impl DevicePlan {
+    /// [`MoePlan`] of the host, uploaded.
+    pub fn upload(dev: &CudaDevice, plan: &MoePlan) -> Result<Self> {
+        Ok(Self {
+            seg: plan.seg.clone(),
+            slot_rows: dev.upload(&plan.slot_rows)?,
+            combine_slots: dev.upload(&plan.combine_slots)?,
+            combine_weights: dev.upload(&plan.combine_weights)?,
+            experts: None,
+        })
+    }
+
+    /// Routes the `(n_rows, n_experts)` logits on the device, bit for bit as
+    /// [`route`] does, and lays the slots out as [`MoePlan::new`] does; one
+    /// synchronizing download of the per-expert counts.
+    pub fn route(dev: &CudaDevice, logits: DevView<f32>, p: &MoeRouting) -> Result<Self> {
+        let (n_e, top_k) = (p.n_experts, p.top_k);
+        ensure!(n_e > 0 && logits.len() % n_e == 0, "moe_route: {} router logits for {n_e} experts", logits.len());
+        ensure!((1..=MOE_MAX_TOP_K.min(n_e)).contains(&top_k), "moe_route: top_k {top_k} for {n_e} experts (at most {MOE_MAX_TOP_K} on the device)");
+        let n_rows = logits.len() / n_e;
+        let n_pairs = n_rows * top_k;
+        let mut experts = dev.alloc_uninit::<i32>(n_pairs)?;
+        let mut weights = dev.alloc_uninit::<f64>(n_pairs)?;
+        let mut counts = dev.alloc_zeros::<i32>(n_e)?;
+        let mut slot_rows = dev.alloc_uninit::<i32>(n_pairs)?;
+        let mut combine_slots = dev.alloc_uninit::<i32>(n_pairs)?;
+        if n_rows == 0 {
+            return Ok(Self { seg: vec![0; n_e + 1], slot_rows, combine_slots, combine_weights: weights, experts: Some(experts) });
+        }
+        let args = MoeRouteArgs {
+            logits: logits.ptr(),
+            experts: experts.view_mut().ptr(),
+            weights: weights.view_mut().ptr(),
+            n_experts: i32_of(n_e, "experts")?,
+            top_k: i32_of(top_k, "top_k")?,
+            norm_topk_prob: i32::from(p.norm_topk_prob),
+            pad_: 0,
+        };
+        let smem = u32::try_from(n_e * 8).context("moe_route: shared memory")?;
+        ensure!(smem <= 48 * 1024, "moe_route: {n_e} experts need {smem} bytes of shared memory (at most 48 KiB)");
+        let f = func(dev, "moe_route")?;
+        let mut b = dev.stream().launch_builder(f);
+        b.arg(&args);
+        let gx = u32::try_from(n_rows).context("moe_route: rows")?;
+        // SAFETY: `args` mirrors MoeRouteArgs of kernels/common.cuh (size asserted); logits hold
+        // (n_rows, n_e) f32, experts and weights (n_rows, top_k) (allocated above), top_k <=
+        // MOE_MAX_TOP_K and <= n_e (checked), n_e doubles of dynamic shared memory.
+        unsafe { b.launch(cfg((gx, 1, 1), 32, smem)) }.map_err(|e| launch_err("moe_route", e))?;
+        let f = func(dev, "moe_count")?;
+        let (ep, cp, ni) = (experts.view().ptr(), counts.view_mut().ptr(), i32_of(n_pairs, "pairs")?);
+        let mut b = dev.stream().launch_builder(f);
+        b.arg(&ep).arg(&cp).arg(&ni);
+        // SAFETY: arguments match moe_count in kernels/moe.cu; experts holds n_pairs ids below
+        // n_e (moe_route), counts n_e i32.
+        unsafe { b.launch(cfg((grid_1d(n_pairs, 256)?, 1, 1), 256, 0)) }.map_err(|e| launch_err("moe_count", e))?;
+        let counts = dev.download(&counts).context("moe_route: expert counts to the host")?;
+        let mut seg = vec![0usize; n_e + 1];
+        for e in 0..n_e {
+            seg[e + 1] = seg[e] + usize::try_from(counts[e]).context("moe_route: a negative count")?;
+        }
+        ensure!(seg[n_e] == n_pairs, "moe_route: {} slots for {n_rows} rows x top {top_k}", seg[n_e]);
+        let seg_i32 = seg.iter().map(|&s| i32_of(s, "slot")).collect::<Result<Vec<i32>>>()?;
+        let seg_dev = dev.upload(&seg_i32)?;
+        let args = MoePlanArgs {
+            experts: experts.view().ptr(),
+            seg: seg_dev.view().ptr(),
+            slot_rows: slot_rows.view_mut().ptr(),
+            combine_slots: combine_slots.view_mut().ptr(),
+            n_rows: i32_of(n_rows, "rows")?,
+            top_k: args.top_k,
+        };
+        let f = func(dev, "moe_plan_slots")?;
+        let mut b = dev.stream().launch_builder(f);
+        b.arg(&args);
+        // SAFETY: `args` mirrors MoePlanArgs of kernels/common.cuh (size asserted); seg holds
+        // n_e + 1 offsets summing the counts of `experts`, so every slot written is below
+        // n_pairs = the length of slot_rows; combine_slots holds (n_rows, top_k).
+        unsafe { b.launch(cfg((u32::try_from(n_e).context("experts")?, 1, 1), 256, 0)) }.map_err(|e| launch_err("moe_plan_slots", e))?;
+        drop(seg_dev); // freed in stream order after the launch
+        Ok(Self { seg, slot_rows, combine_slots, combine_weights: weights, experts: Some(experts) })
+    }
+
+    pub fn n_slots(&self) -> usize {
+        self.slot_rows.len()
+    }
+
+    pub fn rows_of(&self, e: usize) -> usize {
+        self.seg[e + 1] - self.seg[e]
+    }
+}
+
+/// The tile table `(n_tiles, 3)` of the slot segments `seg` `(n_experts + 1)`:
+/// expert, first slot, end slot, at most `slots_per_tile` slots a tile, experts
+/// ascending; `compact`: the expert field is its index among [`live_experts`].
+pub fn tiles_of(seg: &[usize], slots_per_tile: usize, compact: bool) -> Result<Vec<i32>> {
+    ensure!(slots_per_tile > 0 && !seg.is_empty(), "moe_ffn: tiles of {slots_per_tile} slots over {} segments", seg.len());
+    let mut tiles = Vec::new();
+    let mut live = 0usize;
+    for e in 0..seg.len() - 1 {
+        let (a, b) = (seg[e], seg[e + 1]);
+        if a == b {
+            continue;
+        }
+        let id = if compact { live } else { e };
+        for s0 in (a..b).step_by(slots_per_tile) {
+            let s1 = (s0 + slots_per_tile).min(b);
+            tiles.extend([i32_of(id, "expert")?, i32_of(s0, "slot")?, i32_of(s1, "slot")?]);
+        }
+        live += 1;
+    }
+    Ok(tiles)
+}
+
+/// The experts of the slot segments `seg` that took at least one row, ascending.
+pub fn live_experts(seg: &[usize]) -> Vec<usize> {
+    (0..seg.len().saturating_sub(1)).filter(|&e| seg[e + 1] > seg[e]).collect()
 }
 
 /// The name of the grouped GEMM for a weight format: the plain product, or
@@ -594,20 +788,23 @@ impl CudaBackend {
         }
         // The routing: the logits to the host, the CPU oracle's rule; the plan's tables up.
         let route_scope = self.prof.scope(dev, "moe_route")?;
-        let logits = dev.download(router_logits.f32("moe_ffn")?).context("moe_ffn: router logits to the host")?;
-        let plan = MoePlan::new(&logits, p)?;
+        let plan = match MoeRouteSite::for_top_k(p.top_k) {
+            MoeRouteSite::Device => DevicePlan::route(dev, router_logits.f32("moe_ffn")?.view(), p)?,
+            MoeRouteSite::Host => {
+                let logits = dev.download(router_logits.f32("moe_ffn")?).context("moe_ffn: router logits to the host")?;
+                DevicePlan::upload(dev, &MoePlan::new(&logits, p)?)?
+            }
+        };
         for (e, c) in counts.iter_mut().enumerate() {
             *c += plan.rows_of(e) as u64;
         }
         let n_slots = plan.n_slots();
         let act = ops_activation(p.activation);
-        let slots = dev.upload(&plan.combine_slots)?;
-        let weights = dev.upload(&plan.combine_weights)?;
+        let (rows, slots, weights) = (&plan.slot_rows, &plan.combine_slots, &plan.combine_weights);
         let kernel = MoeKernel::for_shape(dev, d, f);
-        let rows = dev.upload(&plan.slot_rows)?;
         let tiles = match (self.route(), kernel) {
-            (Route::Bf16TensorCore, MoeKernel::Wgmma) => dev.upload(&plan.tiles_of(MOE_WGMMA_TILE_SLOTS, true)?)?,
-            _ => dev.upload(&plan.tiles)?,
+            (Route::Bf16TensorCore, MoeKernel::Wgmma) => dev.upload(&tiles_of(&plan.seg, MOE_WGMMA_TILE_SLOTS, true)?)?,
+            _ => dev.upload(&tiles_of(&plan.seg, MOE_TILE_SLOTS, false)?)?,
         };
         drop(route_scope);
         // (n_slots, d): each slot's expert output.
@@ -618,7 +815,7 @@ impl CudaBackend {
                 let mut tmp = None;
                 let xb = self.bf16_input(x, &mut tmp)?;
                 // Each bank of the live experts as bf16, expert-major: (n_live, rows, cols).
-                let live = plan.live_experts();
+                let live = live_experts(&plan.seg);
                 let bank = |pick: fn(&Expert<CudaMatrix>) -> &CudaMatrix, like: &QuantMatrix| -> Result<DeviceBuffer<bf16>> {
                     let ptrs: Vec<u64> = live.iter().map(|&e| pick(&experts[e]).q.data.view().ptr()).collect();
                     let table = dev.upload(&ptrs)?;
