@@ -786,7 +786,7 @@ impl CudaBackend {
         if n == 0 {
             return Ok(out);
         }
-        // The routing: the logits to the host, the CPU oracle's rule; the plan's tables up.
+        // The routing (on the device, or on the host by the oracle itself) and the plan's tables.
         let route_scope = self.prof.scope(dev, "moe_route")?;
         let plan = match MoeRouteSite::for_top_k(p.top_k) {
             MoeRouteSite::Device => DevicePlan::route(dev, router_logits.f32("moe_ffn")?.view(), p)?,
