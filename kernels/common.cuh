@@ -626,3 +626,75 @@ struct DeltaScanArgs {
 };
 static_assert(sizeof(DeltaScanArgs) == 96, "DeltaScanArgs layout differs from delta_net::DeltaScanArgs");
 // --- end delta ---
+
+// --- moe4 ---
+// Parameters of moe_dequant_bank_<fmt> (kernels/moe.cu), mirrored by
+// `moe::MoeDequantArgs`: out[e] = bf16(dequant(W[e])) for every expert e of a
+// bank, expert-major (n_experts, n_rows, groups_per_row * 8) bf16; w: (n_experts)
+// base pointers of the experts' (n_rows, K) weights of row_bytes.
+struct MoeDequantArgs {
+    const unsigned long long* w;
+    bf16* out;
+    long long row_bytes;
+    int n_rows;
+    int groups_per_row;
+};
+static_assert(sizeof(MoeDequantArgs) == 32, "MoeDequantArgs layout differs from moe::MoeDequantArgs");
+
+// Parameters of moe_gather_bf16 (kernels/moe.cu), mirrored by `moe::MoeGatherArgs`:
+// out[s] = x[rows[s]], x (n_x_rows, groups_per_row * 8) bf16, out (n_slots, same).
+struct MoeGatherArgs {
+    const bf16* x;
+    const int* rows;
+    bf16* out;
+    int n_slots;
+    int groups_per_row;
+};
+static_assert(sizeof(MoeGatherArgs) == 32, "MoeGatherArgs layout differs from moe::MoeGatherArgs");
+
+// Parameters of moe_wgmma_{plain,gated_silu,gated_gelu} (kernels/moe_sm90a.cu),
+// mirrored by `moe::MoeWgmmaParams` (a __grid_constant__). a: the slot-ordered
+// rows (n_slots, K) bf16, box (64 K, 128 rows); b: the expert-major bf16 bank
+// (n_experts * n, K), box (64 K, 256 rows) for the plain product, (64 K, 128
+// rows) of the gate bank for the gated one; b_up: the up bank (gated), box (64
+// K, 128 rows) (the plain kernel ignores it); tiles: (n_tiles, 3) expert, first
+// slot, end slot (at most 128 slots); y: (n_slots, ldy) f32 (plain) or bf16
+// (gated), ldy even, 8-byte aligned; n: output columns per expert (even).
+struct MoeWgmmaParams {
+    TmaDesc a;
+    TmaDesc b;
+    TmaDesc b_up;
+    const int* tiles;
+    void* y;
+    long long ldy;
+    int n, k, n_tiles, pad_;
+};
+static_assert(sizeof(MoeWgmmaParams) == 512 && alignof(MoeWgmmaParams) == 128, "MoeWgmmaParams layout (moe::MoeWgmmaParams)");
+// Parameters of moe_route (kernels/moe.cu), mirrored by `moe::MoeRouteArgs`:
+// logits (n_rows, n_experts) f32; experts (n_rows, top_k) i32 and weights
+// (n_rows, top_k) f64, ascending expert per row; top_k <= MOE_MAX_TOP_K.
+#define MOE_MAX_TOP_K 32
+struct MoeRouteArgs {
+    const float* logits;
+    int* experts;
+    double* weights;
+    int n_experts;
+    int top_k;
+    int norm_topk_prob;
+    int pad_;
+};
+static_assert(sizeof(MoeRouteArgs) == 40, "MoeRouteArgs layout differs from moe::MoeRouteArgs");
+
+// Parameters of moe_plan_slots (kernels/moe.cu), mirrored by `moe::MoePlanArgs`:
+// experts (n_rows, top_k) from moe_route; seg (n_experts + 1) slot offsets;
+// slot_rows (n_slots) and combine_slots (n_rows, top_k) written.
+struct MoePlanArgs {
+    const int* experts;
+    const int* seg;
+    int* slot_rows;
+    int* combine_slots;
+    int n_rows;
+    int top_k;
+};
+static_assert(sizeof(MoePlanArgs) == 40, "MoePlanArgs layout differs from moe::MoePlanArgs");
+// --- end moe4 ---

@@ -192,3 +192,193 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const MoeCombineAr
     }
     a.out[i] = __double2float_rn(acc);
 }
+
+// moe_dequant_bank_<fmt>: the wgmma route's (kernels/moe_sm90a.cu) bf16 operand of
+// one bank: out[e] = bf16(dequant(W[e])) for every expert, expert-major
+// (n_experts, n_rows, K), each expert read through the base-pointer table; the
+// same dequant8 + pack_bf16x8 rounding as moe_fetch above and dequant_bf16_<fmt>
+// (matmul.cu), so every kernel multiplies identical operands. One thread per
+// group of 8 elements: grid (ceil(n_rows * K / 8 / 256), n_experts), block 256.
+#define MOE_DEQUANT(name, id)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) moe_dequant_bank_##name(const MoeDequantArgs a) { \
+        const long long per_expert = (long long)a.n_rows * a.groups_per_row;                        \
+        const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;                       \
+        if (i >= per_expert) return;                                                                 \
+        const long long row = i / a.groups_per_row;                                                  \
+        const int g = (int)(i - row * a.groups_per_row);                                             \
+        const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w[blockIdx.y]);                        \
+        float v[8];                                                                                  \
+        dequant8<id>(w + row * a.row_bytes, g, v);                                                   \
+        reinterpret_cast<uint4*>(a.out)[blockIdx.y * per_expert + i] = pack_bf16x8(v);               \
+    }
+FOR_EACH_FORMAT(MOE_DEQUANT)
+MOE_DEQUANT(mxfp4, FMT_MXFP4)
+
+// moe_gather_bf16: out[s] = x[rows[s]], the rows of x in slot order (the wgmma
+// route's A operand, one TMA-loadable matrix). One thread per 16 bytes: grid
+// ceil(n_slots * groups_per_row / 256), block 256.
+extern "C" __global__ void __launch_bounds__(256) moe_gather_bf16(const MoeGatherArgs a) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)a.n_slots * a.groups_per_row) return;
+    const long long s = i / a.groups_per_row;
+    const int g = (int)(i - s * a.groups_per_row);
+    reinterpret_cast<uint4*>(a.out)[i] =
+        reinterpret_cast<const uint4*>(a.x)[(long long)a.rows[s] * a.groups_per_row + g];
+}
+
+// ---------------------------------------------------------------- routing on the device
+
+// moe_exp_f64: e^x by the fixed operation sequence of src/backend/cpu/moe.rs::exp_f64
+// (its CPU twin, bit for bit): k = floor(x / ln 2 + 1/2), r by Cody-Waite, the Taylor
+// series to r^13 / 13! in Horner form, times 2^k in two exact power-of-two steps.
+// Every operation is an explicitly rounded one (no FMA contraction).
+__device__ __forceinline__ double moe_exp_f64(double x) {
+    if (isnan(x)) return x;
+    if (x > 709.782712893384) return __longlong_as_double(0x7FF0000000000000LL);
+    if (x < -745.1332191019412) return 0.0;
+    const double C[14] = {1.0,
+                          1.0,
+                          0.5,
+                          0.16666666666666666,
+                          0.041666666666666664,
+                          0.008333333333333333,
+                          0.001388888888888889,
+                          0.0001984126984126984,
+                          2.48015873015873e-05,
+                          2.7557319223985893e-06,
+                          2.755731922398589e-07,
+                          2.505210838544172e-08,
+                          2.08767569878681e-09,
+                          1.6059043836821613e-10};
+    const double k = floor(__dadd_rn(__dmul_rn(x, 1.4426950408889634), 0.5));
+    const double r = __dsub_rn(__dsub_rn(x, __dmul_rn(k, 6.93147180369123816490e-01)), __dmul_rn(k, 1.90821492927058770002e-10));
+    double p = C[13];
+#pragma unroll
+    for (int i = 12; i >= 0; --i) p = __dadd_rn(__dmul_rn(p, r), C[i]);
+    const long long ki = (long long)k;
+    const long long k1 = ki < -1022 ? -1022 : (ki > 1023 ? 1023 : ki);
+    double y = __dmul_rn(p, __longlong_as_double((k1 + 1023) << 52));
+    if (ki != k1) y = __dmul_rn(y, __longlong_as_double((ki - k1 + 1023) << 52));
+    return y;
+}
+
+// Rust's f64::total_cmp order as a signed integer key.
+__device__ __forceinline__ long long moe_total_key(double p) {
+    const long long b = __double_as_longlong(p);
+    return b ^ (long long)(((unsigned long long)(b >> 63)) >> 1);
+}
+
+// moe_route: per row, the CPU oracle's route (src/backend/cpu/moe.rs::route) bit for
+// bit: the max of the logits in f64 (NaN ignored), e = exp_f64(v - max), their sum in
+// expert order, p = e / sum; the top_k largest p under total_cmp (equal ones: the lower
+// expert first); with norm_topk_prob each divided by their sum taken in selection
+// order; written in ascending expert order. One warp per row: grid n_rows, block 32,
+// dynamic shared memory n_experts doubles (the probabilities).
+extern "C" __global__ void __launch_bounds__(32) moe_route(const MoeRouteArgs a) {
+    extern __shared__ double moe_p[];
+    const int lane = threadIdx.x, n_e = a.n_experts, top_k = a.top_k;
+    const long long r = blockIdx.x;
+    const float* l = a.logits + r * n_e;
+    double m = -__longlong_as_double(0x7FF0000000000000LL);
+    for (int e = lane; e < n_e; e += 32) m = fmax(m, (double)l[e]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmax(m, __shfl_xor_sync(0xffffffffu, m, o));
+    for (int e = lane; e < n_e; e += 32) moe_p[e] = moe_exp_f64(__dsub_rn((double)l[e], m));
+    __syncwarp();
+    double sum = -0.0;
+    if (lane == 0)
+        for (int e = 0; e < n_e; ++e) sum = __dadd_rn(sum, moe_p[e]);
+    sum = __shfl_sync(0xffffffffu, sum, 0);
+    __syncwarp();
+    for (int e = lane; e < n_e; e += 32) moe_p[e] = __ddiv_rn(moe_p[e], sum);
+    __syncwarp();
+    int sel[MOE_MAX_TOP_K];
+    for (int q = 0; q < top_k; ++q) {
+        long long best_key = 0;
+        int best = -1;
+        for (int e = lane; e < n_e; e += 32) {
+            bool taken = false;
+            for (int j = 0; j < q; ++j) taken |= sel[j] == e;
+            if (taken) continue;
+            const long long key = moe_total_key(moe_p[e]);
+            if (best < 0 || key > best_key) {  // e ascending within a lane: ties keep the lower
+                best_key = key;
+                best = e;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const long long ok = __shfl_xor_sync(0xffffffffu, best_key, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, best, o);
+            if (oi >= 0 && (best < 0 || ok > best_key || (ok == best_key && oi < best))) {
+                best_key = ok;
+                best = oi;
+            }
+        }
+        sel[q] = best;
+    }
+    if (lane != 0) return;
+    double total = -0.0;
+    for (int q = 0; q < top_k; ++q) total = __dadd_rn(total, moe_p[sel[q]]);
+    double w[MOE_MAX_TOP_K];
+    for (int q = 0; q < top_k; ++q) w[q] = a.norm_topk_prob ? __ddiv_rn(moe_p[sel[q]], total) : moe_p[sel[q]];
+    // Ascending expert order (insertion sort of at most MOE_MAX_TOP_K pairs).
+    for (int q = 1; q < top_k; ++q) {
+        const int e = sel[q];
+        const double v = w[q];
+        int j = q - 1;
+        while (j >= 0 && sel[j] > e) {
+            sel[j + 1] = sel[j];
+            w[j + 1] = w[j];
+            --j;
+        }
+        sel[j + 1] = e;
+        w[j + 1] = v;
+    }
+    for (int q = 0; q < top_k; ++q) {
+        a.experts[r * top_k + q] = sel[q];
+        a.weights[r * top_k + q] = w[q];
+    }
+}
+
+// moe_count: counts[e] += the rows routed to e (atomics; the sum does not depend on
+// their order). Grid ceil(n_rows * top_k / 256), block 256.
+extern "C" __global__ void __launch_bounds__(256) moe_count(const int* __restrict__ experts, int* __restrict__ counts, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) atomicAdd(counts + experts[i], 1);
+}
+
+// moe_plan_slots: the slots of expert e, rows ascending: the (row, expert) pair of row r
+// gets slot seg[e] + (rows before r routed to e), as MoePlan::new lays them out on the
+// host; slot_rows[slot] = r and combine_slots[r * top_k + q] = slot (q: e's place in
+// r's list). One block per expert (grid n_experts, block 256), the rows in chunks of
+// 256 with a block-wide count (warp ballots) of the rows before each.
+extern "C" __global__ void __launch_bounds__(256) moe_plan_slots(const MoePlanArgs a) {
+    __shared__ int warp_counts[8];
+    const int e = blockIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int first = a.seg[e];
+    if (a.seg[e + 1] == first) return;
+    int done = 0;
+    for (int base = 0; base < a.n_rows; base += 256) {
+        const int r = base + threadIdx.x;
+        int q_hit = -1;
+        if (r < a.n_rows)
+            for (int q = 0; q < a.top_k; ++q)
+                if (a.experts[(long long)r * a.top_k + q] == e) q_hit = q;
+        const unsigned ballot = __ballot_sync(0xffffffffu, q_hit >= 0);
+        if (lane == 0) warp_counts[warp] = __popc(ballot);
+        __syncthreads();
+        int before = done;
+        for (int w = 0; w < warp; ++w) before += warp_counts[w];
+        int chunk = 0;
+        for (int w = 0; w < 8; ++w) chunk += warp_counts[w];
+        if (q_hit >= 0) {
+            const int s = first + before + __popc(ballot & ((1u << lane) - 1u));
+            a.slot_rows[s] = r;
+            a.combine_slots[(long long)r * a.top_k + q_hit] = s;
+        }
+        done += chunk;
+        __syncthreads();
+    }
+}

@@ -1863,7 +1863,10 @@ fn f32_entry(name: &str, shape: Vec<u64>, format: TensorFormat, n_bytes: usize) 
 /// family, both activations and both routes: the default route against the CPU's
 /// bf16 emulation, the FP32 route against the plain CPU. The routing counts must
 /// be equal, and rows must not depend on the pass they share: the first 70 rows
-/// alone give bit-identical outputs.
+/// alone give bit-identical outputs. On sm_90a the default route runs the wgmma
+/// kernels (kernels/moe_sm90a.cu; `INFERNIX_MOE_KERNEL=mma_sync` the mma.sync ones
+/// of kernels/moe.cu): an expert over two 128-slot tiles, widths (f 160, d 128)
+/// whose column tiles reach into the next expert's weight rows.
 #[test]
 fn moe_ffn_grouped_by_expert_against_the_cpu_backend() {
     use infernix_perplexity::artifact::meta::Activation as Act;
@@ -1946,12 +1949,53 @@ fn moe_ffn_grouped_by_expert_against_the_cpu_backend() {
             let op = format!("moe_ffn {} {} {act:?} top{top_k} ({n}x{d}, f {f})", route.name(), format.name());
             check(&op, &gy, &to_f64(&want.data), tol);
             let same = gy.iter().zip(&want.data).filter(|(a, b)| a.to_bits() == b.to_bits()).count();
-            println!("MOE {op}: {same} of {} outputs bit-identical to the CPU backend", gy.len());
+            let kernel = infernix_perplexity::backend::cuda::moe::MoeKernel::for_shape(cuda.device(), d, f);
+            println!("MOE {op} ({kernel:?}): {same} of {} outputs bit-identical to the CPU backend", gy.len());
             // The first 70 rows alone (other tiles, other slots): the same bits.
             let head = 70.min(n);
             let (part, _) = run(&cuda, xv, lv, &ids[..head], &ge, &p);
             let gp = cuda.device().download(part.f32("test").unwrap()).unwrap();
             assert!(gp.iter().zip(&gy[..head * d]).all(|(a, b)| a.to_bits() == b.to_bits()), "{op}: rows depend on the rows beside them");
+        }
+    }
+}
+
+/// moe_route, moe_count and moe_plan_slots (kernels/moe.cu, `moe::DevicePlan::route`)
+/// against the CPU oracle's `cpu::moe::route` through the host plan
+/// (`moe::MoePlan::new`): the same per-expert counts, the same slot layout and
+/// the same weights bit for bit, over random logits, tie-heavy ones (integers in
+/// -2..=2: many exact ties, the lower index must win) and rows whose
+/// probabilities fall into the subnormals or to zero (exp's subnormal step, ties
+/// at 0), from 8 experts top 3 to 512 top 10 and 40 top 32 (the device's most).
+#[test]
+fn moe_routing_on_the_device_is_the_oracles_bit_for_bit() {
+    use infernix_perplexity::artifact::meta::Activation as Act;
+    use infernix_perplexity::backend::cuda::moe::{DevicePlan, MoePlan};
+    use infernix_perplexity::backend::MoeRouting;
+    let Some(dev) = device() else { return };
+    let mut rng = rng_for("moe_route");
+    for (n_rows, n_e, top_k, norm) in [(300usize, 128usize, 8usize, true), (257, 32, 4, false), (64, 512, 10, true), (100, 8, 3, true), (40, 40, 32, false)] {
+        for kind in ["random", "ties", "underflow"] {
+            let mut logits = randn(&mut rng, n_rows * n_e, 2.0);
+            match kind {
+                "ties" => logits.iter_mut().for_each(|v| *v = v.round().clamp(-2.0, 2.0)),
+                // Per row a few experts near 0, the rest 700 to ~1300 below them.
+                "underflow" => logits.iter_mut().enumerate().filter(|(i, _)| (i % n_e) % 7 != 0).for_each(|(_, v)| *v = -700.0 - v.abs() * 150.0),
+                _ => {}
+            }
+            let p = MoeRouting { n_experts: n_e, top_k, norm_topk_prob: norm, activation: Act::Silu };
+            let want = MoePlan::new(&logits, &p).unwrap();
+            let lg = dev.upload(&logits).unwrap();
+            let got = DevicePlan::route(dev, lg.view(), &p).unwrap();
+            let what = format!("moe_route {kind} ({n_rows} rows, {n_e} experts, top {top_k}, norm {norm})");
+            assert_eq!(got.seg, want.seg, "{what}: per-expert counts");
+            assert_eq!(dev.download(&got.slot_rows).unwrap(), want.slot_rows, "{what}: slot rows");
+            assert_eq!(dev.download(&got.combine_slots).unwrap(), want.combine_slots, "{what}: slots per row");
+            let gw = dev.download(&got.combine_weights).unwrap();
+            let first_bad = gw.iter().zip(&want.combine_weights).position(|(a, b)| a.to_bits() != b.to_bits());
+            assert!(first_bad.is_none(), "{what}: weight {first_bad:?} differs in its bits: {:?}", first_bad.map(|i| (gw[i], want.combine_weights[i])));
+            let zeros = want.combine_weights.iter().filter(|w| **w == 0.0).count();
+            println!("MOE_ROUTE {what}: counts, slots and weights identical to the CPU's ({zeros} zero weights)");
         }
     }
 }

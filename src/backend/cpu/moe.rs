@@ -15,7 +15,8 @@ use crate::backend::{Backend, Expert, MoeRouting};
 /// The experts row `logits` (`n_experts` router logits) is routed to, with
 /// their weights, in ascending expert index.
 ///
-/// Probabilities are the softmax of the logits in f64 (max subtracted).
+/// Probabilities are the softmax of the logits in f64 (max subtracted; the
+/// exponential is [`exp_f64`], which the CUDA routing kernel reproduces bit for bit).
 /// The `top_k` largest are selected; equal probabilities rank the lower
 /// expert index first (deterministic; `torch.topk` documents no tie order).
 /// With `norm_topk_prob` the selected probabilities are divided by their sum
@@ -23,7 +24,7 @@ use crate::backend::{Backend, Expert, MoeRouting};
 /// llama.cpp's `build_moe_ffn(norm_w = true)` do.
 pub fn route(logits: &[f32], top_k: usize, norm_topk_prob: bool) -> Vec<(usize, f64)> {
     let max = logits.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
-    let exps: Vec<f64> = logits.iter().map(|&v| (v as f64 - max).exp()).collect();
+    let exps: Vec<f64> = logits.iter().map(|&v| exp_f64(v as f64 - max)).collect();
     let sum: f64 = exps.iter().sum();
     let probs: Vec<f64> = exps.iter().map(|e| e / sum).collect();
     let mut order: Vec<usize> = (0..logits.len()).collect();
@@ -35,6 +36,64 @@ pub fn route(logits: &[f32], top_k: usize, norm_topk_prob: bool) -> Vec<(usize, 
         order.iter().map(|&e| (e, if norm_topk_prob { probs[e] / total } else { probs[e] })).collect();
     picked.sort_by_key(|&(e, _)| e);
     picked
+}
+
+/// `e^x` by one fixed sequence of correctly rounded f64 operations (no fused
+/// multiply-add), so that the CUDA twin (`moe_exp_f64` in kernels/moe.cu,
+/// written with `__dmul_rn` / `__dadd_rn`) gives the same bits on the GPU; the
+/// platform's `f64::exp` differs between libm builds (and from CUDA's `exp`) in
+/// the last place. Within 2 units in the last place of the exact value over
+/// the routing's range (x <= 0; tested against `f64::exp`).
+///
+/// x = k ln 2 + r with k = floor(x / ln 2 + 1/2), r by Cody-Waite (ln 2 in two
+/// parts, k ln2_hi exact), e^r by the Taylor series to r^13 / 13! in Horner
+/// form (|r| <= ln 2 / 2: the next term is below 2^-60), then times 2^k (two
+/// exact power-of-two steps, one rounding into the subnormals below 2^-1022).
+pub fn exp_f64(x: f64) -> f64 {
+    if x.is_nan() {
+        return x;
+    }
+    if x > 709.782712893384 {
+        return f64::INFINITY;
+    }
+    if x < -745.1332191019412 {
+        return 0.0;
+    }
+    const INV_LN2: f64 = 1.4426950408889634;
+    const LN2_HI: f64 = 6.93147180369123816490e-01;
+    const LN2_LO: f64 = 1.90821492927058770002e-10;
+    const C: [f64; 14] = [
+        1.0,
+        1.0,
+        0.5,
+        0.16666666666666666,
+        0.041666666666666664,
+        0.008333333333333333,
+        0.001388888888888889,
+        0.0001984126984126984,
+        2.48015873015873e-05,
+        2.7557319223985893e-06,
+        2.755731922398589e-07,
+        2.505210838544172e-08,
+        2.08767569878681e-09,
+        1.6059043836821613e-10,
+    ];
+    let k = (x * INV_LN2 + 0.5).floor();
+    let r = (x - k * LN2_HI) - k * LN2_LO;
+    let mut p = C[13];
+    for c in C[..13].iter().rev() {
+        p = p * r + c;
+    }
+    // 2^k as two exact factors: 2^k1 * 2^k2 with k1 = max(k, -1022).
+    let k = k as i64;
+    let k1 = k.max(-1022);
+    let pow2 = |e: i64| f64::from_bits(((e + 1023) as u64) << 52);
+    let y = p * pow2(k1);
+    if k < -1022 {
+        y * pow2(k - k1)
+    } else {
+        y
+    }
 }
 
 impl CpuBackend {
@@ -105,6 +164,26 @@ impl CpuBackend {
 mod tests {
     use super::*;
     use crate::artifact::meta::Activation;
+
+    #[test]
+    fn exp_f64_is_within_two_units_in_the_last_place_of_libm() {
+        // The routing range (x <= 0, into the subnormals) and the positive side.
+        let mut worst = 0u64;
+        for i in 0..200_000u64 {
+            let t = (i as f64 + 0.5) / 200_000.0;
+            for x in [-745.0 * t, -30.0 * t, -t * t, 709.0 * t] {
+                let (a, b) = (exp_f64(x), x.exp());
+                worst = worst.max(a.to_bits().abs_diff(b.to_bits()));
+            }
+        }
+        assert!(worst <= 2, "exp_f64 is {worst} units in the last place from f64::exp");
+        assert_eq!(exp_f64(0.0), 1.0);
+        assert_eq!(exp_f64(f64::NEG_INFINITY), 0.0);
+        assert_eq!(exp_f64(-746.0), 0.0);
+        assert!(exp_f64(f64::NAN).is_nan());
+        assert_eq!(exp_f64(710.0), f64::INFINITY);
+        assert!(exp_f64(-740.0) > 0.0 && exp_f64(-740.0) < f64::MIN_POSITIVE, "the subnormal step");
+    }
 
     #[test]
     fn routing_picks_top_k_with_lower_index_on_ties() {

@@ -202,7 +202,7 @@ pub struct CudaBackend {
     /// The LM head's logits tile `(LM_HEAD_TILE_ROWS, n_vocab)`, kept between calls.
     head_scratch: RefCell<Option<DeviceBuffer<f32>>>,
     /// GPU time per op family (`INFERNIX_CUDA_PROFILE=1`), logged when the backend is dropped.
-    prof: OpProfile,
+    pub(super) prof: OpProfile,
 }
 
 impl Drop for CudaBackend {
@@ -819,7 +819,7 @@ impl Backend for CudaBackend {
     }
 
     fn moe_ffn(&self, x: &CudaAct, router_logits: &CudaAct, experts: &[Expert<CudaMatrix>], p: &MoeRouting, counts: &mut [u64]) -> Result<CudaAct> {
-        let _prof = self.prof.scope(&self.dev, "moe")?;
+        // Timed inside, per part (moe_route, moe_gate_up, ...).
         self.moe_ffn_cuda(x, router_logits, experts, p, counts)
     }
 
@@ -1025,6 +1025,7 @@ impl Backend for CudaBackend {
                     ),
                     Route::Fp32 => "none (f32 everywhere)".to_string(),
                 },
+                "moe_experts": super::moe::MoeKernel::describe_for(&self.dev, self.route),
                 "attention_kernel": self.attention_kernel().name(),
                 "attention": self.attention_description(),
                 "kv_cache": self.kv_cache_kernels(),

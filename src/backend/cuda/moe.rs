@@ -1,28 +1,35 @@
 //! The routed mixture-of-experts FFN on CUDA ([`Backend::moe_ffn`] of
 //! [`CudaBackend`]) and the typed launchers of `kernels/moe.cu`.
 //!
-//! Routing is the CPU oracle's, not a second copy of it: the `(n_rows,
-//! n_experts)` router logits (the model's router matmul, on the device) are
-//! copied to the host and routed by [`cpu::moe::route`] (f64 softmax, top-k,
-//! lower index on ties, `norm_topk_prob`), so both backends pick the same
-//! experts with the same weights from the same logits. That copy is one small
-//! synchronizing download per MoE layer and pass. The host then lays the
-//! (row, expert) pairs out as slots, expert-major and rows ascending inside an
-//! expert ([`MoePlan`]), and the device computes, on the default route, one
-//! grouped launch for the gate and up products with the activation
-//! (`moe_gemm_gated_<act>_<fmt>`), one for the down products (`moe_gemm_<fmt>`),
-//! both covering every expert through a tile table and a table of expert base
-//! pointers, and the weighted sum in ascending expert order in f64
-//! (`moe_combine`), which makes the result independent of scheduling. On the FP32
-//! route (`--lossless`) each expert's rows are gathered and run through the
-//! route's f32 matmuls and gated kernel (one product per expert for all its
-//! rows), then the same `moe_combine`.
+//! Routing is the CPU oracle's rule, bit for bit: on the device
+//! ([`DevicePlan::route`]: `moe_route` per row, f64 softmax with
+//! [`cpu::moe::exp_f64`], top-k under `total_cmp` with the lower index on ties,
+//! `norm_topk_prob`; `moe_count`; `moe_plan_slots`), or with
+//! `INFERNIX_MOE_ROUTING=host` on the host (the logits downloaded, routed by
+//! [`cpu::moe::route`] itself, the plan uploaded); both lay the (row, expert)
+//! pairs out as slots, expert-major and rows ascending inside an expert
+//! ([`MoePlan`] is the host layout). The one synchronizing download per MoE
+//! layer and pass left is the per-expert counts (n_experts i32), which give the
+//! tile table and the expert-usage counts. On the default route the expert
+//! products run on wgmma where the sm_90a module is loaded ([`MoeKernel::Wgmma`]:
+//! the banks of the experts that took rows dequantized to bf16 scratches, the
+//! rows gathered into slot order, `moe_wgmma_gated_<act>` then
+//! `moe_wgmma_plain`), else on mma.sync (`moe_gemm_gated_<act>_<fmt>`,
+//! `moe_gemm_<fmt>`, weights dequantized in the loader), both covering every
+//! expert through a tile table, then the weighted sum in ascending expert order
+//! in f64 (`moe_combine`), which makes the result independent of scheduling. On
+//! the FP32 route (`--lossless`) each expert's rows are gathered and run through
+//! the route's f32 matmuls and gated kernel (one product per expert for all its
+//! rows), then the same `moe_combine`. With `INFERNIX_CUDA_PROFILE=1` the parts
+//! are timed apart (`moe_route`, `moe_dequant_gather`, `moe_gate_up`,
+//! `moe_down`, `moe_combine`; the router product is in `matmul`).
 //!
 //! It does not load the expert banks (`crate::model::moe`) and does not own the
 //! routing rule (`backend::cpu::moe`).
 //!
 //! [`Backend::moe_ffn`]: crate::backend::Backend::moe_ffn
 //! [`cpu::moe::route`]: crate::backend::cpu::moe::route
+//! [`cpu::moe::exp_f64`]: crate::backend::cpu::moe::exp_f64
 
 use anyhow::{ensure, Context, Result};
 use cudarc::driver::PushKernelArg;
@@ -87,6 +94,123 @@ const _: () = assert!(size_of::<MoeCombineArgs>() == 48);
 // SAFETY: plain data with the layout of the CUDA struct (size asserted on both sides); passed by value.
 unsafe impl cudarc::driver::DeviceRepr for MoeCombineArgs {}
 
+/// `MoeDequantArgs` of kernels/common.cuh (moe_dequant_bank_<fmt>'s one parameter).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MoeDequantArgs {
+    /// (n_experts) u64: base of each expert's (n_rows, K) weight.
+    w: u64,
+    /// (n_experts, n_rows, K) bf16.
+    out: u64,
+    row_bytes: i64,
+    n_rows: i32,
+    groups_per_row: i32,
+}
+const _: () = assert!(size_of::<MoeDequantArgs>() == 32);
+// SAFETY: plain data with the layout of the CUDA struct (size asserted on both sides); passed by value.
+unsafe impl cudarc::driver::DeviceRepr for MoeDequantArgs {}
+
+/// `MoeGatherArgs` of kernels/common.cuh (moe_gather_bf16's one parameter).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MoeGatherArgs {
+    /// (n_x_rows, d) bf16.
+    x: u64,
+    /// (n_slots) i32.
+    rows: u64,
+    /// (n_slots, d) bf16.
+    out: u64,
+    n_slots: i32,
+    groups_per_row: i32,
+}
+const _: () = assert!(size_of::<MoeGatherArgs>() == 32);
+// SAFETY: plain data with the layout of the CUDA struct (size asserted on both sides); passed by value.
+unsafe impl cudarc::driver::DeviceRepr for MoeGatherArgs {}
+
+/// `MoeWgmmaParams` of kernels/common.cuh (moe_wgmma_*'s one `__grid_constant__` parameter).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MoeWgmmaParams {
+    /// The slot-ordered rows (n_slots, K) bf16, box (64, 128).
+    a: cudarc::driver::sys::CUtensorMap,
+    /// The bank (n_live * n, K) bf16, box (64, 256) plain, (64, 128) gated (the gate bank).
+    b: cudarc::driver::sys::CUtensorMap,
+    /// The up bank (gated), box (64, 128); a copy of `b` for the plain kernel (unused).
+    b_up: cudarc::driver::sys::CUtensorMap,
+    /// (n_tiles, 3) i32: live-expert index, first slot, end slot.
+    tiles: u64,
+    /// (n_slots, ldy) f32 (plain) or bf16 (gated).
+    y: u64,
+    ldy: i64,
+    n: i32,
+    k: i32,
+    n_tiles: i32,
+    pad_: i32,
+}
+const _: () = assert!(size_of::<MoeWgmmaParams>() == 512 && align_of::<MoeWgmmaParams>() == 128);
+// SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
+unsafe impl cudarc::driver::DeviceRepr for MoeWgmmaParams {}
+
+/// Slots per tile of the wgmma kernels (kernels/moe_sm90a.cu: two consumer warpgroups of 64).
+pub const MOE_WGMMA_TILE_SLOTS: usize = 128;
+/// The kernel that `moe_wgmma_plain`'s presence stands for (kernels/moe_sm90a.cu, sm_90a only).
+const MOE_WGMMA_PROBE: &str = "moe_wgmma_plain";
+/// `mma_sync` here keeps the mma.sync kernels where wgmma would run (for comparisons);
+/// report.json's `execution.moe_experts` names the kernels that ran.
+pub const MOE_KERNEL_ENV: &str = "INFERNIX_MOE_KERNEL";
+
+/// The kernels of the default route's expert products (the FP32 route has its own).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoeKernel {
+    /// `moe_gemm_gated_<act>_<fmt>` and `moe_gemm_<fmt>` (kernels/moe.cu): mma.sync
+    /// 64x64x32 over 64-slot tiles, the weights dequantized in the loader.
+    MmaSync,
+    /// `moe_dequant_bank_<fmt>` and `moe_gather_bf16` (kernels/moe.cu), then
+    /// `moe_wgmma_gated_<act>` and `moe_wgmma_plain` (kernels/moe_sm90a.cu).
+    Wgmma,
+}
+
+impl MoeKernel {
+    /// wgmma when the sm_90a module is loaded, the widths suit its tensor maps and
+    /// paired stores (d and f multiples of 8) and [`MOE_KERNEL_ENV`] is not `mma_sync`.
+    /// Never depends on the pass (its rows), so a row's bits do not either.
+    pub fn for_shape(dev: &CudaDevice, d: usize, f: usize) -> Self {
+        let forced = std::env::var(MOE_KERNEL_ENV).is_ok_and(|v| v == "mma_sync");
+        if !forced && dev.has_function(MOE_WGMMA_PROBE) && d % 8 == 0 && f % 8 == 0 {
+            Self::Wgmma
+        } else {
+            Self::MmaSync
+        }
+    }
+
+    /// What report.json records (`execution.moe_experts`) for the experts on `route`.
+    pub fn describe_for(dev: &CudaDevice, route: Route) -> String {
+        match route {
+            Route::Fp32 => "per live expert: its rows gathered, the route's f32 matmuls and gated kernel; f64 combine in ascending expert order".to_string(),
+            Route::Bf16TensorCore => {
+                let k = Self::for_shape(dev, 8, 8);
+                let rest = if k == Self::Wgmma { "; widths not multiples of 8: mma.sync" } else { "" };
+                let site = match MoeRouteSite::for_top_k(1) {
+                    MoeRouteSite::Device => "routing on the device (moe_route: the CPU oracle's rule bit for bit; the per-expert counts downloaded per layer)",
+                    MoeRouteSite::Host => "routing on the host by the CPU oracle's rule (INFERNIX_MOE_ROUTING=host)",
+                };
+                format!("{site}; {}{rest}; f64 combine in ascending expert order", k.describe())
+            }
+        }
+    }
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::MmaSync => "grouped by expert: mma.sync 64x64x32 over 64-slot tiles, weights dequantized to bf16 in the loader",
+            Self::Wgmma => {
+                "grouped by expert: each bank of the experts that took rows dequantized to one bf16 scratch per layer call, \
+                 the rows gathered into slot order, wgmma 128x256x64 (gate and up with act(gate) * up in one, then down) \
+                 over (128-slot tile, column tile) items with a TMA 4-stage pipeline (sm_90a)"
+            }
+        }
+    }
+}
+
 /// One layer's routing laid out for the device: slots expert-major, rows
 /// ascending inside an expert. Pure host data (unit-tested without a GPU).
 #[derive(Debug, Clone, PartialEq)]
@@ -136,14 +260,22 @@ impl MoePlan {
                 combine_weights.push(w);
             }
         }
-        let mut tiles = Vec::new();
-        for e in 0..n_e {
-            for s0 in (seg[e]..seg[e + 1]).step_by(MOE_TILE_SLOTS) {
-                let s1 = (s0 + MOE_TILE_SLOTS).min(seg[e + 1]);
-                tiles.extend([i32_of(e, "expert")?, i32_of(s0, "slot")?, i32_of(s1, "slot")?]);
-            }
-        }
-        Ok(Self { seg, slot_rows, tiles, combine_slots, combine_weights })
+        let mut plan = Self { seg, slot_rows, tiles: Vec::new(), combine_slots, combine_weights };
+        plan.tiles = plan.tiles_of(MOE_TILE_SLOTS, false)?;
+        Ok(plan)
+    }
+
+    /// The tile table `(n_tiles, 3)`: expert, first slot, end slot, at most
+    /// `slots_per_tile` slots a tile, experts ascending. `compact`: the expert
+    /// field is its index among [`Self::live_experts`] (the wgmma route's banks
+    /// hold those experts only) instead of its own.
+    pub fn tiles_of(&self, slots_per_tile: usize, compact: bool) -> Result<Vec<i32>> {
+        tiles_of(&self.seg, slots_per_tile, compact)
+    }
+
+    /// The experts that took at least one row, ascending.
+    pub fn live_experts(&self) -> Vec<usize> {
+        live_experts(&self.seg)
     }
 
     pub fn n_slots(&self) -> usize {
@@ -154,6 +286,204 @@ impl MoePlan {
     pub fn rows_of(&self, e: usize) -> usize {
         self.seg[e + 1] - self.seg[e]
     }
+}
+
+/// `MoeRouteArgs` of kernels/common.cuh (moe_route's one parameter).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MoeRouteArgs {
+    /// (n_rows, n_experts) f32.
+    logits: u64,
+    /// (n_rows, top_k) i32, ascending per row.
+    experts: u64,
+    /// (n_rows, top_k) f64.
+    weights: u64,
+    n_experts: i32,
+    top_k: i32,
+    norm_topk_prob: i32,
+    pad_: i32,
+}
+const _: () = assert!(size_of::<MoeRouteArgs>() == 40);
+// SAFETY: plain data with the layout of the CUDA struct (size asserted on both sides); passed by value.
+unsafe impl cudarc::driver::DeviceRepr for MoeRouteArgs {}
+
+/// `MoePlanArgs` of kernels/common.cuh (moe_plan_slots's one parameter).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MoePlanArgs {
+    /// (n_rows, top_k) i32 from moe_route.
+    experts: u64,
+    /// (n_experts + 1) i32.
+    seg: u64,
+    /// (n_slots) i32.
+    slot_rows: u64,
+    /// (n_rows, top_k) i32.
+    combine_slots: u64,
+    n_rows: i32,
+    top_k: i32,
+}
+const _: () = assert!(size_of::<MoePlanArgs>() == 40);
+// SAFETY: plain data with the layout of the CUDA struct (size asserted on both sides); passed by value.
+unsafe impl cudarc::driver::DeviceRepr for MoePlanArgs {}
+
+/// Most experts a row may pick on the device (`MOE_MAX_TOP_K` of kernels/common.cuh).
+pub const MOE_MAX_TOP_K: usize = 32;
+/// `host` here routes on the host (the router logits downloaded, [`route`] per
+/// row, the plan uploaded), the route before moe4; the same selections and weights.
+pub const MOE_ROUTING_ENV: &str = "INFERNIX_MOE_ROUTING";
+
+/// Where a layer's rows are routed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoeRouteSite {
+    /// `moe_route`, `moe_count`, `moe_plan_slots` (kernels/moe.cu); only the
+    /// per-expert counts (n_experts i32) come to the host.
+    Device,
+    /// The router logits downloaded and routed by [`route`], the plan uploaded.
+    Host,
+}
+
+impl MoeRouteSite {
+    /// Device unless [`MOE_ROUTING_ENV`] is `host`, or top_k exceeds [`MOE_MAX_TOP_K`].
+    pub fn for_top_k(top_k: usize) -> Self {
+        if std::env::var(MOE_ROUTING_ENV).is_ok_and(|v| v == "host") || top_k > MOE_MAX_TOP_K {
+            Self::Host
+        } else {
+            Self::Device
+        }
+    }
+}
+
+/// One layer call's routing on the device: the slot layout of [`MoePlan`]
+/// (expert-major, rows ascending inside an expert), its tables on the device.
+pub struct DevicePlan {
+    /// (n_experts + 1), on the host: expert e owns slots `seg[e]..seg[e + 1]`.
+    pub seg: Vec<usize>,
+    /// (n_slots) i32: the row each slot reads.
+    pub slot_rows: DeviceBuffer<i32>,
+    /// (n_rows, top_k) i32: per row its experts' slots, ascending expert.
+    pub combine_slots: DeviceBuffer<i32>,
+    /// (n_rows, top_k) f64: the matching routing weights.
+    pub combine_weights: DeviceBuffer<f64>,
+    /// (n_rows, top_k) i32: per row its experts, ascending (None when routed on the host).
+    pub experts: Option<DeviceBuffer<i32>>,
+}
+
+impl DevicePlan {
+    /// [`MoePlan`] of the host, uploaded.
+    pub fn upload(dev: &CudaDevice, plan: &MoePlan) -> Result<Self> {
+        Ok(Self {
+            seg: plan.seg.clone(),
+            slot_rows: dev.upload(&plan.slot_rows)?,
+            combine_slots: dev.upload(&plan.combine_slots)?,
+            combine_weights: dev.upload(&plan.combine_weights)?,
+            experts: None,
+        })
+    }
+
+    /// Routes the `(n_rows, n_experts)` logits on the device, bit for bit as
+    /// [`route`] does, and lays the slots out as [`MoePlan::new`] does; one
+    /// synchronizing download of the per-expert counts.
+    pub fn route(dev: &CudaDevice, logits: DevView<f32>, p: &MoeRouting) -> Result<Self> {
+        let (n_e, top_k) = (p.n_experts, p.top_k);
+        ensure!(n_e > 0 && logits.len() % n_e == 0, "moe_route: {} router logits for {n_e} experts", logits.len());
+        ensure!((1..=MOE_MAX_TOP_K.min(n_e)).contains(&top_k), "moe_route: top_k {top_k} for {n_e} experts (at most {MOE_MAX_TOP_K} on the device)");
+        let n_rows = logits.len() / n_e;
+        let n_pairs = n_rows * top_k;
+        let mut experts = dev.alloc_uninit::<i32>(n_pairs)?;
+        let mut weights = dev.alloc_uninit::<f64>(n_pairs)?;
+        let mut counts = dev.alloc_zeros::<i32>(n_e)?;
+        let mut slot_rows = dev.alloc_uninit::<i32>(n_pairs)?;
+        let mut combine_slots = dev.alloc_uninit::<i32>(n_pairs)?;
+        if n_rows == 0 {
+            return Ok(Self { seg: vec![0; n_e + 1], slot_rows, combine_slots, combine_weights: weights, experts: Some(experts) });
+        }
+        let args = MoeRouteArgs {
+            logits: logits.ptr(),
+            experts: experts.view_mut().ptr(),
+            weights: weights.view_mut().ptr(),
+            n_experts: i32_of(n_e, "experts")?,
+            top_k: i32_of(top_k, "top_k")?,
+            norm_topk_prob: i32::from(p.norm_topk_prob),
+            pad_: 0,
+        };
+        let smem = u32::try_from(n_e * 8).context("moe_route: shared memory")?;
+        ensure!(smem <= 48 * 1024, "moe_route: {n_e} experts need {smem} bytes of shared memory (at most 48 KiB)");
+        let f = func(dev, "moe_route")?;
+        let mut b = dev.stream().launch_builder(f);
+        b.arg(&args);
+        let gx = u32::try_from(n_rows).context("moe_route: rows")?;
+        // SAFETY: `args` mirrors MoeRouteArgs of kernels/common.cuh (size asserted); logits hold
+        // (n_rows, n_e) f32, experts and weights (n_rows, top_k) (allocated above), top_k <=
+        // MOE_MAX_TOP_K and <= n_e (checked), n_e doubles of dynamic shared memory.
+        unsafe { b.launch(cfg((gx, 1, 1), 32, smem)) }.map_err(|e| launch_err("moe_route", e))?;
+        let f = func(dev, "moe_count")?;
+        let (ep, cp, ni) = (experts.view().ptr(), counts.view_mut().ptr(), i32_of(n_pairs, "pairs")?);
+        let mut b = dev.stream().launch_builder(f);
+        b.arg(&ep).arg(&cp).arg(&ni);
+        // SAFETY: arguments match moe_count in kernels/moe.cu; experts holds n_pairs ids below
+        // n_e (moe_route), counts n_e i32.
+        unsafe { b.launch(cfg((grid_1d(n_pairs, 256)?, 1, 1), 256, 0)) }.map_err(|e| launch_err("moe_count", e))?;
+        let counts = dev.download(&counts).context("moe_route: expert counts to the host")?;
+        let mut seg = vec![0usize; n_e + 1];
+        for e in 0..n_e {
+            seg[e + 1] = seg[e] + usize::try_from(counts[e]).context("moe_route: a negative count")?;
+        }
+        ensure!(seg[n_e] == n_pairs, "moe_route: {} slots for {n_rows} rows x top {top_k}", seg[n_e]);
+        let seg_i32 = seg.iter().map(|&s| i32_of(s, "slot")).collect::<Result<Vec<i32>>>()?;
+        let seg_dev = dev.upload(&seg_i32)?;
+        let args = MoePlanArgs {
+            experts: experts.view().ptr(),
+            seg: seg_dev.view().ptr(),
+            slot_rows: slot_rows.view_mut().ptr(),
+            combine_slots: combine_slots.view_mut().ptr(),
+            n_rows: i32_of(n_rows, "rows")?,
+            top_k: args.top_k,
+        };
+        let f = func(dev, "moe_plan_slots")?;
+        let mut b = dev.stream().launch_builder(f);
+        b.arg(&args);
+        // SAFETY: `args` mirrors MoePlanArgs of kernels/common.cuh (size asserted); seg holds
+        // n_e + 1 offsets summing the counts of `experts`, so every slot written is below
+        // n_pairs = the length of slot_rows; combine_slots holds (n_rows, top_k).
+        unsafe { b.launch(cfg((u32::try_from(n_e).context("experts")?, 1, 1), 256, 0)) }.map_err(|e| launch_err("moe_plan_slots", e))?;
+        drop(seg_dev); // freed in stream order after the launch
+        Ok(Self { seg, slot_rows, combine_slots, combine_weights: weights, experts: Some(experts) })
+    }
+
+    pub fn n_slots(&self) -> usize {
+        self.slot_rows.len()
+    }
+
+    pub fn rows_of(&self, e: usize) -> usize {
+        self.seg[e + 1] - self.seg[e]
+    }
+}
+
+/// The tile table `(n_tiles, 3)` of the slot segments `seg` `(n_experts + 1)`:
+/// expert, first slot, end slot, at most `slots_per_tile` slots a tile, experts
+/// ascending; `compact`: the expert field is its index among [`live_experts`].
+pub fn tiles_of(seg: &[usize], slots_per_tile: usize, compact: bool) -> Result<Vec<i32>> {
+    ensure!(slots_per_tile > 0 && !seg.is_empty(), "moe_ffn: tiles of {slots_per_tile} slots over {} segments", seg.len());
+    let mut tiles = Vec::new();
+    let mut live = 0usize;
+    for e in 0..seg.len() - 1 {
+        let (a, b) = (seg[e], seg[e + 1]);
+        if a == b {
+            continue;
+        }
+        let id = if compact { live } else { e };
+        for s0 in (a..b).step_by(slots_per_tile) {
+            let s1 = (s0 + slots_per_tile).min(b);
+            tiles.extend([i32_of(id, "expert")?, i32_of(s0, "slot")?, i32_of(s1, "slot")?]);
+        }
+        live += 1;
+    }
+    Ok(tiles)
+}
+
+/// The experts of the slot segments `seg` that took at least one row, ascending.
+pub fn live_experts(seg: &[usize]) -> Vec<usize> {
+    (0..seg.len().saturating_sub(1)).filter(|&e| seg[e + 1] > seg[e]).collect()
 }
 
 /// The name of the grouped GEMM for a weight format: the plain product, or
@@ -255,6 +585,128 @@ pub fn moe_gemm<Y: ops::OutElem>(
     Ok(())
 }
 
+/// `out[i] = bf16(dequant(W[i]))` for each expert `i` of `ptrs` `(n_live)` (matrices
+/// laid out like `like`): `out` `(n_live, n, k)` bf16, expert-major.
+pub fn moe_dequant_bank(dev: &CudaDevice, like: &QuantMatrix, ptrs: DevView<u64>, out: DevViewMut<bf16>) -> Result<()> {
+    let (n, k) = (like.n_rows, like.n_cols);
+    let name = format!("moe_dequant_bank_{}", like.kernel_suffix());
+    ensure!(k % 8 == 0 && out.ptr() % 16 == 0, "{name}: rows of {k} or an unaligned output");
+    ensure!(out.len() == ptrs.len() * n * k, "{name}: out has {} elements for {} experts x {n} x {k}", out.len(), ptrs.len());
+    if out.is_empty() {
+        return Ok(());
+    }
+    let n_e = u32::try_from(ptrs.len()).ok().filter(|&e| e <= 65535).with_context(|| format!("{name}: {} experts", ptrs.len()))?;
+    let f = func(dev, &name)?;
+    let args = MoeDequantArgs {
+        w: ptrs.ptr(),
+        out: out.ptr(),
+        row_bytes: like.row_bytes as i64,
+        n_rows: i32_of(n, "rows")?,
+        groups_per_row: i32_of(k / 8, "groups per row")?,
+    };
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&args);
+    // SAFETY: `args` mirrors MoeDequantArgs of kernels/common.cuh (size asserted); each pointer is
+    // an (n, k) matrix of `like`'s layout (same_bank), out holds n_live * n * k bf16 (checked).
+    unsafe { b.launch(cfg((grid_1d(n * k / 8, 256)?, n_e, 1), 256, 0)) }.map_err(|e| launch_err(&name, e))?;
+    Ok(())
+}
+
+/// `out[s] = x[rows[s]]`: `x` `(n_x_rows, d)` bf16, `rows` `(n_slots)`, `out` `(n_slots, d)`.
+pub fn moe_gather_bf16(dev: &CudaDevice, x: DevView<bf16>, d: usize, rows: DevView<i32>, out: DevViewMut<bf16>) -> Result<()> {
+    ensure!(d % 8 == 0 && x.ptr() % 16 == 0 && out.ptr() % 16 == 0 && x.len() % d.max(1) == 0, "moe_gather_bf16: rows of {d}, or unaligned");
+    ensure!(out.len() == rows.len() * d, "moe_gather_bf16: out has {} elements for {} slots x {d}", out.len(), rows.len());
+    if out.is_empty() {
+        return Ok(());
+    }
+    let f = func(dev, "moe_gather_bf16")?;
+    let args = MoeGatherArgs {
+        x: x.ptr(),
+        rows: rows.ptr(),
+        out: out.ptr(),
+        n_slots: i32_of(rows.len(), "slots")?,
+        groups_per_row: i32_of(d / 8, "groups per row")?,
+    };
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&args);
+    // SAFETY: `args` mirrors MoeGatherArgs of kernels/common.cuh (size asserted); every row id is a
+    // row of x (the caller's plan routes rows of x), out holds (n_slots, d) bf16 (checked).
+    unsafe { b.launch(cfg((grid_1d(out.len() / 8, 256)?, 1, 1), 256, 0)) }.map_err(|e| launch_err("moe_gather_bf16", e))?;
+    Ok(())
+}
+
+/// The wgmma kernels' name: the plain product, or the gated one with `act`.
+fn moe_wgmma_kernel(act: Option<Activation>) -> &'static str {
+    match act {
+        None => "moe_wgmma_plain",
+        Some(Activation::Silu) => "moe_wgmma_gated_silu",
+        Some(Activation::GeluTanh) => "moe_wgmma_gated_gelu",
+    }
+}
+
+/// The grouped wgmma product over every tile of `tiles` `(n_tiles, 3)` (expert
+/// index into the banks, first slot, end slot, at most [`MOE_WGMMA_TILE_SLOTS`]):
+/// `y[s] = a[s] · B[e]ᵀ` (f32, `gate_act` None) or `y[s] = bf16(act(a[s] · G[e]ᵀ) *
+/// (a[s] · U[e]ᵀ))`. `a` `(n_slots, k)` bf16; `bank` (and `bank_up`) `(n_live, n,
+/// k)` bf16; `y` `(n_slots, n)`.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_wgmma<Y: ops::OutElem>(
+    dev: &CudaDevice,
+    gate_act: Option<Activation>,
+    a: DevView<bf16>,
+    bank: DevView<bf16>,
+    bank_up: Option<DevView<bf16>>,
+    n: usize,
+    k: usize,
+    tiles: DevView<i32>,
+    y: DevViewMut<Y>,
+) -> Result<()> {
+    let name = moe_wgmma_kernel(gate_act);
+    ensure!(k % 8 == 0 && n % 2 == 0 && n > 0, "{name}: n = {n}, k = {k} (k a multiple of 8, n even)");
+    ensure!(gate_act.is_some() == bank_up.is_some(), "{name}: the up bank goes with the gated kernel only");
+    ensure!((Y::NAME == "bf16") == gate_act.is_some(), "{name}: the gated kernel writes bf16, the plain one f32 (asked for {})", Y::NAME);
+    ensure!(a.len() % k == 0 && bank.len() % (n * k) == 0, "{name}: a has {} elements, the bank {}, for n = {n}, k = {k}", a.len(), bank.len());
+    let n_slots = a.len() / k;
+    ensure!(y.len() == n_slots * n && y.ptr() % 8 == 0, "{name}: y has {} elements for {n_slots} slots x {n}, or is unaligned", y.len());
+    if let Some(u) = bank_up {
+        ensure!(u.len() == bank.len(), "{name}: up bank of {} elements, gate bank {}", u.len(), bank.len());
+    }
+    ensure!(tiles.len() % 3 == 0, "{name}: a tile table of {} entries", tiles.len());
+    let n_tiles = tiles.len() / 3;
+    if n_tiles == 0 {
+        return Ok(());
+    }
+    let bank_rows = bank.len() / k;
+    let b_box = if gate_act.is_some() { ops::GEMM_BN / 2 } else { ops::GEMM_BN } as u32;
+    let b = ops::tensor_map_bf16(bank.ptr(), bank_rows, k, b_box)?;
+    let params = MoeWgmmaParams {
+        a: ops::tensor_map_bf16(a.ptr(), n_slots, k, ops::GEMM_BM as u32)?,
+        b,
+        b_up: match bank_up {
+            Some(u) => ops::tensor_map_bf16(u.ptr(), bank_rows, k, b_box)?,
+            None => b,
+        },
+        tiles: tiles.ptr(),
+        y: y.ptr(),
+        ldy: n as i64,
+        n: i32_of(n, "N")?,
+        k: i32_of(k, "K")?,
+        n_tiles: i32_of(n_tiles, "tiles")?,
+        pad_: 0,
+    };
+    let n_items = n_tiles * n.div_ceil(b_box as usize);
+    let f = ops::wgmma_func(dev, name)?;
+    let grid = ops::wgmma_grid(dev, name, n_items)?;
+    let mut lb = dev.stream().launch_builder(f);
+    lb.arg(&params);
+    // SAFETY: `params` mirrors MoeWgmmaParams of kernels/common.cuh (size asserted); the tensor
+    // maps cover a (n_slots, k) and the banks (n_live * n, k); every tile's slots lie in
+    // 0..n_slots and its expert below n_live (MoePlan::tiles_of over the live experts); y holds
+    // (n_slots, n) of the kernel's output type, 8-byte aligned with n even (checked).
+    unsafe { lb.launch(cfg((grid, 1, 1), ops::GEMM_THREADS, ops::GEMM_SMEM_BYTES as u32)) }.map_err(|e| launch_err(name, e))?;
+    Ok(())
+}
+
 /// `out[r] = Σ_k weight[r, k] * y[slot[r, k]]` in f64, in the table's order
 /// (ascending expert), rounded to f32 once. `y` `(n_slots, d)`, `slot` and
 /// `weight` `(n_rows, top_k)`, `out` `(n_rows, d)`.
@@ -334,22 +786,62 @@ impl CudaBackend {
         if n == 0 {
             return Ok(out);
         }
-        // The routing: the logits to the host, the CPU oracle's rule.
-        let logits = dev.download(router_logits.f32("moe_ffn")?).context("moe_ffn: router logits to the host")?;
-        let plan = MoePlan::new(&logits, p)?;
+        // The routing (on the device, or on the host by the oracle itself) and the plan's tables.
+        let route_scope = self.prof.scope(dev, "moe_route")?;
+        let plan = match MoeRouteSite::for_top_k(p.top_k) {
+            MoeRouteSite::Device => DevicePlan::route(dev, router_logits.f32("moe_ffn")?.view(), p)?,
+            MoeRouteSite::Host => {
+                let logits = dev.download(router_logits.f32("moe_ffn")?).context("moe_ffn: router logits to the host")?;
+                DevicePlan::upload(dev, &MoePlan::new(&logits, p)?)?
+            }
+        };
         for (e, c) in counts.iter_mut().enumerate() {
             *c += plan.rows_of(e) as u64;
         }
         let n_slots = plan.n_slots();
         let act = ops_activation(p.activation);
+        let (rows, slots, weights) = (&plan.slot_rows, &plan.combine_slots, &plan.combine_weights);
+        let kernel = MoeKernel::for_shape(dev, d, f);
+        let tiles = match (self.route(), kernel) {
+            (Route::Bf16TensorCore, MoeKernel::Wgmma) => dev.upload(&tiles_of(&plan.seg, MOE_WGMMA_TILE_SLOTS, true)?)?,
+            _ => dev.upload(&tiles_of(&plan.seg, MOE_TILE_SLOTS, false)?)?,
+        };
+        drop(route_scope);
         // (n_slots, d): each slot's expert output.
         let mut y = dev.alloc_uninit::<f32>(n_slots * d)?;
-        match self.route() {
-            Route::Bf16TensorCore => {
+        match (self.route(), kernel) {
+            (Route::Bf16TensorCore, MoeKernel::Wgmma) => {
+                let prep = self.prof.scope(dev, "moe_dequant_gather")?;
                 let mut tmp = None;
                 let xb = self.bf16_input(x, &mut tmp)?;
-                let rows = dev.upload(&plan.slot_rows)?;
-                let tiles = dev.upload(&plan.tiles)?;
+                // Each bank of the live experts as bf16, expert-major: (n_live, rows, cols).
+                let live = live_experts(&plan.seg);
+                let bank = |pick: fn(&Expert<CudaMatrix>) -> &CudaMatrix, like: &QuantMatrix| -> Result<DeviceBuffer<bf16>> {
+                    let ptrs: Vec<u64> = live.iter().map(|&e| pick(&experts[e]).q.data.view().ptr()).collect();
+                    let table = dev.upload(&ptrs)?;
+                    let mut out = dev.alloc_uninit::<bf16>(live.len() * like.n_rows * like.n_cols)?;
+                    moe_dequant_bank(dev, like, table.view(), out.view_mut())?;
+                    Ok(out)
+                };
+                let (bg, bu, bd) = (bank(|e| &e.gate, gate)?, bank(|e| &e.up, up)?, bank(|e| &e.down, down)?);
+                // (n_slots, d) bf16: the rows of x in slot order.
+                let mut xg = dev.alloc_uninit::<bf16>(n_slots * d)?;
+                moe_gather_bf16(dev, xb, d, rows.view(), xg.view_mut())?;
+                drop(prep);
+                // (n_slots, f) bf16: act(gate) * up of each slot's expert.
+                let mut h = dev.alloc_uninit::<bf16>(n_slots * f)?;
+                {
+                    let _s = self.prof.scope(dev, "moe_gate_up")?;
+                    moe_wgmma(dev, Some(act), xg.view(), bg.view(), Some(bu.view()), f, d, tiles.view(), h.view_mut())
+                        .context("moe_ffn: gate and up")?;
+                }
+                let _s = self.prof.scope(dev, "moe_down")?;
+                moe_wgmma::<f32>(dev, None, h.view(), bd.view(), None, d, f, tiles.view(), y.view_mut()).context("moe_ffn: down")?;
+                // The banks, xg and h are freed in stream order after the launches.
+            }
+            (Route::Bf16TensorCore, MoeKernel::MmaSync) => {
+                let mut tmp = None;
+                let xb = self.bf16_input(x, &mut tmp)?;
                 let (wg, wu, wd) = (
                     pointer_table(dev, experts, |e| &e.gate)?,
                     pointer_table(dev, experts, |e| &e.up)?,
@@ -357,13 +849,18 @@ impl CudaBackend {
                 );
                 // (n_slots, f) bf16: act(gate) * up of each slot's expert.
                 let mut h = dev.alloc_uninit::<bf16>(n_slots * f)?;
-                moe_gemm(dev, Some(act), xb, Some(rows.view()), gate, wg.view(), Some(wu.view()), tiles.view(), n_slots, h.view_mut())
-                    .context("moe_ffn: gate and up")?;
+                {
+                    let _s = self.prof.scope(dev, "moe_gate_up")?;
+                    moe_gemm(dev, Some(act), xb, Some(rows.view()), gate, wg.view(), Some(wu.view()), tiles.view(), n_slots, h.view_mut())
+                        .context("moe_ffn: gate and up")?;
+                }
+                let _s = self.prof.scope(dev, "moe_down")?;
                 moe_gemm::<f32>(dev, None, h.view(), None, down, wd.view(), None, tiles.view(), n_slots, y.view_mut())
                     .context("moe_ffn: down")?;
                 // The uploads and h are freed in stream order after the launches.
             }
-            Route::Fp32 => {
+            (Route::Fp32, _) => {
+                let _s = self.prof.scope(dev, "moe_experts_fp32")?;
                 let xf = x.f32("moe_ffn")?;
                 for (e, ex) in experts.iter().enumerate() {
                     let (s0, s1) = (plan.seg[e], plan.seg[e + 1]);
@@ -371,9 +868,8 @@ impl CudaBackend {
                         continue;
                     }
                     let m = s1 - s0;
-                    let ids = dev.upload(&plan.slot_rows[s0..s1])?;
                     let mut xe = dev.alloc_uninit::<f32>(m * d)?;
-                    ops::gather_rows(dev, xf.view(), d, ids.view(), xe.view_mut())?;
+                    ops::gather_rows(dev, xf.view(), d, rows.slice(s0..s1)?, xe.view_mut())?;
                     let (mut g, mut u, mut h) = (dev.alloc_uninit::<f32>(m * f)?, dev.alloc_uninit::<f32>(m * f)?, dev.alloc_uninit::<f32>(m * f)?);
                     ops::matmul::<f32>(dev, xe.view(), m, &ex.gate.q, g.view_mut(), f).with_context(|| format!("moe_ffn: {}", ex.gate.name))?;
                     ops::matmul::<f32>(dev, xe.view(), m, &ex.up.q, u.view_mut(), f).with_context(|| format!("moe_ffn: {}", ex.up.name))?;
@@ -383,9 +879,9 @@ impl CudaBackend {
                 }
             }
         }
-        let slots = dev.upload(&plan.combine_slots)?;
-        let weights = dev.upload(&plan.combine_weights)?;
+        let _s = self.prof.scope(dev, "moe_combine")?;
         moe_combine(dev, y.view(), d, slots.view(), weights.view(), p.top_k, out.f32_mut("moe_ffn")?.view_mut())?;
+        drop(_s);
         Ok(out)
     }
 }
@@ -417,5 +913,13 @@ mod tests {
         assert_eq!(plan.tiles, vec![0, 0, 64, 0, 64, 128, 0, 128, 150]);
         assert_eq!(plan.rows_of(1), 0);
         assert!(MoePlan::new(&logits[..7], &p).is_err());
+        // The wgmma route's tables: 128-slot tiles, experts numbered among the live ones.
+        let p3 = MoeRouting { n_experts: 3, top_k: 1, ..p };
+        let three: Vec<f32> = (0..200).flat_map(|r| if r < 130 { [0.0f32, 0.0, 1.0] } else { [1.0, 0.0, 0.0] }).collect();
+        let plan = MoePlan::new(&three, &p3).unwrap();
+        assert_eq!(plan.live_experts(), vec![0, 2]);
+        assert_eq!(plan.tiles_of(128, true).unwrap(), vec![0, 0, 70, 1, 70, 198, 1, 198, 200]);
+        assert_eq!(plan.tiles_of(128, false).unwrap(), vec![0, 0, 70, 2, 70, 198, 2, 198, 200]);
+        assert!(plan.tiles_of(0, false).is_err());
     }
 }

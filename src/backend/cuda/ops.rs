@@ -544,14 +544,14 @@ pub const GEMM_WGMMA_MIN_M: usize = 128;
 pub const GEMM_WGMMA_MIN_N: usize = 128;
 
 // Tile and pipeline of gemm_bf16_wgmma (kernels/common.cuh GEMM_*).
-const GEMM_BM: usize = 128;
-const GEMM_BN: usize = 256;
+pub(super) const GEMM_BM: usize = 128;
+pub(super) const GEMM_BN: usize = 256;
 const GEMM_BK: usize = 64;
 const GEMM_STAGES: usize = 4;
-const GEMM_THREADS: u32 = 384;
+pub(super) const GEMM_THREADS: u32 = 384;
 /// Stages of (A 128x64 + B 256x64) bf16, the 2 x GEMM_STAGES mbarriers, and 1 KiB
 /// of slack for the kernel's 1024-byte alignment of the swizzled tiles.
-const GEMM_SMEM_BYTES: usize = GEMM_STAGES * (GEMM_BM + GEMM_BN) * GEMM_BK * 2 + 2 * GEMM_STAGES * 8 + 1024;
+pub(super) const GEMM_SMEM_BYTES: usize = GEMM_STAGES * (GEMM_BM + GEMM_BN) * GEMM_BK * 2 + 2 * GEMM_STAGES * 8 + 1024;
 
 /// `GemmParams` of kernels/common.cuh (gemm_bf16_wgmma's one `__grid_constant__` parameter).
 #[repr(C)]
@@ -923,7 +923,7 @@ pub fn dequant_bf16(dev: &CudaDevice, w: &QuantMatrix, out: DevViewMut<bf16>) ->
 
 /// A 2-D bf16 tensor map over a row-major (rows, k) matrix, boxes of (64, box_rows)
 /// elements, 128-byte swizzle, zeros outside the matrix.
-fn tensor_map_bf16(ptr: u64, rows: usize, k: usize, box_rows: u32) -> Result<cudarc::driver::sys::CUtensorMap> {
+pub(super) fn tensor_map_bf16(ptr: u64, rows: usize, k: usize, box_rows: u32) -> Result<cudarc::driver::sys::CUtensorMap> {
     ensure!(ptr % 16 == 0 && (k * 2) % 16 == 0, "tensor map: base {ptr:#x} or row of {k} bf16 not 16-byte aligned");
     encode_bf16_map(ptr, [k as u64, rows as u64], [(k * 2) as u64], [GEMM_BK as u32, box_rows])
         .with_context(|| format!("tensor map of {rows} x {k} bf16, box 64 x {box_rows}"))
@@ -961,7 +961,7 @@ fn encode_bf16_map<const R: usize, const S: usize>(ptr: u64, dims: [u64; R], str
 }
 
 /// A wgmma GEMM kernel with its dynamic shared memory raised to GEMM_SMEM_BYTES.
-fn wgmma_func<'a>(dev: &'a CudaDevice, name: &str) -> Result<&'a CudaFunction> {
+pub(super) fn wgmma_func<'a>(dev: &'a CudaDevice, name: &str) -> Result<&'a CudaFunction> {
     let f = func(dev, name)?;
     let smem = GEMM_SMEM_BYTES;
     ensure!(
@@ -975,7 +975,7 @@ fn wgmma_func<'a>(dev: &'a CudaDevice, name: &str) -> Result<&'a CudaFunction> {
 }
 
 /// The persistent grid of a wgmma GEMM of `n_tiles` tiles: one block per SM at most.
-fn wgmma_grid(dev: &CudaDevice, name: &str, n_tiles: usize) -> Result<u32> {
+pub(super) fn wgmma_grid(dev: &CudaDevice, name: &str, n_tiles: usize) -> Result<u32> {
     ensure!(n_tiles <= i32::MAX as usize, "{name}: {n_tiles} tiles exceed the kernel's 32-bit tile index");
     Ok(n_tiles.min(dev.info().n_sms.max(1) as usize) as u32)
 }
