@@ -57,8 +57,8 @@ __device__ __forceinline__ void wgmma_wait() {
 // --- moe4 ---
 // D(64 x 256, f32) += A(64 x 16, bf16, K-major, smem) * B(256 x 16, bf16, K-major, smem)ᵀ,
 // both operands from 128-byte-swizzled shared memory (sw128_desc). The operand list is
-// written out by a macro. (gemm_sm90a.cu keeps its own copy, wgmma_m64n256k16, of the same
-// instruction; it may switch to this one.)
+// written out by a macro. The dense GEMM (gemm_sm90a.cu) and the expert GEMMs (moe_sm90a.cu)
+// both issue it.
 #define SM90A_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 #define SM90A_D32(i) SM90A_D8(i), SM90A_D8(i + 8), SM90A_D8(i + 16), SM90A_D8(i + 24)
 __device__ __forceinline__ void wgmma_bf16_m64n256k16(float d[128], uint64_t desc_a, uint64_t desc_b) {
