@@ -1549,15 +1549,24 @@ fn cpu_attn_params(c: &AttnCase, scale: f32) -> infernix_perplexity::backend::At
 /// What attention v2 multiplies for a quantized format, computed on the CPU from
 /// the CPU codec's bytes: K and V rows decoded in the basis they are stored in
 /// (no inverse rotation: the codec's decode with `rotate: false`) and rounded to
-/// bf16; q rounded to bf16 after `(H q) / n` when K is rotated; the attention
+/// bf16, except the codecs of one scale per row (fp8, int8: [`v2_folds_scale`]),
+/// whose exact code values v2 multiplies, the scale applied to S's or P's column in
+/// f32; q rounded to bf16 after `(H q) / n` when K is rotated; the attention
 /// output `(H o) / n` when V is rotated. These are v2's operands exactly, so only
-/// P's bf16 rounding and the accumulation order separate v2 from `attend`.
+/// P's bf16 rounding (for a folded V: of p * s) and the accumulation order separate
+/// v2 from `attend`.
 struct V2Operands<'a> {
     c: &'a AttnCase,
     format: KvFormat,
     /// (n_seqs, n_kv_heads, n_ctx, d) in the GPU layout.
     k: Vec<f32>,
     v: Vec<f32>,
+}
+
+/// Whether kernel v2 keeps `codec`'s row scale out of the decoded tile (kernels/attention.cu
+/// `DecByte`, FOLD: one f32 scale per row, exact code values in bf16): fp8 and int8.
+fn v2_folds_scale(codec: RowCodec) -> bool {
+    matches!(codec.elem, ElemCodec::Fp8 | ElemCodec::Int8)
 }
 
 impl<'a> V2Operands<'a> {
@@ -1580,8 +1589,9 @@ impl<'a> V2Operands<'a> {
                         codec.encode_row(&x[src..src + d], &mut row).unwrap();
                         stored_basis.decode_row(&row, &mut dec).unwrap();
                         let dst = ((s * c.n_kv_heads + h) * c.n_ctx + pos0 + t) * d;
+                        let folds = v2_folds_scale(codec);
                         for i in 0..d {
-                            out[dst + i] = twin::round_bf16(dec[i]);
+                            out[dst + i] = if folds { dec[i] } else { twin::round_bf16(dec[i]) };
                         }
                     }
                 }
