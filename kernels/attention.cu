@@ -229,7 +229,7 @@ ATTN_D(256)
 // kv::codec decodes it (code value * scale, one f32 multiply) and rounded to bf16
 // (nearest even) into shared memory: the operand rounding a bf16 cache gets when it is
 // stored, applied here to the decoded value; formats of one scale per row (fp8, int8,
-// k8v4's K) instead store the exact code values (E4M3 through the exact
+// k8v4's K), up to d_head 128, instead store the exact code values (E4M3 through the exact
 // cvt.rn.f16x2.e4m3x2, int8 through an exact byte-permute-and-subtract; both exact in
 // bf16) and their row scales, which multiply the key's column of S (K: folded into
 // scale * log2 e) or of P before its bf16 rounding (V): q·(c s) = (q·c) s and
@@ -238,8 +238,8 @@ ATTN_D(256)
 // (AttnArgs::rot; src/kv/hadamard.rs, y = H x stored) stay in the rotated basis:
 // a rotated K is met by staging q as (H q) / n (f32, the exact power-of-two 1/n,
 // then the bf16 rounding), so q·k = ((H q) / n)·y; a rotated V by rotating the
-// output back, O = (H O') / n with O' = Σ p y / l (f32). Up to d_head 128 both
-// rotations run in registers on the mma fragments (flash::hadamard_frag: a quad holds
+// output back, O = (H O') / n with O' = Σ p y / l (f32). For a coded cache up to
+// d_head 128 both rotations run in registers on the mma fragments (flash::hadamard_frag: a quad holds
 // a row whole; shuffles for two of the index bits, no shared memory, no barrier); at
 // d_head 256 through hadamard_rows_d over an f32 scratch in the K and V stages (before
 // the first tile, after the last). Both compute the same butterflies in the same order
@@ -378,23 +378,37 @@ struct CodeInt8 {
         for (int j = 0; j < 4; ++j) v[j] = __fsub_rn(__uint_as_float(__byte_perm(u, 0x4B000000u, 0x7440u + j)), 8388736.0f);
     }
 };
-// One-byte codes with their row scale folded out of the tile (FOLD; fp8, int8): load8
-// gives the eight code values themselves as bf16 (every E4M3 value, NaN included, and
-// every int8 is a bf16: exact), `scale` the row's f32 scale, which the kernel applies to
+// One-byte codes with their row scale folded out of the tile (FOLD; fp8, int8, up to
+// d_head 128): load8 gives the eight code values themselves as bf16 (every E4M3
+// value, NaN included, and every int8 is a bf16: exact), `scale` the row's f32 scale, which the kernel applies to
 // the key's column of S (K: x = (q·c) * (s * scale * log2 e)) or of P (V: P' = bf16(p *
 // s), then P'·c): q·(c s) and Σ p (c s) of the definition, with no bf16 rounding of the
 // decoded element (where c * s was rounded to bf16 before) and one rounding of p * s
 // (where p alone was rounded); no multiply per element in the decode.
+// Up to d_head 128 (8-warp blocks); at 256 (4 warps, key tiles of 32) the column
+// factors and P's scaling cost more than the multiplies they save (measured on the
+// H200, attnq4: fp8 68.3 TFLOP/s folded against 79.4 unfolded at ctx 4096), so there
+// load8 multiplies as the other decoders do.
 template <int D, typename CODE>
 struct DecByte {  // D one-byte codes (CODE: E4M3 or int8), f32 row scale at D
     static constexpr bool RAW = false;
-    static constexpr bool FOLD = true;
+    static constexpr bool FOLD = D <= 128;
     static __device__ __forceinline__ uint4 load8(const unsigned char* row, int c, const float*) {
         const uint2 q = *reinterpret_cast<const uint2*>(row + c * 8);
-        float v[8];
-        CODE::cvt4(q.x, v);
-        CODE::cvt4(q.y, v + 4);
-        return pack_bf16x8(v);
+        if constexpr (FOLD) {
+            float v[8];
+            CODE::cvt4(q.x, v);
+            CODE::cvt4(q.y, v + 4);
+            return pack_bf16x8(v);
+        } else {
+            const float s = *reinterpret_cast<const float*>(row + D);
+            float v[8];
+            CODE::cvt4(q.x, v);
+            CODE::cvt4(q.y, v + 4);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(v[j], s);
+            return pack_bf16x8(v);
+        }
     }
     static __device__ __forceinline__ float scale(const unsigned char* row) { return *reinterpret_cast<const float*>(row + D); }
 };
@@ -487,7 +501,11 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
     static_assert(KD::RAW == VD::RAW, "K and V are both bf16 or both coded");
     static_assert(D % 16 == 0 && DT % 2 == 0, "head dims are multiples of 16");
     static_assert(BK * CH % THREADS == 0, "a tile's chunks split evenly over the block");
-    static_assert(QREG || 4 * BK * LDS * 2 >= BQ * D * 4, "the K and V stages hold a (BQ, D) f32 scratch");
+    // The rotations in registers (hadamard_frag) for a coded cache with Q in registers;
+    // else through the (BQ, D) f32 scratch: d_head 256, and a bf16 cache, which never
+    // rotates (that instantiation stays the kernel it was before the register path).
+    constexpr bool ROT_REGS = QREG && !RAW;
+    static_assert(ROT_REGS || 4 * BK * LDS * 2 >= BQ * D * 4, "the K and V stages hold a (BQ, D) f32 scratch");
     extern __shared__ __align__(16) unsigned char smem[];
     // Q (unless QREG), then 2 stages of K and 2 of V, each (BK, LDS) bf16: for bf16 rows
     // filled by cp.async, for coded rows decoded from the 2 raw stages that follow
@@ -631,7 +649,7 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
     // queries are rotated the same way (hadamard_rows_d in f32, exact 1/n) before the
     // rounding; the K and V stages are the f32 scratch, so this runs before the first
     // tile lands there.
-    if constexpr (QREG) {
+    if constexpr (ROT_REGS) {
         if (rot_k) {
             // In registers: each quad holds its rows whole (hadamard_frag), the f32 q
             // rotated, times the exact 1/n, then rounded to bf16 into qf.
@@ -872,7 +890,7 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
     // through the f32 scratch (the K and V stages, free once every warp is past the
     // last tile: the barrier below), are rotated there and scaled by the exact 1/n on
     // the way out.
-    constexpr bool ROT_SMEM = !QREG;  // the output rotation through the scratch (d_head 256), else in registers
+    constexpr bool ROT_SMEM = !ROT_REGS;  // the output rotation through the scratch, else in registers
     if (ROT_SMEM && rot_v) __syncthreads();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {

@@ -1279,7 +1279,10 @@ impl AttnKernel {
                  buffer); q rounded to bf16 (nearest even) in the kernel, P rounded to bf16, f32 \
                  accumulation and f32 online softmax; a bf16 cache fetched with cp.async, or a quantized cache's \
                  stored rows fetched with cp.async two tiles ahead and decoded from shared memory (src/kv's \
-                 decode, code * scale, rounded to bf16), tile n + 1 between tile n's MMAs; Hadamard-rotated \
+                 decode, code * scale, rounded to bf16; fp8 and int8 rows up to d_head 128: the exact codes, \
+                 their row scale applied in f32 to the key's column of the scores (K) or of P before its bf16 \
+                 rounding (V)), tile n + 1 between tile n's MMAs, 8 warps per block for a quantized cache up to \
+                 d_head 128; Hadamard-rotated \
                  K: q rotated (f32) in the kernel before its rounding; rotated V: the output rotated back (f32); \
                  on a compute capability 9.0 device a bf16 cache at the head sizes of \
                  ops::ATTN_V3_DEFAULT_HEAD_DIMS runs kernel v3 (attn_wgmma) instead"
