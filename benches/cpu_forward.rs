@@ -106,6 +106,7 @@ impl Backend for Timed {
     type Matrix = <Cpu as Backend>::Matrix;
     type Vector = <Cpu as Backend>::Vector;
     type KvCache = <Cpu as Backend>::KvCache;
+    type Recurrent = <Cpu as Backend>::Recurrent;
     fn describe(&self) -> String {
         self.inner.describe()
     }

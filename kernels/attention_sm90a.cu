@@ -6,28 +6,35 @@
 // of head h attends to the cached keys kp of KV head h / (n_heads / n_kv_heads)
 // with kp <= pos0 + t and, when window > 0, pos0 + t - kp < window; the cache
 // holds positions [0, pos0 + n_tokens) of every window (earlier passes plus this
-// one); blockIdx.z = window of a batched pass; optional tanh soft-cap.
+// one); a batched pass holds n_seqs windows; optional tanh soft-cap.
 // Numerics: those of v2, so the default route's bounds hold unchanged: q (f32)
 // rounded to bf16 (nearest even) when staged; S = Q·Kᵀ in f32; x = S * scale
 // (or cap * tanh(S * scale / cap)) times log2(e), masked to -inf; online softmax
 // in f32 (row max over the quad, exp2 by ex2.approx, l sums the unrounded f32
 // probabilities); P rounded to bf16 for P·V; O in f32; output O / l. Only the
-// order of the f32 sums inside the MMAs differs from v2.
+// order of f32 sums differs from v2: inside the MMAs, and each thread's share
+// of a row sum l, added in 4 partial sums.
 //
-// Algorithm: a block owns BM = 128 queries of one head and walks the key tiles
-// of BN = 128 keys that any of them can see. Warp specialization (384 threads):
+// Algorithm: a work item is BM = 128 queries of one head of one window; it
+// walks the key tiles of BN = 128 keys that any of its queries can see. The
+// grid is persistent: min(n_items, n_SMs) blocks, block b taking items b,
+// b + gridDim.x, ... of the list ordered longest causal rows first (query tile
+// n_qt - 1 of every head and window, then n_qt - 2, ...; heads of one KV head
+// adjacent). Warp specialization (384 threads):
 // warpgroup 0 is the producer (one thread; setmaxnreg gives its registers to
 // the consumers): it fills ST = stages(D) stages of K and of V (4 at d 64, 2 at
-// d 128), each BN rows x D
-// bf16, by TMA (cp.async.bulk.tensor.3d over the cache seen as (d_head,
+// d 128), each BN rows x D bf16, item after item (the stage ring runs on across
+// items, so the next item's first tiles load while this one ends), by TMA
+// (cp.async.bulk.tensor.3d over the cache seen as (d_head,
 // kv_len, n_seqs * n_kv_heads): 128-byte swizzle, one box of 64 columns x BN
 // rows per 64 columns of d_head, rows at or past kv_len = pos0 + n_tokens
 // zero-filled by the TMA unit, so nothing past the cached positions is read),
 // completing on the stage's full_k / full_v mbarriers, after waiting on the
 // stage's empty_k / empty_v mbarrier (K and V released apart, so the next K
 // streams in while this V is still read). Warpgroups 1 and 2 are consumers of 64 query rows
-// each: Q is staged once into shared memory by the consumers (f32 -> bf16, laid
-// out in the same 128-byte swizzle, then fence.proxy.async); per tile
+// each: per item, Q is staged into shared memory by the consumers (f32 -> bf16,
+// all loads issued before the first store, laid out in the same 128-byte
+// swizzle, then fence.proxy.async); per tile
 //   S (64 x 128 f32, registers) = Q · Kᵀ: wgmma m64n128k16, Q and K from
 //        shared memory (K-major descriptors), D / 16 k-steps, one commit group;
 //   the softmax update in registers (rows g and g + 8 of each warp's 16, the
@@ -42,11 +49,23 @@
 // cores while that P·V runs on the tensor cores (wait_group 1, then 0 before O
 // is rescaled and P repacked); one arrival per consumer warp releases the K
 // stage once S is done, the V stage once P·V is. Both warpgroups compute
-// every tile of the block (masking decides what counts). Query tiles run in
-// reverse order (the longest causal rows start first).
+// every tile of the item (masking decides what counts).
+// The softmax is straight-line code: the consumer's walk is compiled twice
+// (without and with the soft-cap, chosen once per launch) and each holds two
+// softmax bodies, one for tiles every key of which each row of the warp sees (no
+// compare) and one masked (two compares per score against per-row bounds). The
+// first version of v3 inlined both the tanh path and the mask test behind
+// branches for each of its 64 scores per thread: about 3100 instructions per
+// tile loop (SASS of nvcc 13.0's ptxas), and Nsight Compute on the H200 showed warps stalled on instruction
+// fetch ("no instruction", 5.2 of 12.6 cycles per issued instruction) with the
+// tensor pipe 19 % busy; in this version the softmax of a tile is about 355
+// instructions unmasked and 570 masked (plus about 100 for the rescale of O and
+// the packing of P), and the no-instruction stalls are gone (0.04 cycles, tensor
+// pipe 50 % busy at d 128; docs/performance.md, "Prefill attention kernels", attn4).
 // Not covered here (the launcher sends them to v2): quantized caches, d_head 96
 // and 256, misaligned q / out.
-// Launch: grid (ceil(n_tokens / 128), n_heads, n_seqs), block 384, dynamic
+// Launch: grid (min(n_items, n_SMs), 1, 1), n_items = ceil(n_tokens / 128) *
+// n_heads * n_seqs; block 384, dynamic
 // shared memory 1024 (alignment slack) + 128 * D * 2 (Q) + 2 * ST * 128 * D * 2
 // (K, V) + 4 * ST * 8 (barriers): d 128 164928 bytes, d 64 148608.
 // The launcher (ops::attention_v3) mirrors BM, BN and stages(D).
@@ -155,6 +174,23 @@ __device__ __forceinline__ void st_shared_v4(uint32_t addr, uint4 v) {
 // stages at d 128 fill the 227 KiB a block may have).
 __host__ __device__ constexpr int stages(int d) { return d <= 64 ? 4 : 2; }
 
+// A compile-time flag for the generic lambdas below (soft-cap on, tile masked).
+template <bool B>
+struct Flag {
+    static constexpr bool value = B;
+};
+
+// The block's w-th work item, longest causal rows first: query tile qt (of n_qt),
+// head h, window seq; consecutive items share a query tile and, for GQA, a KV head.
+struct Item {
+    int qt, h, seq;
+};
+__device__ __forceinline__ Item item_of(int w, int n_qt, int n_heads, int n_seqs) {
+    const int per_qt = n_heads * n_seqs;
+    const int r = w % per_qt;
+    return Item{n_qt - 1 - w / per_qt, r % n_heads, r / n_heads};
+}
+
 template <int D, typename OUT>
 __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a) {
     static_assert(D % BOX == 0 && (D == 64 || D == 128), "attn_wgmma: d_head 64 or 128");
@@ -178,16 +214,19 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a) {
     auto empty_k = [&](int s) { return bars + 8 * (2 * ST + s); };
     auto empty_v = [&](int s) { return bars + 8 * (3 * ST + s); };
 
-    const int t0 = (int)(gridDim.x - 1 - blockIdx.x) * BM;  // longest causal rows first
-    const int h = blockIdx.y, seq = blockIdx.z;
-    const int kvh = h / (a.n_heads / a.n_kv_heads);
-    const int slab = seq * a.n_kv_heads + kvh;  // the tensor maps' outer coordinate
     const int n_tokens = a.n_tokens, pos0 = a.pos0, window = a.window;
     const int kv_len = pos0 + n_tokens;
-    const int t_last = min(t0 + BM, n_tokens) - 1;
-    const int tile_last = (pos0 + t_last) / BN;
-    const int tile_first = window > 0 ? max(pos0 + t0 - window + 1, 0) / BN : 0;
-    const int n_tiles = tile_last - tile_first + 1;
+    const int n_qt = (n_tokens + BM - 1) / BM;
+    const int n_items = n_qt * a.n_heads * a.n_seqs;
+    const int group = a.n_heads / a.n_kv_heads;
+    // The key tiles item `it` walks: [first, first + n).
+    auto tiles_of = [&](const Item& it, int& first, int& n) {
+        const int t0 = it.qt * BM;
+        const int t_last = min(t0 + BM, n_tokens) - 1;
+        const int last = (pos0 + t_last) / BN;
+        first = window > 0 ? max(pos0 + t0 - window + 1, 0) / BN : 0;
+        n = last - first + 1;
+    };
     const int warpgroup = threadIdx.x / 128, tid = threadIdx.x % 128;
 
     if (threadIdx.x == 0) {
@@ -203,208 +242,277 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a) {
     __syncthreads();
 
     if (warpgroup == 0) {
-        // Producer: one thread issues every copy; a K (V) stage is reused once all 8
-        // consumer warps have arrived on its empty_k (empty_v) barrier.
+        // Producer: one thread issues every copy, item after item (the stage ring runs
+        // on across items, so the next item's first tiles load during this one's end);
+        // a K (V) stage is reused once all 8 consumer warps arrived on its empty_k (empty_v).
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
         if (tid == 0) {
-            for (int i = 0; i < n_tiles; ++i) {
-                const int s = i % ST, tile = tile_first + i;
-                const uint32_t ph = ((i / ST) & 1) ^ 1;
-                mbar_wait(empty_k(s), ph);
-                mbar_arrive_expect_tx(full_k(s), KV_BYTES);
+            int g = 0;  // tiles issued so far by this block
+            for (int w = blockIdx.x; w < n_items; w += gridDim.x) {
+                const Item it = item_of(w, n_qt, a.n_heads, a.n_seqs);
+                const int slab = it.seq * a.n_kv_heads + it.h / group;  // the tensor maps' outer coordinate
+                int first, n;
+                tiles_of(it, first, n);
+                for (int i = 0; i < n; ++i, ++g) {
+                    const int s = g % ST, tile = first + i;
+                    const uint32_t ph = ((g / ST) & 1) ^ 1;
+                    mbar_wait(empty_k(s), ph);
+                    mbar_arrive_expect_tx(full_k(s), KV_BYTES);
 #pragma unroll
-                for (int b = 0; b < NB; ++b) tma_load_3d(sk + s * KV_BYTES + b * BN * 128, &a.k, full_k(s), b * BOX, tile * BN, slab);
-                mbar_wait(empty_v(s), ph);
-                mbar_arrive_expect_tx(full_v(s), KV_BYTES);
+                    for (int b = 0; b < NB; ++b) tma_load_3d(sk + s * KV_BYTES + b * BN * 128, &a.k, full_k(s), b * BOX, tile * BN, slab);
+                    mbar_wait(empty_v(s), ph);
+                    mbar_arrive_expect_tx(full_v(s), KV_BYTES);
 #pragma unroll
-                for (int b = 0; b < NB; ++b) tma_load_3d(sv + s * KV_BYTES + b * BN * 128, &a.v, full_v(s), b * BOX, tile * BN, slab);
+                    for (int b = 0; b < NB; ++b) tma_load_3d(sv + s * KV_BYTES + b * BN * 128, &a.v, full_v(s), b * BOX, tile * BN, slab);
+                }
             }
         }
         return;
     }
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
-    const int c = warpgroup - 1;  // consumer: rows 64c .. 64c + 63 of the block
+    const int c = warpgroup - 1;  // consumer: rows 64c .. 64c + 63 of each item's query tile
     const int warp = tid / 32, lane = tid % 32;
     const int g = lane >> 2, cq = 2 * (lane & 3);
-
-    // Q: this warpgroup's 64 rows, f32 -> bf16 (nearest even), rows past n_tokens
-    // zero, into the 128-byte swizzle: box b holds columns 64b .. 64b + 63, row r
-    // at r * 128 bytes, its 16-byte chunk j at (j ^ (r % 8)) * 16.
-    const float* qb = a.q + (long long)seq * n_tokens * a.q_stride + (long long)h * D;
-    for (int i = tid; i < 64 * (D / 8); i += 128) {
-        const int r = c * 64 + i / (D / 8), ch = i % (D / 8);
-        const int t = t0 + r;
-        float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        if (t < n_tokens) {
-            const float4* src = reinterpret_cast<const float4*>(qb + (long long)t * a.q_stride + ch * 8);
-            const float4 x0 = src[0], x1 = src[1];
-            v[0] = x0.x, v[1] = x0.y, v[2] = x0.z, v[3] = x0.w;
-            v[4] = x1.x, v[5] = x1.y, v[6] = x1.z, v[7] = x1.w;
-        }
-        st_shared_v4(sq + (ch / 8) * (BM * 128) + r * 128 + (((ch % 8) ^ (r & 7)) * 16), pack_bf16x8(v));
-    }
-    // The generic-proxy writes made visible to wgmma (the async proxy), then the warpgroup's barrier.
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
-
-    float o[D / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
     const float scale = a.scale, cap = a.softcap;
     const float scale_l2 = scale * LOG2E;
-    const int row_w = t0 + c * 64 + warp * 16;  // the warp's first row (token)
-    const int qp0 = pos0 + row_w + g;           // this thread's rows: positions qp0 and qp0 + 8
-    const int qp_min = pos0 + row_w, qp_max = qp_min + 15;
     const uint64_t dq = sw128_desc(sq + c * 64 * 128);
 
-    float sc[BN / 2];     // S of the tile being scored, then its probabilities
-    uint32_t pa[VS][4];   // P of the previous tile, bf16, as the A fragments of its P·V
-    // S = Q·Kᵀ of tile i (stage i % ST) issued as one commit group (not waited for).
-    auto issue_s = [&](int i) {
+    // The consumer's whole walk, compiled once without and once with the soft-cap (a
+    // uniform branch per launch, so the tile loop holds no tanh path it does not take).
+    auto consume = [&](auto cap_flag) {
+        constexpr bool CAP = decltype(cap_flag)::value;
+        float o[D / 2];
+        float m_run[2], l_run[2];
+        float sc[BN / 2];     // S of the tile being scored, then its probabilities
+        uint32_t pa[VS][4];   // P of the previous tile, bf16, as the A fragments of its P·V
+        int gt = 0;           // tiles consumed so far by this block (the producer's g)
+        for (int w = blockIdx.x; w < n_items; w += gridDim.x) {
+            const Item it = item_of(w, n_qt, a.n_heads, a.n_seqs);
+            const int t0 = it.qt * BM;
+            int tile_first, n_tiles;
+            tiles_of(it, tile_first, n_tiles);
+
+            // Q: this warpgroup's 64 rows, f32 -> bf16 (nearest even), rows past n_tokens
+            // zero, into the 128-byte swizzle: box b holds columns 64b .. 64b + 63, row r
+            // at r * 128 bytes, its 16-byte chunk j at (j ^ (r % 8)) * 16. All loads first
+            // (one round trip), then the stores. The previous item's S wgmmas are complete
+            // (waited for), so sq is free.
+            const float* qb = a.q + (long long)it.seq * n_tokens * a.q_stride + (long long)it.h * D;
+            constexpr int QI = 64 * (D / 8) / 128;  // 16-byte output chunks per thread
+            float4 qv[QI][2];
 #pragma unroll
-        for (int j = 0; j < BN / 2; ++j) sc[j] = 0.f;
-        const uint64_t dk = sw128_desc(sk + (i % ST) * KV_BYTES);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-            const uint32_t qoff = (kk / 4) * (BM * 128) + (kk % 4) * 32;
-            const uint32_t koff = (kk / 4) * (BN * 128) + (kk % 4) * 32;
-            wgmma_ss_m64n128k16(sc, dq + (qoff >> 4), dk + (koff >> 4));
-        }
-        wgmma_commit();
-    };
-    // O += P·V of tile i (stage i % ST, P in pa) issued as one commit group.
-    auto issue_pv = [&](int i) {
-        const uint32_t vs = sv + (i % ST) * KV_BYTES;
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < VS; ++kk) {
-            const uint64_t dv = sw128_mn_desc(vs + kk * 16 * 128, BN * 128);
-            if constexpr (D == 128) wgmma_rs_m64n128k16_tb(o, pa[kk], dv);
-            else wgmma_rs_m64n64k16_tb(o, pa[kk], dv);
-        }
-        wgmma_commit();
-    };
-    // Scale, soft-cap, mask S of tile `tile` (v2's arithmetic); the online softmax
-    // update of m and l; the probabilities left in sc; corr = the factor O needs.
-    auto softmax = [&](int tile, float corr[2]) {
-        const int kbase = tile * BN;
-        const bool full = kbase + BN - 1 <= qp_min && kbase + BN <= kv_len && (window <= 0 || qp_max - kbase < window);
-        float mx[2] = {m_run[0], m_run[1]};
-#pragma unroll
-        for (int j = 0; j < NS; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x;
-                if (cap > 0.f) x = cap * tanhf(sc[4 * j + e] * scale / cap) * LOG2E;
-                else x = sc[4 * j + e] * scale_l2;
-                if (!full) {
-                    const int kp = kbase + 8 * j + cq + (e & 1);
-                    const int qp = qp0 + 8 * (e >> 1);
-                    const bool vis = kp <= qp && kp < kv_len && (window <= 0 || qp - kp < window);
-                    x = vis ? x : -INFINITY;
+            for (int k = 0; k < QI; ++k) {
+                const int i = tid + 128 * k;
+                const int r = c * 64 + i / (D / 8), ch = i % (D / 8);
+                const int t = t0 + r;
+                if (t < n_tokens) {
+                    const float4* src = reinterpret_cast<const float4*>(qb + (long long)t * a.q_stride + ch * 8);
+                    qv[k][0] = src[0];
+                    qv[k][1] = src[1];
+                } else {
+                    qv[k][0] = make_float4(0.f, 0.f, 0.f, 0.f);
+                    qv[k][1] = qv[k][0];
                 }
-                sc[4 * j + e] = x;
-                mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            }
+#pragma unroll
+            for (int k = 0; k < QI; ++k) {
+                const int i = tid + 128 * k;
+                const int r = c * 64 + i / (D / 8), ch = i % (D / 8);
+                const float v[8] = {qv[k][0].x, qv[k][0].y, qv[k][0].z, qv[k][0].w, qv[k][1].x, qv[k][1].y, qv[k][1].z, qv[k][1].w};
+                st_shared_v4(sq + (ch / 8) * (BM * 128) + r * 128 + (((ch % 8) ^ (r & 7)) * 16), pack_bf16x8(v));
+            }
+            // The generic-proxy writes made visible to wgmma (the async proxy), then the warpgroup's barrier.
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
+
+#pragma unroll
+            for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+            m_run[0] = m_run[1] = -INFINITY;
+            l_run[0] = l_run[1] = 0.f;
+            const int row_w = t0 + c * 64 + warp * 16;  // the warp's first row (token)
+            const int qp0 = pos0 + row_w + g;           // this thread's rows: positions qp0 and qp0 + 8
+            const int qp_min = pos0 + row_w, qp_max = qp_min + 15;
+
+            // S = Q·Kᵀ of block tile j (stage j % ST) issued as one commit group (not waited for).
+            auto issue_s = [&](int j) {
+#pragma unroll
+                for (int e = 0; e < BN / 2; ++e) sc[e] = 0.f;
+                const uint64_t dk = sw128_desc(sk + (j % ST) * KV_BYTES);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < KS; ++kk) {
+                    const uint32_t qoff = (kk / 4) * (BM * 128) + (kk % 4) * 32;
+                    const uint32_t koff = (kk / 4) * (BN * 128) + (kk % 4) * 32;
+                    wgmma_ss_m64n128k16(sc, dq + (qoff >> 4), dk + (koff >> 4));
+                }
+                wgmma_commit();
+            };
+            // O += P·V of block tile j (stage j % ST, P in pa) issued as one commit group.
+            auto issue_pv = [&](int j) {
+                const uint32_t vs = sv + (j % ST) * KV_BYTES;
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < VS; ++kk) {
+                    const uint64_t dv = sw128_mn_desc(vs + kk * 16 * 128, BN * 128);
+                    if constexpr (D == 128) wgmma_rs_m64n128k16_tb(o, pa[kk], dv);
+                    else wgmma_rs_m64n64k16_tb(o, pa[kk], dv);
+                }
+                wgmma_commit();
+            };
+            // Scale, soft-cap, mask S of key tile `tile` (v2's arithmetic); the online
+            // softmax update of m and l; the probabilities left in sc; corr = the factor
+            // O needs. MASK false: every key of the tile is visible to every row of the
+            // warp (no compare at all). Straight-line code: no branch per element.
+            auto softmax = [&](auto mask_flag, int tile, float corr[2]) {
+                constexpr bool MASK = decltype(mask_flag)::value;
+                const int kbase = tile * BN;
+                // Visible keys of row r: kp in [lo, hi] (causal: kp <= qp; cached: kp < kv_len;
+                // window: qp - kp < window), kept relative to this lane's first column so
+                // that each element compares its compile-time column offset 8j + (e & 1).
+                int lo[2], hi[2];
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int qp = qp0 + 8 * r;
+                    hi[r] = min(qp, kv_len - 1) - kbase - cq;
+                    lo[r] = window > 0 ? qp - window + 1 - kbase - cq : -(1 << 30);
+                }
+                // Row maxima in 4 independent chains per row (max is exact in any order).
+                float mx[2][4];
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) mx[r][q] = m_run[r];
+#pragma unroll
+                for (int j = 0; j < NS; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        float x;
+                        if constexpr (CAP) x = cap * tanhf(sc[4 * j + e] * scale / cap) * LOG2E;
+                        else x = sc[4 * j + e] * scale_l2;
+                        if constexpr (MASK) {
+                            const int k = 8 * j + (e & 1);
+                            x = (k >= lo[e >> 1] && k <= hi[e >> 1]) ? x : -INFINITY;
+                        }
+                        sc[4 * j + e] = x;
+                        float& m = mx[e >> 1][(j & 1) * 2 + (e & 1)];
+                        m = fmaxf(m, x);
+                    }
+                }
+                float base_r[2];
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    float m = fmaxf(fmaxf(mx[r][0], mx[r][1]), fmaxf(mx[r][2], mx[r][3]));
+                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+                    base_r[r] = m == -INFINITY ? 0.f : m;  // a row with nothing visible yet
+                    corr[r] = exp2_approx(m_run[r] - base_r[r]);    // 0 while m_run is -inf
+                    m_run[r] = m;
+                }
+                // Row sums in 4 chains per row, added pairwise at the end.
+                float rs[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+                for (int j = 0; j < NS; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float p = exp2_approx(sc[4 * j + e] - base_r[e >> 1]);
+                        sc[4 * j + e] = p;
+                        rs[e >> 1][(j & 1) * 2 + (e & 1)] += p;
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * corr[r] + ((rs[r][0] + rs[r][1]) + (rs[r][2] + rs[r][3]));
+            };
+            // Whether key tile `tile` needs no mask for any row of this warp.
+            auto full_tile = [&](int tile) {
+                const int kbase = tile * BN;
+                return kbase + BN - 1 <= qp_min && kbase + BN <= kv_len && (window <= 0 || qp_max - kbase < window);
+            };
+            auto softmax_tile = [&](int tile, float corr[2]) {
+                if (full_tile(tile)) softmax(Flag<false>{}, tile, corr);
+                else softmax(Flag<true>{}, tile, corr);
+            };
+            // P of the scored tile as the A fragments of the 16-key steps: chunks 2kk and 2kk + 1.
+            auto pack_p = [&]() {
+#pragma unroll
+                for (int kk = 0; kk < VS; ++kk) {
+                    pa[kk][0] = pack_bf16x2(sc[8 * kk], sc[8 * kk + 1]);
+                    pa[kk][1] = pack_bf16x2(sc[8 * kk + 2], sc[8 * kk + 3]);
+                    pa[kk][2] = pack_bf16x2(sc[8 * kk + 4], sc[8 * kk + 5]);
+                    pa[kk][3] = pack_bf16x2(sc[8 * kk + 6], sc[8 * kk + 7]);
+                }
+            };
+            auto rescale_o = [&](const float corr[2]) {
+#pragma unroll
+                for (int j = 0; j < NO; ++j) {
+                    o[4 * j] *= corr[0];
+                    o[4 * j + 1] *= corr[0];
+                    o[4 * j + 2] *= corr[1];
+                    o[4 * j + 3] *= corr[1];
+                }
+            };
+            auto release = [&](uint32_t bar) {
+                __syncwarp();
+                if (lane == 0) mbar_arrive(bar);
+            };
+
+            // Software pipeline (FlashAttention-3's intra-warpgroup overlap): while tile i's
+            // softmax runs on the CUDA cores, tile i - 1's P·V runs on the tensor cores.
+            // Tile 0: S, its softmax (O is zero: no rescale).
+            float corr[2];
+            mbar_wait(full_k(gt % ST), (gt / ST) & 1);
+            issue_s(gt);
+            wgmma_wait<0>();
+            fence_regs(sc);
+            release(empty_k(gt % ST));
+            softmax_tile(tile_first, corr);
+            pack_p();
+            for (int i = 1; i < n_tiles; ++i) {
+                const int j = gt + i;
+                const int s = j % ST, sp = (j - 1) % ST;
+                mbar_wait(full_k(s), (j / ST) & 1);
+                issue_s(j);
+                mbar_wait(full_v(sp), ((j - 1) / ST) & 1);
+                issue_pv(j - 1);
+                wgmma_wait<1>();  // S of tile i done (groups retire in order); P·V of i - 1 may run
+                fence_regs(sc);
+                release(empty_k(s));
+                softmax_tile(tile_first + i, corr);
+                wgmma_wait<0>();  // P·V of tile i - 1 done: pa and o are free
+                fence_regs(o);
+                release(empty_v(sp));
+                rescale_o(corr);
+                pack_p();
+            }
+            {
+                const int j = gt + n_tiles - 1;
+                const int sp = j % ST;
+                mbar_wait(full_v(sp), (j / ST) & 1);
+                issue_pv(j);
+                wgmma_wait<0>();
+                fence_regs(o);
+                release(empty_v(sp));
+            }
+            gt += n_tiles;
+
+            // O / l per row.
+            OUT* ob = reinterpret_cast<OUT*>(a.out) + (long long)it.seq * n_tokens * a.out_stride + (long long)it.h * D;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float l = l_run[r];
+                l += __shfl_xor_sync(0xffffffffu, l, 1);
+                l += __shfl_xor_sync(0xffffffffu, l, 2);
+                const float inv = 1.0f / l;
+                const int t = row_w + g + 8 * r;
+                if (t >= n_tokens) continue;
+                OUT* orow = ob + (long long)t * a.out_stride + cq;
+#pragma unroll
+                for (int j = 0; j < NO; ++j) store2<OUT>(orow + 8 * j, o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
             }
         }
-        float base_r[2], rs[2] = {0.f, 0.f};
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            base_r[r] = mx[r] == -INFINITY ? 0.f : mx[r];  // a row with nothing visible yet
-            corr[r] = exp2_approx(m_run[r] - base_r[r]);    // 0 while m_run is -inf
-            m_run[r] = mx[r];
-        }
-#pragma unroll
-        for (int j = 0; j < NS; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float p = exp2_approx(sc[4 * j + e] - base_r[e >> 1]);
-                sc[4 * j + e] = p;
-                rs[e >> 1] += p;
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * corr[r] + rs[r];
     };
-    // P of the scored tile as the A fragments of the 16-key steps: chunks 2kk and 2kk + 1.
-    auto pack_p = [&]() {
-#pragma unroll
-        for (int kk = 0; kk < VS; ++kk) {
-            pa[kk][0] = pack_bf16x2(sc[8 * kk], sc[8 * kk + 1]);
-            pa[kk][1] = pack_bf16x2(sc[8 * kk + 2], sc[8 * kk + 3]);
-            pa[kk][2] = pack_bf16x2(sc[8 * kk + 4], sc[8 * kk + 5]);
-            pa[kk][3] = pack_bf16x2(sc[8 * kk + 6], sc[8 * kk + 7]);
-        }
-    };
-    auto rescale_o = [&](const float corr[2]) {
-#pragma unroll
-        for (int j = 0; j < NO; ++j) {
-            o[4 * j] *= corr[0];
-            o[4 * j + 1] *= corr[0];
-            o[4 * j + 2] *= corr[1];
-            o[4 * j + 3] *= corr[1];
-        }
-    };
-    auto release = [&](uint32_t bar) {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bar);
-    };
-
-    // Software pipeline (FlashAttention-3's intra-warpgroup overlap): while tile i's
-    // softmax runs on the CUDA cores, tile i - 1's P·V runs on the tensor cores.
-    // Tile 0: S, its softmax (O is zero: no rescale).
-    float corr[2];
-    mbar_wait(full_k(0), 0);
-    issue_s(0);
-    wgmma_wait<0>();
-    fence_regs(sc);
-    release(empty_k(0));
-    softmax(tile_first, corr);
-    pack_p();
-    for (int i = 1; i < n_tiles; ++i) {
-        const int s = i % ST, sp = (i - 1) % ST;
-        mbar_wait(full_k(s), (i / ST) & 1);
-        issue_s(i);
-        mbar_wait(full_v(sp), ((i - 1) / ST) & 1);
-        issue_pv(i - 1);
-        wgmma_wait<1>();  // S of tile i done (groups retire in order); P·V of i - 1 may run
-        fence_regs(sc);
-        release(empty_k(s));
-        softmax(tile_first + i, corr);
-        wgmma_wait<0>();  // P·V of tile i - 1 done: pa and o are free
-        fence_regs(o);
-        release(empty_v(sp));
-        rescale_o(corr);
-        pack_p();
-    }
-    {
-        const int sp = (n_tiles - 1) % ST;
-        mbar_wait(full_v(sp), ((n_tiles - 1) / ST) & 1);
-        issue_pv(n_tiles - 1);
-        wgmma_wait<0>();
-        fence_regs(o);
-        release(empty_v(sp));
-    }
-
-    // O / l per row.
-    OUT* ob = reinterpret_cast<OUT*>(a.out) + (long long)seq * n_tokens * a.out_stride + (long long)h * D;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float l = l_run[r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = 1.0f / l;
-        const int t = row_w + g + 8 * r;
-        if (t >= n_tokens) continue;
-        OUT* orow = ob + (long long)t * a.out_stride + cq;
-#pragma unroll
-        for (int j = 0; j < NO; ++j) store2<OUT>(orow + 8 * j, o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-    }
+    if (cap > 0.f) consume(Flag<true>{});
+    else consume(Flag<false>{});
 }
 }  // namespace attn3
 

@@ -578,7 +578,7 @@ struct AttnWgmmaArgs {
     int window;  // 0 = full causal
     float scale;
     float softcap;  // 0 = none
-    int pad_;
+    int n_seqs;     // windows of the pass (the persistent grid walks n_qt * n_heads * n_seqs items)
 };
 static_assert(sizeof(AttnWgmmaArgs) == 384 && alignof(AttnWgmmaArgs) == 128, "AttnWgmmaArgs layout (ops::AttnWgmmaArgs)");
 // --- end attn ---

@@ -11,8 +11,10 @@
 //                   (logit descending, id ascending); k <= 64 (0 skips it).
 // The host forms log p(target) = target_logit - row_max - ln(row_sumexp) in f64.
 //
-// Algorithm: one block of 512 threads per row. Pass 1 max, pass 2 sum of exp
-// (both strided over the row, block reductions). Top-k: radix select of the
+// Algorithm: one block of 512 threads per row. One pass gives max and sum of
+// exp (online: per-thread running max and f64 sum, rescaled as the max grows,
+// float4 loads; block reductions; the row is read once, where the two-pass
+// version, max then sum, read it twice). Top-k: radix select of the
 // k-th largest key (floats mapped to order-preserving u32) in 4 passes of 8
 // bits with a 256-bin shared histogram; then one ordered pass collects every
 // key above the threshold and the lowest-id keys equal to it (block-wide
@@ -29,6 +31,17 @@
 __device__ __forceinline__ uint32_t order_key(float f) {
     const uint32_t u = __float_as_uint(f);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Adds x to a running (max m, sum s of exp(v - m)); -inf adds nothing, NaN
+// makes s NaN (as exp(NaN - max) does in the sum).
+__device__ __forceinline__ void lmh_online(float& m, double& s, float x) {
+    if (x > m) {
+        s = s * exp((double)m - (double)x) + 1.0;
+        m = x;
+    } else if (x != -INFINITY) {
+        s += exp((double)x - (double)m);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(LMH_THREADS)
@@ -51,13 +64,28 @@ extern "C" __global__ void __launch_bounds__(LMH_THREADS)
     const int lane = tid & 31, warp = tid >> 5;
     const float* row = logits + r * ld;
 
-    float mx = -INFINITY;
-    for (int i = tid; i < n_vocab; i += LMH_THREADS) mx = fmaxf(mx, row[i]);
-    mx = block_max(mx, scratch_f);
-
-    double se = 0.0;
-    for (int i = tid; i < n_vocab; i += LMH_THREADS) se += exp((double)row[i] - (double)mx);
-    se = block_sum(se, scratch_d);
+    // One pass over the row: each thread keeps a running max m and sum s of
+    // exp(x - m) (f64), rescaled when m grows; float4 loads when the row is
+    // 16-byte aligned. Then the block max M (exact, order-free) and the sum of
+    // s * exp(m - M). Same max, sum within f64 rounding of the two-pass form.
+    float m = -INFINITY;
+    double s = 0.0;
+    if ((reinterpret_cast<uintptr_t>(row) & 15) == 0) {
+        const float4* row4 = reinterpret_cast<const float4*>(row);
+        const int n4 = n_vocab >> 2;
+        for (int i = tid; i < n4; i += LMH_THREADS) {
+            const float4 v = row4[i];
+            lmh_online(m, s, v.x);
+            lmh_online(m, s, v.y);
+            lmh_online(m, s, v.z);
+            lmh_online(m, s, v.w);
+        }
+        for (int i = (n4 << 2) + tid; i < n_vocab; i += LMH_THREADS) lmh_online(m, s, row[i]);
+    } else {
+        for (int i = tid; i < n_vocab; i += LMH_THREADS) lmh_online(m, s, row[i]);
+    }
+    const float mx = block_max(m, scratch_f);
+    const double se = block_sum(m == -INFINITY ? 0.0 : s * exp((double)m - (double)mx), scratch_d);
 
     if (tid == 0) {
         row_max[r] = mx;

@@ -244,9 +244,6 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
     let checkpoints = match &cfg.resume {
         None => None,
         Some(dir) => {
-            if artifact.meta.hparams.moe.is_some() {
-                bail!("--resume {}: not supported yet for mixture-of-experts models (the expert-usage counts are not checkpointed per window)", dir.display());
-            }
             let execution = report.execution.as_ref().context("execution is recorded before scoring")?;
             let plan = ResumePlan {
                 save_top_tokens: cfg.save_top_tokens.is_some(),
@@ -263,8 +260,11 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
                     .map(|s| PlanStream { name: s.name.clone(), token_ids_sha256: s.token_ids_sha256.clone(), n_windows: s.windows.len() })
                     .collect(),
             };
-            let c = Checkpoints::open(dir, &plan)?;
+            let c = Checkpoints::open(dir, &plan, artifact.meta.hparams.moe.is_some())?;
             info!("--resume {}: {} of {} windows already scored", dir.display(), c.n_done(), streams.iter().map(|s| s.windows.len()).sum::<usize>());
+            if c.n_orphans() > 0 {
+                info!("--resume {}: {} checkpoints of passes cut short are scored again (their expert counts were not saved)", dir.display(), c.n_orphans());
+            }
             Some(c)
         }
     };
@@ -322,8 +322,10 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
     };
     let scoring_seconds = t_score.elapsed().as_secs_f64();
     // Before the noise-floor rescoring, which would count its windows again.
+    // --resume: the passes read back count too.
     let usages: Vec<_> = std::iter::once(&scorer).chain(scorers.iter()).map(|s| s.expert_usage()).collect();
-    report.results.expert_usage = ExpertUsage::sum(usages.iter().map(Option::as_ref))?;
+    let resumed = checkpoints.as_ref().and_then(Checkpoints::resumed_usage);
+    report.results.expert_usage = ExpertUsage::sum(usages.iter().map(Option::as_ref).chain([resumed]))?;
     if let Some(n) = cfg.verify_invariance {
         let v = verify_invariance(n, &streams, &window_results, scorer.as_mut(), bos, cfg.prefill_chunk, n_seqs, meta.hparams.n_vocab)?;
         info!(
@@ -777,6 +779,8 @@ fn score_streams(
                 .zip(&extra_ids)
                 .map(|((w, t), e)| WindowInput { tokens: t, first_target: w.first_target - w.begin, extra_ids: e })
                 .collect();
+            // --resume: the pass's expert counts (mixture-of-experts models) go with its checkpoints.
+            let usage_before = if checkpoints.is_some() { scorer.expert_usage() } else { None };
             let t = Instant::now();
             let batch_scores = scorer.score_windows(&inputs, &opts).with_context(|| match batch {
                 [w] => at(w),
@@ -785,17 +789,21 @@ fn score_streams(
             })?;
             // The batch's wall time, shared evenly by its windows.
             let seconds = t.elapsed().as_secs_f64() / batch.len() as f64;
+            let n_before = results.len();
             for ((w, tokens), scores) in batch.iter().zip(&tokens).zip(batch_scores) {
                 let window_kl = match top_tokens.as_mut() {
                     Some(t) => t.end_window(si, &s.name, w, &scores).with_context(|| at(w))?,
                     None => None,
                 };
                 let nll: Vec<f64> = scores.iter().map(|r| r.nll).collect();
-                let result = window_result(s, w, tokens, nll, seconds, window_kl);
-                if let Some(c) = checkpoints {
-                    c.save(si, &s.name, &result)?;
-                }
-                results.push(result);
+                results.push(window_result(s, w, tokens, nll, seconds, window_kl));
+            }
+            if let Some(c) = checkpoints {
+                let usage = match &usage_before {
+                    Some(before) => Some(scorer.expert_usage().context("expert usage after a pass")?.since(before)?),
+                    None => None,
+                };
+                c.save_pass(si, &s.name, &results[n_before..], usage)?;
             }
             // Once per pass, after all its windows: the line counts every finished window.
             on_event(Event::Pass { stream: &s.name, n_scored: batch.iter().map(Window::scored).sum::<usize>() });

@@ -21,7 +21,16 @@
 //! joined from them at the end (`score::topk::join_files`); with
 //! `--kl-reference` a checkpoint holds the window's KL record and its
 //! per-position detail, so the resumed KL figures are the uninterrupted
-//! run's too. It does not score anything; `evaluate` calls it.
+//! run's too.
+//!
+//! Mixture-of-experts models: the expert-usage counts are the backend's, per
+//! batched pass (the windows scored together), not per window. The last
+//! window saved of each pass carries the pass's counts and the list of its
+//! windows ([`BatchUsage`]); on resume a window counts as scored only if the
+//! checkpoint of its pass's carrier is there with all of the pass's windows,
+//! so the resumed counts (carriers' sums plus the new passes') are those of
+//! an uninterrupted run, and a pass cut short is scored again whole. It does
+//! not score anything; `evaluate` calls it.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -30,6 +39,7 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::ExecutionSpec;
+use crate::model::ExpertUsage;
 use crate::report::{WindowResult, Workload};
 use crate::util::json::first_difference;
 
@@ -67,12 +77,27 @@ pub struct PlanStream {
 struct Checkpoint {
     stream: String,
     window: WindowResult,
+    /// Mixture-of-experts models: set on the last window saved of a pass.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    batch_usage: Option<BatchUsage>,
+}
+
+/// The expert-usage counts of one batched pass and the windows it scored
+/// (indices within the carrier's stream).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct BatchUsage {
+    windows: Vec<usize>,
+    usage: ExpertUsage,
 }
 
 /// The checkpoints of one run folder.
 pub struct Checkpoints {
     dir: PathBuf,
     done: HashMap<(usize, usize), WindowResult>,
+    /// Mixture-of-experts models: the counts of every pass read back.
+    resumed_usage: Option<ExpertUsage>,
+    /// Checkpoints left out because their pass was cut short.
+    n_orphans: usize,
 }
 
 fn window_file(dir: &Path, stream: usize, window: usize) -> PathBuf {
@@ -88,8 +113,9 @@ pub fn top_tokens_file(dir: &Path, stream: usize, window: usize) -> PathBuf {
 
 impl Checkpoints {
     /// Opens (or starts) `dir` for `plan`: refuses a folder of another plan,
-    /// reads every checkpoint of this one.
-    pub fn open(dir: &Path, plan: &ResumePlan) -> Result<Self> {
+    /// reads every checkpoint of this one. `moe`: the model routes experts, so
+    /// only windows of complete passes count ([`BatchUsage`]).
+    pub fn open(dir: &Path, plan: &ResumePlan, moe: bool) -> Result<Self> {
         let plan_path = dir.join(PLAN_FILE);
         let ours = serde_json::to_value(plan).context("serialize the resume plan")?;
         if plan_path.exists() {
@@ -116,10 +142,41 @@ impl Checkpoints {
                 if c.stream != s.name || c.window.index != wi {
                     bail!("--resume checkpoint {}: holds stream '{}' window {}, not '{}' window {wi}", p.display(), c.stream, c.window.index, s.name);
                 }
-                done.insert((si, wi), c.window);
+                done.insert((si, wi), (c.window, c.batch_usage));
             }
         }
-        Ok(Self { dir: dir.to_path_buf(), done })
+        let (mut resumed_usage, mut complete) = (None, std::collections::HashSet::new());
+        if moe {
+            for (&(si, wi), (_, batch)) in &done {
+                let Some(b) = batch else { continue };
+                if !b.windows.contains(&wi) {
+                    bail!("--resume checkpoint {}: carries the expert counts of a pass without itself", window_file(dir, si, wi).display());
+                }
+                // A carrier is saved after the rest of its pass, so the rest is there unless removed since.
+                if b.windows.iter().all(|w| done.contains_key(&(si, *w))) {
+                    complete.extend(b.windows.iter().map(|w| (si, *w)));
+                    match &mut resumed_usage {
+                        None => resumed_usage = Some(b.usage.clone()),
+                        Some(u) => u.add(&b.usage).with_context(|| format!("--resume checkpoint {}", window_file(dir, si, wi).display()))?,
+                    }
+                }
+            }
+        }
+        let n_read = done.len();
+        let done: HashMap<_, _> = done.into_iter().filter(|(k, _)| !moe || complete.contains(k)).map(|(k, (w, _))| (k, w)).collect();
+        Ok(Self { dir: dir.to_path_buf(), n_orphans: n_read - done.len(), done, resumed_usage })
+    }
+
+    /// Checkpoints read but left out: windows of a pass whose carrier
+    /// (mixture-of-experts models) is missing, to be scored again.
+    pub fn n_orphans(&self) -> usize {
+        self.n_orphans
+    }
+
+    /// Mixture-of-experts models: the expert-usage counts of the passes read
+    /// back (`None` when none was, or for a dense model).
+    pub fn resumed_usage(&self) -> Option<&ExpertUsage> {
+        self.resumed_usage.as_ref()
     }
 
     /// Windows read back from the folder.
@@ -137,11 +194,18 @@ impl Checkpoints {
         &self.dir
     }
 
-    /// Records a finished window (atomically).
-    pub fn save(&self, stream: usize, name: &str, w: &WindowResult) -> Result<()> {
-        let c = Checkpoint { stream: name.to_string(), window: w.clone() };
-        let json = serde_json::to_vec(&c).context("serialize a checkpoint")?;
-        crate::util::fs::write_atomic(&window_file(&self.dir, stream, w.index), &json)
-            .with_context(|| format!("--resume {}: checkpoint of stream '{name}' window {}", self.dir.display(), w.index))
+    /// Records the windows of one finished pass (each atomically); with
+    /// `usage` (mixture-of-experts models, the pass's expert counts) the last
+    /// one saved carries it.
+    pub fn save_pass(&self, stream: usize, name: &str, windows: &[WindowResult], usage: Option<ExpertUsage>) -> Result<()> {
+        let mut usage = usage.map(|usage| BatchUsage { windows: windows.iter().map(|w| w.index).collect(), usage });
+        for (i, w) in windows.iter().enumerate() {
+            let batch_usage = if i + 1 == windows.len() { usage.take() } else { None };
+            let c = Checkpoint { stream: name.to_string(), window: w.clone(), batch_usage };
+            let json = serde_json::to_vec(&c).context("serialize a checkpoint")?;
+            crate::util::fs::write_atomic(&window_file(&self.dir, stream, w.index), &json)
+                .with_context(|| format!("--resume {}: checkpoint of stream '{name}' window {}", self.dir.display(), w.index))?;
+        }
+        Ok(())
     }
 }

@@ -1213,44 +1213,54 @@ fn row_stats(row: &[f32]) -> (f32, f64) {
 fn lmhead_reduce_exact_with_ties() {
     let Some(dev) = device() else { return };
     let mut rng = rng_for("lmhead_reduce");
-    let (n_rows, n_vocab, ld) = (9, 50_123, 50_200);
-    // Logits on a coarse grid so exact ties are everywhere, plus a row of all-equal values.
-    let mut logits: Vec<f32> = (0..n_rows * ld).map(|_| (twin::normal(&mut rng) * 8.0).round() / 4.0).collect();
-    for v in &mut logits[3 * ld..3 * ld + n_vocab] {
-        *v = 0.5;
-    }
-    let targets: Vec<i32> = (0..n_rows as i32).map(|r| if r == 4 { -1 } else { rng.gen_range(0..n_vocab as i32) }).collect();
-    let ld_d = dev.upload(&logits).unwrap();
-    let td = dev.upload(&targets).unwrap();
-    for k in [64usize, 7, 1, 0] {
-        let mut out = LmHeadOut::new(dev, n_rows, k).unwrap();
-        // poison the outputs
-        dev.copy_to_device(&vec![f32::NAN; n_rows], &mut out.row_max).unwrap();
-        dev.copy_to_device(&vec![f64::NAN; n_rows], &mut out.row_sumexp).unwrap();
-        dev.copy_to_device(&vec![f32::NAN; n_rows], &mut out.target_logit).unwrap();
-        dev.copy_to_device(&vec![i32::MIN; n_rows * k], &mut out.topk_ids).unwrap();
-        dev.copy_to_device(&vec![f32::NAN; n_rows * k], &mut out.topk_logits).unwrap();
-        ops::lmhead_reduce(dev, ld_d.view(), n_rows, n_vocab, ld, td.view(), &mut out, 0).unwrap();
-        let h = out.download(dev).unwrap();
-        let mut max_rel_se = 0f64;
-        for r in 0..n_rows {
-            let row = &logits[r * ld..r * ld + n_vocab];
-            let (mx, se) = row_stats(row);
-            assert_eq!(h.row_max[r], mx, "row {r}: max");
-            let rel = (h.row_sumexp[r] - se).abs() / se;
-            max_rel_se = max_rel_se.max(rel);
-            assert!(rel < 1e-12, "row {r}: sumexp gpu {} cpu {se} (rel {rel:.2e})", h.row_sumexp[r]);
-            let t = targets[r];
-            if t < 0 {
-                assert!(h.target_logit[r].is_nan(), "row {r}: no target must give NaN");
-            } else {
-                assert_eq!(h.target_logit[r], row[t as usize], "row {r}: target logit");
-            }
-            let want = twin::topk(row, k);
-            let got: Vec<(i32, f32)> = (0..k).map(|i| (h.topk_ids[r * k + i], h.topk_logits[r * k + i])).collect();
-            assert_eq!(got, want, "row {r}: top-{k} (ordered by logit desc, id asc)");
+    let (n_rows, n_vocab) = (9, 50_123);
+    // ld 50_200: 16-byte aligned rows (the float4 loads, then a scalar tail of 3);
+    // ld 50_201: unaligned rows (the scalar loop).
+    for ld in [50_200usize, 50_201] {
+        // Logits on a coarse grid so exact ties are everywhere, plus a row of all-equal
+        // values and a row with some -inf entries (they add nothing to the sum of exp).
+        let mut logits: Vec<f32> = (0..n_rows * ld).map(|_| (twin::normal(&mut rng) * 8.0).round() / 4.0).collect();
+        for v in &mut logits[3 * ld..3 * ld + n_vocab] {
+            *v = 0.5;
         }
-        println!("PARITY lmhead_reduce k={k:<2} rows={n_rows} vocab={n_vocab}: max/target/top-k exact, sumexp max rel err {max_rel_se:.2e}");
+        for i in [0, 1, 17, 4_000, n_vocab - 1] {
+            logits[5 * ld + i] = f32::NEG_INFINITY;
+        }
+        let targets: Vec<i32> = (0..n_rows as i32).map(|r| if r == 4 { -1 } else { rng.gen_range(0..n_vocab as i32) }).collect();
+        let ld_d = dev.upload(&logits).unwrap();
+        let td = dev.upload(&targets).unwrap();
+        for k in [64usize, 7, 1, 0] {
+            let mut out = LmHeadOut::new(dev, n_rows, k).unwrap();
+            // poison the outputs
+            dev.copy_to_device(&vec![f32::NAN; n_rows], &mut out.row_max).unwrap();
+            dev.copy_to_device(&vec![f64::NAN; n_rows], &mut out.row_sumexp).unwrap();
+            dev.copy_to_device(&vec![f32::NAN; n_rows], &mut out.target_logit).unwrap();
+            dev.copy_to_device(&vec![i32::MIN; n_rows * k], &mut out.topk_ids).unwrap();
+            dev.copy_to_device(&vec![f32::NAN; n_rows * k], &mut out.topk_logits).unwrap();
+            ops::lmhead_reduce(dev, ld_d.view(), n_rows, n_vocab, ld, td.view(), &mut out, 0).unwrap();
+            let h = out.download(dev).unwrap();
+            let mut max_rel_se = 0f64;
+            for r in 0..n_rows {
+                let row = &logits[r * ld..r * ld + n_vocab];
+                let (mx, se) = row_stats(row);
+                assert_eq!(h.row_max[r], mx, "row {r}: max");
+                let rel = (h.row_sumexp[r] - se).abs() / se;
+                max_rel_se = max_rel_se.max(rel);
+                assert!(rel < 1e-12, "row {r}: sumexp gpu {} cpu {se} (rel {rel:.2e})", h.row_sumexp[r]);
+                let t = targets[r];
+                if t < 0 {
+                    assert!(h.target_logit[r].is_nan(), "row {r}: no target must give NaN");
+                } else {
+                    assert_eq!(h.target_logit[r], row[t as usize], "row {r}: target logit");
+                }
+                let want = twin::topk(row, k);
+                let got: Vec<(i32, f32)> = (0..k).map(|i| (h.topk_ids[r * k + i], h.topk_logits[r * k + i])).collect();
+                assert_eq!(got, want, "row {r}: top-{k} (ordered by logit desc, id asc)");
+            }
+            println!(
+                "PARITY lmhead_reduce k={k:<2} rows={n_rows} vocab={n_vocab} ld={ld}: max/target/top-k exact, sumexp max rel err {max_rel_se:.2e}"
+            );
+        }
     }
 }
 
@@ -1974,8 +1984,9 @@ struct DeltaCase {
 /// `Backend::delta_net` on CUDA (kernels/delta_net.cu, src/backend/cuda/delta_net.rs)
 /// against the CPU backend's op, its definition (the exact recurrence in f64):
 /// several windows side by side, run in passes of 7, 1 and the rest with the
-/// recurrent state and the convolution history carried by the seam's
-/// `RecurrentState`; shapes with d_v below a warp and not a multiple of it,
+/// recurrent state and the convolution history carried by the backend
+/// (`Backend::Recurrent`: device memory on CUDA, read back once at the end);
+/// shapes with d_v below a warp and not a multiple of it,
 /// grouped value heads, and a 128 x 128 state (the model's, 130 KiB of shared
 /// memory). Outputs within the f32 rule of a few roundings, carried states
 /// within 1e-12 of their RMS; the same windows in one CUDA pass give the same
@@ -2036,7 +2047,7 @@ fn delta_net_exact_recurrence_against_the_cpu_backend() {
             let v: Vec<B::Vector> = vecs.iter().map(|(e, by)| b.load_vector(&TensorView { entry: e, bytes: by }).unwrap()).collect();
             let mut v = v.into_iter();
             let w = DeltaNetWeights { conv: v.next().unwrap(), a: v.next().unwrap(), dt_bias: v.next().unwrap(), norm: v.next().unwrap() };
-            let mut states = vec![RecurrentState::new(p); c.n_seqs];
+            let mut states = b.new_recurrent(p, c.n_seqs).unwrap();
             let vd = p.n_v_heads * p.d_v;
             let mut out = vec![f32::NAN; c.n_seqs * c.n_tokens * vd];
             for pass in bounds.windows(2) {
@@ -2053,7 +2064,7 @@ fn delta_net_exact_recurrence_against_the_cpu_backend() {
                     out[(s * c.n_tokens + t) * vd..][..vd].copy_from_slice(row);
                 }
             }
-            (out, states)
+            (out, b.recurrent_states(&states).unwrap())
         }
         let cpu_act = |r: usize, cols: usize, v: Vec<f32>| CpuTensor::new(r, cols, v).unwrap();
         let gpu_act = |r: usize, cols: usize, v: Vec<f32>| cuda.upload_act(r, cols, &v).unwrap();

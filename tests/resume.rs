@@ -66,3 +66,63 @@ fn interrupted_then_resumed_equals_uninterrupted() {
     assert!(!t.path().join("r3").exists());
     assert_eq!(std::fs::read(ck.join("plan.json")).unwrap(), before);
 }
+
+/// A mixture-of-experts model (the tiny synthetic qwen3moe, two windows per
+/// pass): the expert-usage counts of a resumed run are an uninterrupted
+/// run's. Removing a pass's carrier (its last window's checkpoint, which
+/// holds the pass's counts) makes the resumed run score that whole pass
+/// again; removing another pass's first window leaves its carrier without
+/// the pass, which is scored again too.
+#[test]
+fn resumed_moe_run_keeps_the_expert_counts() {
+    use infernix_perplexity::convert::synthetic::{moe_geometry, write_synthetic_moe};
+    use infernix_perplexity::artifact::TensorFormat;
+    let t = tempfile::tempdir().unwrap();
+    let model = t.path().join("moe.ninfer");
+    write_synthetic_moe(&moe_geometry("qwen3moe-tiny").unwrap(), TensorFormat::Q4_0, 11, &common::model(common::SMOLLM2_GGUF), &model, None).unwrap();
+    let run = |out: &Path, resume: Option<&Path>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_infernix-perplexity"));
+        c.arg(&model).args(FLAGS).args(["--batch-tokens", "128", "--log-level=info", "--output"]).arg(out);
+        if let Some(dir) = resume {
+            c.arg("--resume").arg(dir);
+        }
+        let o = c.output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{err}");
+        err
+    };
+    let (ck, whole, first, again) = (t.path().join("ck"), t.path().join("whole"), t.path().join("first"), t.path().join("again"));
+    run(&whole, None);
+    run(&first, Some(&ck));
+    let single = common::reports::read_json(&whole);
+    let usage = &single["results"]["expert_usage"];
+    assert!(usage["rows"].as_u64().unwrap() > 0, "{usage}");
+    assert_eq!(common::reports::without_wall_times(common::reports::read_json(&first)), common::reports::without_wall_times(single.clone()));
+
+    // The carriers: checkpoints holding a pass's counts, and the windows (files) of each pass.
+    let mut passes: Vec<Vec<String>> = Vec::new();
+    for e in std::fs::read_dir(ck.join("windows")).unwrap() {
+        let path = e.unwrap().path();
+        if path.extension().is_some_and(|x| x == "json") {
+            let c: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+            if let Some(b) = c.get("batch_usage") {
+                let stream = path.file_name().unwrap().to_string_lossy().split('-').next().unwrap().to_string();
+                passes.push(b["windows"].as_array().unwrap().iter().map(|w| format!("{stream}-{w}.json")).collect());
+            }
+        }
+    }
+    passes.sort();
+    assert!(passes.iter().filter(|p| p.len() == 2).count() >= 2, "two windows per pass: {passes:?}");
+    assert_eq!(passes.iter().map(Vec::len).sum::<usize>(), 10, "every window in exactly one pass: {passes:?}");
+    let (a, b) = (&passes[0], &passes.iter().find(|p| p.len() == 2 && *p != &passes[0]).unwrap());
+    std::fs::remove_file(ck.join("windows").join(&a[a.len() - 1])).unwrap();
+    std::fs::remove_file(ck.join("windows").join(&b[0])).unwrap();
+    let err = run(&again, Some(&ck));
+    let n_kept = 10 - a.len() - b.len();
+    assert!(err.contains(&format!("{n_kept} of 10 windows already scored")), "{err}");
+    assert!(err.contains(&format!("{} checkpoints of passes cut short", a.len() + b.len() - 2)), "{err}");
+    assert_eq!(n_checkpoints(&ck), 10);
+    let resumed = common::reports::read_json(&again);
+    assert_eq!(resumed["results"]["expert_usage"], *usage);
+    assert_eq!(common::reports::without_wall_times(resumed), common::reports::without_wall_times(single));
+}

@@ -3,34 +3,13 @@
 no tensors: the tokenizer source `ninfer-convert --synthetic` needs, small
 enough to carry. Usage: gguf_tokenizer_only.py IN.gguf OUT.gguf"""
 import struct, sys
+from pathlib import Path
 
-SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-def skip_value(b, at, t):
-    if t in SIZES:
-        return at + SIZES[t]
-    if t == 8:  # string
-        (n,) = struct.unpack_from("<Q", b, at)
-        return at + 8 + n
-    if t == 9:  # array
-        (it, n) = struct.unpack_from("<IQ", b, at)
-        at += 12
-        if it in SIZES:
-            return at + n * SIZES[it]
-        for _ in range(n):
-            at = skip_value(b, at, it)
-        return at
-    raise ValueError(f"GGUF value type {t}")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from gguf_header import read_header  # noqa: E402
 
 b = open(sys.argv[1], "rb").read()
-magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", b, 0)
-assert magic == b"GGUF", magic
-at = 24
-for _ in range(n_kv):
-    (n,) = struct.unpack_from("<Q", b, at)
-    at += 8 + n
-    (t,) = struct.unpack_from("<I", b, at)
-    at = skip_value(b, at + 4, t)
+n_kv, at, _n_tensors, _infos, _data = read_header(b)
 out = bytearray(b[:at])
 struct.pack_into("<Q", out, 8, 0)  # no tensors
 out += b"\0" * ((-len(out)) % 32)

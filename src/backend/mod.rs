@@ -325,8 +325,10 @@ impl DeltaNetParams {
 
 /// The state a Gated DeltaNet layer carries from one prefill pass of a
 /// window to the next, as attention carries its KV cache: the last
-/// `conv_kernel - 1` convolution inputs and the recurrent state. Host memory,
-/// in f64 for the state (the CPU oracle's precision). Zero at a window's start.
+/// `conv_kernel - 1` convolution inputs and the recurrent state, in f64 for
+/// the state (the CPU oracle's precision). Zero at a window's start. The CPU
+/// backend holds these; CUDA holds the same values in device memory
+/// ([`Backend::Recurrent`]) and gives them back as these.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RecurrentState {
     /// `(conv_kernel - 1, conv_channels)`
@@ -364,6 +366,10 @@ pub trait Backend {
     type Vector;
     /// K and V for every layer of one window.
     type KvCache;
+    /// What one Gated DeltaNet layer carries from one prefill pass to the
+    /// next for every window of the pass ([`RecurrentState`] each), kept
+    /// where the backend computes (device memory on CUDA).
+    type Recurrent;
 
     /// A short description for logs and reports (`cpu (2 threads)`).
     fn describe(&self) -> String;
@@ -373,6 +379,20 @@ pub trait Backend {
     /// Loads a 1-D weight as f32.
     fn load_vector(&self, view: &TensorView) -> Result<Self::Vector>;
     fn new_kv_cache(&self, geometry: KvGeometry) -> Result<Self::KvCache>;
+
+    /// Zero recurrent state (a window's start) for `n_seqs` windows of a
+    /// Gated DeltaNet layer of shape `p`. The default refuses, as
+    /// [`delta_net`](Self::delta_net) does.
+    fn new_recurrent(&self, p: &DeltaNetParams, n_seqs: usize) -> Result<Self::Recurrent> {
+        let _ = (p, n_seqs);
+        bail!("{}: Gated DeltaNet linear attention (qwen3next) is not supported on this backend: use --backend cpu", self.describe())
+    }
+
+    /// The carried states of `r`, one per window, on the host (for tests and checks).
+    fn recurrent_states(&self, r: &Self::Recurrent) -> Result<Vec<RecurrentState>> {
+        let _ = r;
+        bail!("{}: Gated DeltaNet linear attention (qwen3next) is not supported on this backend: use --backend cpu", self.describe())
+    }
 
     /// Rows `tokens[i]` of `table`, times `scale`. -> `(n_tokens, n_in)`.
     fn embed(&self, table: &Self::Matrix, tokens: &[u32], scale: f64) -> Result<Self::Act>;
@@ -484,7 +504,8 @@ pub trait Backend {
     /// `qkv`, `beta = sigmoid(b)`, `g = A * softplus(alpha + dt_bias)`, the
     /// gated delta rule with L2-normed q and k, then per value head
     /// `norm · rmsnorm(o) · silu(z)`. Window `s` of the pass reads and updates
-    /// `states[s]`. -> `(n, n_v_heads * d_v)`, before the out-projection.
+    /// its state in `states` ([`new_recurrent`](Self::new_recurrent)).
+    /// -> `(n, n_v_heads * d_v)`, before the out-projection.
     /// The default refuses (the CPU and CUDA backends implement it).
     #[allow(clippy::too_many_arguments)]
     fn delta_net(
@@ -494,7 +515,7 @@ pub trait Backend {
         _ba: &Self::Act,
         _w: &DeltaNetWeights<Self::Vector>,
         _p: &DeltaNetParams,
-        _states: &mut [RecurrentState],
+        _states: &mut Self::Recurrent,
         _rows: PassRows,
     ) -> Result<Self::Act> {
         bail!("{}: Gated DeltaNet linear attention (qwen3next) is not supported on this backend: use --backend cpu", self.describe())

@@ -51,7 +51,7 @@ use crate::artifact::{Artifact, TensorView};
 use crate::backend::cuda::{CudaBackend, Route};
 use crate::backend::{
     AttnParams, Backend, BackendKind, DeviceMemory, ExecutionInfo, Expert, HeadRequest, KvGeometry, MoeRouting, PassRows, Precision,
-    RecurrentState, RopeParams, Yarn, MAX_TOP_K,
+    RopeParams, Yarn, MAX_TOP_K,
 };
 use hybrid::{DeltaNetLayer, SharedExpert};
 
@@ -151,8 +151,9 @@ pub struct Transformer<B: Backend> {
     cache_geometry: Option<KvGeometry>,
     /// Per MoE layer, rows routed to each expert so far (empty for dense models).
     expert_counts: Vec<Vec<u64>>,
-    /// Per DeltaNet layer (by slot), one state per window of the pass.
-    recurrent: Vec<Vec<RecurrentState>>,
+    /// Per DeltaNet layer (by slot), the states of the pass's windows
+    /// (`None` before the first pass).
+    recurrent: Vec<Option<B::Recurrent>>,
 }
 
 fn check_hparams(hp: &HParams) -> Result<()> {
@@ -312,7 +313,7 @@ impl<B: Backend> Transformer<B> {
             Some(m) => vec![vec![0; m.n_experts]; hp.n_layers],
             None => Vec::new(),
         };
-        let recurrent = vec![Vec::new(); n_linear];
+        let recurrent = (0..n_linear).map(|_| None).collect();
         Ok(Self {
             backend,
             arch,
@@ -404,7 +405,7 @@ impl<B: Backend> Transformer<B> {
         // Every window starts from empty recurrent state, as from an empty KV cache.
         for layer in &self.layers {
             if let Mixer::DeltaNet(dn) = &layer.mixer {
-                self.recurrent[dn.slot] = vec![RecurrentState::new(&dn.params); windows.len()];
+                self.recurrent[dn.slot] = Some(self.backend.new_recurrent(&dn.params, windows.len()).context("score_windows: recurrent state")?);
             }
         }
 
@@ -533,7 +534,7 @@ impl<B: Backend> Transformer<B> {
                     let qkv = b.matmul(&h, &dn.qkv).with_context(fail)?;
                     let z = b.matmul(&h, &dn.z).with_context(fail)?;
                     let ba = b.matmul(&h, &dn.ba).with_context(fail)?;
-                    let states = self.recurrent.get_mut(dn.slot).context("forward: no recurrent state")?;
+                    let states = self.recurrent.get_mut(dn.slot).and_then(Option::as_mut).context("forward: no recurrent state")?;
                     let y = b.delta_net(&qkv, &z, &ba, &dn.weights, &dn.params, states, rows).with_context(fail)?;
                     b.matmul(&y, &dn.out).with_context(fail)?
                 }

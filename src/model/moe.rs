@@ -124,6 +124,25 @@ impl ExpertUsage {
         Ok(())
     }
 
+    /// The counts added since `earlier` (an earlier reading of the same
+    /// counters): the rows of the passes run in between.
+    pub fn since(&self, earlier: &ExpertUsage) -> Result<ExpertUsage> {
+        ensure!(
+            self.n_experts == earlier.n_experts && self.top_k == earlier.top_k && self.layers.len() == earlier.layers.len() && self.rows >= earlier.rows,
+            "expert usage: the earlier reading is not of these counters"
+        );
+        let mut out = self.clone();
+        out.rows -= earlier.rows;
+        for (a, b) in out.layers.iter_mut().zip(&earlier.layers) {
+            ensure!(a.layer == b.layer && a.routed.len() == b.routed.len(), "expert usage: layer {} differs in shape", a.layer);
+            for (x, y) in a.routed.iter_mut().zip(&b.routed) {
+                *x = x.checked_sub(*y).with_context(|| format!("expert usage: layer {}'s counts went down", a.layer))?;
+            }
+            a.never_routed = a.routed.iter().filter(|&&n| n == 0).count();
+        }
+        Ok(out)
+    }
+
     /// The sum of several parts' counts (`None` for dense models).
     pub fn sum<'a>(parts: impl IntoIterator<Item = Option<&'a ExpertUsage>>) -> Result<Option<ExpertUsage>> {
         let mut total: Option<ExpertUsage> = None;
@@ -151,6 +170,10 @@ mod tests {
         assert_eq!(s.layers[0].never_routed, 1);
         let other = ExpertUsage::from_counts(&MoeParams { n_experts: 4, ..moe }, &[vec![0, 0, 0, 1]]);
         assert!(ExpertUsage::sum([Some(&a), Some(&other)]).is_err());
+        // Readings of the same counters: the later minus the earlier is what was added between.
+        assert_eq!(s.since(&a).unwrap(), b);
+        assert!(a.since(&s).is_err(), "counts cannot go down");
+        assert!(s.since(&other).is_err());
     }
 
     #[test]

@@ -219,6 +219,7 @@ impl Backend for CpuBackend {
     type Matrix = CpuMatrix;
     type Vector = Vec<f32>;
     type KvCache = CpuKvCache;
+    type Recurrent = Vec<RecurrentState>;
 
     fn describe(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
@@ -245,6 +246,14 @@ impl Backend for CpuBackend {
         self.kv_k.check_len(g.d_head).context("kv cache: K rows")?;
         self.kv_v.check_len(g.d_head_v).context("kv cache: V rows")?;
         Ok(CpuKvCache { geometry: g, k, v, n_nonfinite: 0 })
+    }
+
+    fn new_recurrent(&self, p: &DeltaNetParams, n_seqs: usize) -> Result<Vec<RecurrentState>> {
+        Ok(vec![RecurrentState::new(p); n_seqs])
+    }
+
+    fn recurrent_states(&self, r: &Vec<RecurrentState>) -> Result<Vec<RecurrentState>> {
+        Ok(r.clone())
     }
 
     fn embed(&self, table: &CpuMatrix, tokens: &[u32], scale: f64) -> Result<CpuTensor> {
@@ -439,7 +448,7 @@ impl Backend for CpuBackend {
         ba: &CpuTensor,
         w: &DeltaNetWeights<Vec<f32>>,
         p: &DeltaNetParams,
-        states: &mut [RecurrentState],
+        states: &mut Vec<RecurrentState>,
         rows: PassRows,
     ) -> Result<CpuTensor> {
         delta_net::delta_net_layer(qkv, z, ba, w, p, states, rows)

@@ -26,7 +26,9 @@
 //! Attention ([`CudaBackend::attention_kernel`]): on the default route with a
 //! bf16 or quantized cache the tensor-core flash attention (kernel v2: q and P
 //! rounded to bf16, f32 accumulation and softmax; quantized K/V decoded and
-//! rounded to bf16 in its tile loads); on the FP32 route and with an f32 cache the f32
+//! rounded to bf16 in its tile loads; on sm_90a a bf16 cache at the head sizes of
+//! `ops::ATTN_V3_DEFAULT_HEAD_DIMS` runs kernel v3, wgmma, the same numerics up to
+//! the order of f32 sums); on the FP32 route and with an f32 cache the f32
 //! CUDA-core kernel (v1). The report names the one that ran and the cache's
 //! store and read kernels.
 //!
@@ -452,25 +454,44 @@ impl CudaBackend {
         }
     }
 
+    /// The head sizes at which this backend's calls for kernel v2 run kernel v3 instead
+    /// (`ops::AttnKernel::routes_to_v3`: sm_90a, a bf16 cache, the head sizes of
+    /// `ops::ATTN_V3_DEFAULT_HEAD_DIMS`); empty on other routes, caches and devices.
+    fn v3_head_dims(&self) -> Vec<usize> {
+        if self.attention_kernel() != ops::AttnKernel::V2 {
+            return Vec::new();
+        }
+        ops::ATTN_V3_DEFAULT_HEAD_DIMS.iter().copied().filter(|&d| ops::AttnKernel::routes_to_v3(&self.dev, self.kv_dtype.name(), d)).collect()
+    }
+
+    /// The report's line on attention: the route's kernel, and where kernel v3 runs its calls.
+    fn attention_description(&self) -> String {
+        let mut s = self.attention_kernel().describe().to_string();
+        let v3 = self.v3_head_dims();
+        if !v3.is_empty() {
+            s.push_str(&format!("; on this device kernel v3 runs it at d_head {v3:?}: {}", ops::AttnKernel::V3.describe()));
+        }
+        s
+    }
+
     /// The kernels that store and read the KV cache, for the report.
     fn kv_cache_kernels(&self) -> String {
-        let reader = match self.attention_kernel() {
-            ops::AttnKernel::V1 => "attn_prefill_d<D>",
-            ops::AttnKernel::V2 if !ops::ATTN_V3_DEFAULT_HEAD_DIMS.is_empty() => {
-                "attn_flash_d<D> (attn_wgmma_d<D>, kernel v3, for a bf16 cache at the head sizes of ops::ATTN_V3_DEFAULT_HEAD_DIMS on sm_90a)"
-            }
-            ops::AttnKernel::V2 => "attn_flash_d<D>",
-            ops::AttnKernel::V3 => "attn_wgmma_d<D>",
-        };
         let f = self.kv_dtype;
+        let v3 = self.v3_head_dims();
+        let reader = match self.attention_kernel() {
+            ops::AttnKernel::V1 => format!("attn_prefill_d<D>_{f}"),
+            ops::AttnKernel::V2 if !v3.is_empty() => format!("attn_flash_d<D>_{f} (attn_wgmma_d<D>_{f}, kernel v3, at d_head {v3:?})"),
+            ops::AttnKernel::V2 => format!("attn_flash_d<D>_{f}"),
+            ops::AttnKernel::V3 => format!("attn_wgmma_d<D>_{f}"),
+        };
         if !f.is_quantized() {
-            return format!("stored by kv_store_{f} (round to nearest even); read by {reader}_{f}");
+            return format!("stored by kv_store_{f} (round to nearest even); read by {reader}");
         }
         let (k, v) = (f.k(), f.v());
         let enc = |c: crate::kv::RowCodec| ops::kv_encode_kernel(c.elem).unwrap_or("none");
         format!(
             "K ({}) stored by {}, V ({}) stored by {} (kernels/kv_codec.cu: src/kv's rows, bit-identical to the CPU codec); \
-             read by {reader}_{f} (each element decoded as src/kv decodes it, rounded to bf16 in the K/V tile load{})",
+             read by {reader} (each element decoded as src/kv decodes it, rounded to bf16 in the K/V tile load{})",
             k.name(),
             enc(k),
             v.name(),
@@ -485,6 +506,7 @@ impl Backend for CudaBackend {
     type Matrix = CudaMatrix;
     type Vector = DeviceBuffer<f32>;
     type KvCache = CudaKvCache;
+    type Recurrent = super::delta_net::CudaRecurrent;
 
     fn describe(&self) -> String {
         format!("cuda {} (route {}, KV {})", self.dev.info(), self.route.name(), self.kv_dtype.name())
@@ -503,6 +525,14 @@ impl Backend for CudaBackend {
         let shape = &view.entry.shape;
         ensure!(shape.len() == 1, "tensor {}: shape {shape:?} is not a vector", view.entry.name);
         self.dev.upload(&dequant::dequantize(view)?)
+    }
+
+    fn new_recurrent(&self, p: &DeltaNetParams, n_seqs: usize) -> Result<super::delta_net::CudaRecurrent> {
+        super::delta_net::CudaRecurrent::new(&self.dev, p, n_seqs)
+    }
+
+    fn recurrent_states(&self, r: &super::delta_net::CudaRecurrent) -> Result<Vec<RecurrentState>> {
+        r.to_host(&self.dev)
     }
 
     fn new_kv_cache(&self, g: KvGeometry) -> Result<CudaKvCache> {
@@ -805,7 +835,7 @@ impl Backend for CudaBackend {
         ba: &CudaAct,
         w: &DeltaNetWeights<DeviceBuffer<f32>>,
         p: &DeltaNetParams,
-        states: &mut [RecurrentState],
+        states: &mut super::delta_net::CudaRecurrent,
         rows: PassRows,
     ) -> Result<CudaAct> {
         let _prof = self.prof.scope(&self.dev, "delta_net")?;
@@ -996,7 +1026,7 @@ impl Backend for CudaBackend {
                     Route::Fp32 => "none (f32 everywhere)".to_string(),
                 },
                 "attention_kernel": self.attention_kernel().name(),
-                "attention": self.attention_kernel().describe(),
+                "attention": self.attention_description(),
                 "kv_cache": self.kv_cache_kernels(),
                 "lm_head": format!("{} in tiles of {LM_HEAD_TILE_ROWS} rows; max, f64 sum of exp, target, top-k on the GPU", match self.route {
                     Route::Bf16TensorCore => "bf16 rows x head on the tensor cores (f32 accumulation, f32 logits)",

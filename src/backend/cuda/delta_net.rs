@@ -7,13 +7,12 @@
 //! The recurrence is the exact per-token one the CPU oracle defines
 //! (`backend::cpu::delta_net`), in its order of operations and in f64, with
 //! the head's state in shared memory; the convolution, gates and gated RMSNorm
-//! round once to f32 as the CPU does. The seam keeps the carried state on the
-//! host ([`RecurrentState`], f64, as the CPU backend holds it), so each call
-//! uploads the windows' convolution histories and states and downloads them
-//! after the scan: exact (the device holds them in the same f64 / f32), at the
-//! cost of one synchronizing copy per DeltaNet layer and pass
-//! (`n_seqs * n_v_heads * d_k * d_v * 8` bytes each way). The chunked
-//! tensor-core form of the scan is not implemented.
+//! round once to f32 as the CPU does. The carried state stays on the device
+//! ([`CudaRecurrent`]: the windows' convolution histories in f32 and their
+//! recurrent states in f64, the CPU oracle's [`RecurrentState`] values), so a
+//! pass neither uploads nor downloads it; it is read back only on request
+//! (`Backend::recurrent_states`, for tests). The chunked tensor-core form of
+//! the scan is not implemented.
 //!
 //! This module does not do the input and output projections (matmuls of the
 //! model code) and does not route experts (`moe`).
@@ -29,6 +28,50 @@ use super::buffer::{DevView, DevViewMut, DeviceBuffer};
 use super::device::CudaDevice;
 use super::ops::{cfg, func, grid_1d, i32_of, launch_err};
 use crate::backend::{DeltaNetParams, DeltaNetWeights, PassRows, RecurrentState};
+
+/// The carried state of one DeltaNet layer for the `n_seqs` windows of a
+/// pass, in device memory ([`Backend::Recurrent`](crate::backend::Backend::Recurrent) of
+/// [`CudaBackend`]).
+pub struct CudaRecurrent {
+    p: DeltaNetParams,
+    n_seqs: usize,
+    /// `(n_seqs, conv_kernel - 1, conv_channels)` and one spare element (a
+    /// width-1 convolution carries no history, and no buffer is empty).
+    hist: DeviceBuffer<f32>,
+    /// `(n_seqs, n_v_heads, d_k, d_v)`
+    ssm: DeviceBuffer<f64>,
+}
+
+impl CudaRecurrent {
+    fn hist_len(&self) -> usize {
+        (self.p.conv_kernel - 1) * self.p.conv_channels()
+    }
+
+    fn state_len(&self) -> usize {
+        self.p.n_v_heads * self.p.d_k * self.p.d_v
+    }
+
+    /// Zero state (a window's start).
+    pub fn new(dev: &CudaDevice, p: &DeltaNetParams, n_seqs: usize) -> Result<Self> {
+        let (hist_len, state_len) = ((p.conv_kernel - 1) * p.conv_channels(), p.n_v_heads * p.d_k * p.d_v);
+        let hist = dev.alloc_zeros::<f32>(n_seqs * hist_len + 1).context("delta_net: convolution histories")?;
+        let ssm = dev.alloc_zeros::<f64>((n_seqs * state_len).max(1)).context("delta_net: recurrent states")?;
+        Ok(Self { p: *p, n_seqs, hist, ssm })
+    }
+
+    /// The windows' states on the host (synchronizing).
+    pub fn to_host(&self, dev: &CudaDevice) -> Result<Vec<RecurrentState>> {
+        let (hist_len, state_len) = (self.hist_len(), self.state_len());
+        let hist = dev.download(&self.hist).context("delta_net: convolution histories to the host")?;
+        let ssm = dev.download(&self.ssm).context("delta_net: recurrent states to the host")?;
+        Ok((0..self.n_seqs)
+            .map(|s| RecurrentState {
+                conv: hist[s * hist_len..(s + 1) * hist_len].to_vec(),
+                ssm: ssm[s * state_len..(s + 1) * state_len].to_vec(),
+            })
+            .collect())
+    }
+}
 
 /// The widest causal convolution `delta_net_conv` holds in registers (`DELTA_CONV_MAX_WIDTH`).
 pub const CONV_MAX_WIDTH: usize = 8;
@@ -296,50 +339,27 @@ impl CudaBackend {
         ba: &CudaAct,
         w: &DeltaNetWeights<DeviceBuffer<f32>>,
         p: &DeltaNetParams,
-        states: &mut [RecurrentState],
+        states: &mut CudaRecurrent,
         rows: PassRows,
     ) -> Result<CudaAct> {
         let n = rows.n_rows();
         let lens = [w.conv.len(), w.a.len(), w.dt_bias.len(), w.norm.len()];
-        p.check_inputs(n, (qkv.n_rows, qkv.n_cols), (z.n_rows, z.n_cols), (ba.n_rows, ba.n_cols), lens, states.len(), rows.n_seqs)?;
-        let dev = self.device();
-        let (channels, hist_len, state_len) = (p.conv_channels(), (p.conv_kernel - 1) * p.conv_channels(), p.n_v_heads * p.d_k * p.d_v);
-        let states = &mut states[..rows.n_seqs];
-        for (s, st) in states.iter().enumerate() {
-            ensure!(
-                st.conv.len() == hist_len && st.ssm.len() == state_len,
-                "delta_net: window {s}'s state holds {} + {} values, {p:?} needs {hist_len} + {state_len}",
-                st.conv.len(),
-                st.ssm.len()
-            );
-        }
-        // (n_seqs, conv_kernel - 1, channels) and (n_seqs, n_v_heads, d_k, d_v)
-        let hist_host: Vec<f32> = states.iter().flat_map(|st| st.conv.iter().copied()).collect();
-        let ssm_host: Vec<f64> = states.iter().flat_map(|st| st.ssm.iter().copied()).collect();
+        p.check_inputs(n, (qkv.n_rows, qkv.n_cols), (z.n_rows, z.n_cols), (ba.n_rows, ba.n_cols), lens, states.n_seqs, rows.n_seqs)?;
+        ensure!(states.p == *p, "delta_net: recurrent state made for {:?}, the layer is {p:?}", states.p);
         if n == 0 {
             return self.new_act(0, p.n_v_heads * p.d_v);
         }
-        // One spare element: a width-1 convolution carries no history, and no buffer is empty.
-        let hist_padded: Vec<f32> = hist_host.iter().copied().chain([0.0]).collect();
-        let mut hist = dev.upload(&hist_padded).context("delta_net: convolution history to the device")?;
-        let mut ssm = dev.upload(&ssm_host).context("delta_net: recurrent state to the device")?;
+        let dev = self.device();
+        // Windows 0..n_seqs of the pass: the leading part of the state buffers.
+        let hist_len = rows.n_seqs * states.hist_len();
         // (n, channels)
-        let mut mixed = dev.alloc_uninit::<f32>(n * channels)?;
-        let hv = hist.slice_mut(0..hist_host.len())?;
+        let mut mixed = dev.alloc_uninit::<f32>(n * p.conv_channels())?;
+        let hv = states.hist.slice_mut(0..hist_len)?;
         conv(dev, qkv.f32("delta_net")?.view(), w.conv.view(), p.conv_kernel, hv, mixed.view_mut(), rows)?;
         let mut out = self.new_act(n, p.n_v_heads * p.d_v)?;
         let (zv, bav) = (z.f32("delta_net")?.view(), ba.f32("delta_net")?.view());
-        scan(dev, mixed.view(), zv, bav, w, p, ssm.view_mut(), out.f32_mut("delta_net")?.view_mut(), rows)?;
-        let hist_back = if hist_host.is_empty() {
-            Vec::new()
-        } else {
-            dev.download_range(&hist, 0..hist_host.len()).context("delta_net: convolution history to the host")?
-        };
-        let ssm_back = dev.download(&ssm).context("delta_net: recurrent state to the host")?;
-        for (s, st) in states.iter_mut().enumerate() {
-            st.conv.copy_from_slice(&hist_back[s * hist_len..(s + 1) * hist_len]);
-            st.ssm.copy_from_slice(&ssm_back[s * state_len..(s + 1) * state_len]);
-        }
+        let sv = states.ssm.slice_mut(0..rows.n_seqs * states.state_len())?;
+        scan(dev, mixed.view(), zv, bav, w, p, sv, out.f32_mut("delta_net")?.view_mut(), rows)?;
         Ok(out)
     }
 }

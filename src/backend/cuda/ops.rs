@@ -1290,8 +1290,9 @@ impl AttnKernel {
             Self::V3 => {
                 "v3: flash attention on Hopper's wgmma (FlashAttention-3's design: 128 queries per block in two \
                  consumer warpgroups, S = Q·Kᵀ with Q and K from 128-byte-swizzled shared memory, P from \
-                 registers for P·V, 128-key K/V stages filled by TMA from a producer warp through mbarriers); \
-                 v2's numerics (q and P rounded to bf16, f32 scores, softmax and accumulation); bf16 cache, d_head 64/128"
+                 registers for P·V, 128-key K/V stages filled by TMA from a producer warp through mbarriers, \
+                 a persistent grid of one block per SM walking the query tiles longest first); v2's numerics \
+                 (q and P rounded to bf16, f32 scores, softmax and accumulation); bf16 cache, d_head 64/128"
             }
         }
     }
@@ -1330,10 +1331,11 @@ unsafe impl cudarc::driver::DeviceRepr for AttnArgs {}
 
 /// Head sizes at which the default route's attention (calls for v2 on a bf16 cache)
 /// runs kernel v3: where the H200 measurement (benches/attention.rs;
-/// docs/performance.md, "Prefill attention kernels") has v3 ahead of v2. None
-/// today: measured on 2026-12-01, v3 runs at 162 / 99 TFLOP/s (d 128 / 64,
-/// causal, context 4096) against v2's 230 / 196.
-pub const ATTN_V3_DEFAULT_HEAD_DIMS: &[usize] = &[];
+/// docs/performance.md, "Prefill attention kernels", attn4) has v3 ahead of v2.
+/// Both of v3's: measured on 2026-12-01 (branch attn4), causal, v3 / v2 TFLOP/s:
+/// context 4096 d 128 421.8 / 231.4, d 64 300.1 / 197.8; context 512 d 128
+/// 193.3 / 150.0, d 64 155.8 / 139.0.
+pub const ATTN_V3_DEFAULT_HEAD_DIMS: &[usize] = &[64, 128];
 
 /// Head sizes of kernel v3 (`attn_wgmma_d<D>_bf16_<out>`).
 const ATTN_V3_HEAD_DIMS: [usize; 2] = [64, 128];
@@ -1377,7 +1379,8 @@ struct AttnWgmmaArgs {
     window: i32,
     scale: f32,
     softcap: f32,
-    pad_: i32,
+    /// Windows of the pass (the kernel's persistent grid walks n_qt * n_heads * n_seqs items).
+    n_seqs: i32,
 }
 const _: () = assert!(size_of::<AttnWgmmaArgs>() == 384 && align_of::<AttnWgmmaArgs>() == 128);
 // SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
@@ -1677,10 +1680,13 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
         window: i32_of(p.window, "window")?,
         scale: p.scale,
         softcap: p.softcap,
-        pad_: 0,
+        n_seqs: i32_of(p.n_seqs, "n_seqs")?,
     };
-    let grid = (grid_1d(p.n_tokens, ATTN_V3_BM as u32)?, u32::try_from(p.n_heads)?, u32::try_from(p.n_seqs)?);
-    ensure!(grid.1 <= 65535 && grid.2 <= 65535, "attention: {} heads x {} windows exceed the grid", p.n_heads, p.n_seqs);
+    // A persistent grid: one block per SM at most, each walking the work items
+    // (query tile, head, window) longest causal rows first.
+    let n_items = p.n_tokens.div_ceil(ATTN_V3_BM) * p.n_heads * p.n_seqs;
+    ensure!(n_items <= i32::MAX as usize, "attention: {n_items} work items exceed kernel v3's 32-bit item index");
+    let grid = (n_items.min(dev.info().n_sms.max(1) as usize) as u32, 1, 1);
     let mut b = dev.stream().launch_builder(f);
     b.arg(&args);
     // SAFETY: `args` mirrors AttnWgmmaArgs of kernels/common.cuh (size asserted); the tensor
