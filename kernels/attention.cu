@@ -204,9 +204,9 @@ ATTN_D(256)
 // or a cache of a quantized KV format (kv = fp8 | int8 | nvfp4 | k8v4 | k4v2 |
 // vq2: rows of src/kv's layout of the format's K and V codecs, written by
 // kv_encode_<codec> in kv_codec.cu).
-// Algorithm (FlashAttention-2's forward): a block owns BQ = 64 * MT queries of
-// one head, 4 warps of 16 * MT query rows each (MT = m_tiles(D), 1 today, see
-// there), and walks the key tiles of BK = key_tile(D, raw) keys that any of its
+// Algorithm (FlashAttention-2's forward): a block owns BQ = 16 * MT * W queries of
+// one head, W = warps(D, raw) warps of 16 * MT query rows each (MT = m_tiles(D), 1
+// today; W = 4 for a bf16 cache, 8 for a coded one up to d_head 128, see there), and walks the key tiles of BK = key_tile(D, raw) keys that any of its
 // queries can see. Per tile:
 //   S = Q·Kᵀ      mma.sync m16n8k16 bf16 -> f32; Q is the f32 input rounded to
 //                 bf16 (round to nearest even) once, when the block stages it;
@@ -226,30 +226,45 @@ ATTN_D(256)
 // of P·V, so the decode's ALU work overlaps the tensor-core work (software
 // pipelining; one decoder per codec, flash::Dec*, the template's K and V parameters,
 // so K and V may differ: k8v4, k4v2): each 8-element chunk of a row is decoded as
-// kv::codec decodes it (code value * scale, one f32 multiply; E4M3 through the exact
-// cvt.rn.f16x2.e4m3x2, int8 through an exact byte-permute-and-subtract) and rounded
-// to bf16 (nearest even) into shared memory: the operand rounding a bf16 cache gets
-// when it is stored, applied here to the decoded value. No dequantized copy of the
+// kv::codec decodes it (code value * scale, one f32 multiply) and rounded to bf16
+// (nearest even) into shared memory: the operand rounding a bf16 cache gets when it is
+// stored, applied here to the decoded value; formats of one scale per row (fp8, int8,
+// k8v4's K), up to d_head 128, instead store the exact code values (E4M3 through the exact
+// cvt.rn.f16x2.e4m3x2, int8 through an exact byte-permute-and-subtract; both exact in
+// bf16) and their row scales, which multiply the key's column of S (K: folded into
+// scale * log2 e) or of P before its bf16 rounding (V): q·(c s) = (q·c) s and
+// Σ p (c s) = Σ (p s) c, no rounding of the decoded element (DecByte). No dequantized copy of the
 // cache exists; a poisoned row (NaN scale) decodes to NaN as on the CPU. Rotated rows
 // (AttnArgs::rot; src/kv/hadamard.rs, y = H x stored) stay in the rotated basis:
-// a rotated K is met by staging q as (H q) / n (hadamard_rows_d in f32 over a
-// scratch in the K and V stages, the exact power-of-two 1/n, then the bf16
-// rounding), so q·k = ((H q) / n)·y; a rotated V by rotating the output back,
-// O = (H O') / n with O' = Σ p y / l (f32, through the same scratch after the last
-// tile). Query tiles run in reverse order (the longest causal rows start first).
-// Launch: grid (ceil(n_tokens/BQ), n_heads, n_seqs), block 128, dynamic shared
-// memory [BQ * (D + 8) * 2 when D > 128] + 4 * BK * (D + 8) * 2, plus 2 * BK *
-// (k_row_bytes + v_row_bytes) for a quantized cache (BQ = 64 * MT; BK = key_tile:
-// 64, 32 for a quantized cache at D = 256): bf16 d 128 69632 bytes, fp8 d 128
-// 106496 (two blocks per SM), bf16 d 256 168960, fp8 d 256 136192.
-// The launcher (ops::attention, ops::attn_flash_tiles) mirrors m_tiles and key_tile.
+// a rotated K is met by staging q as (H q) / n (f32, the exact power-of-two 1/n,
+// then the bf16 rounding), so q·k = ((H q) / n)·y; a rotated V by rotating the
+// output back, O = (H O') / n with O' = Σ p y / l (f32). For a coded cache up to
+// d_head 128 both rotations run in registers on the mma fragments (flash::hadamard_frag: a quad holds
+// a row whole; shuffles for two of the index bits, no shared memory, no barrier); at
+// d_head 256 through hadamard_rows_d over an f32 scratch in the K and V stages (before
+// the first tile, after the last). Both compute the same butterflies in the same order
+// (the same bits). Query tiles run in reverse order (the longest causal rows start first).
+// Launch: grid (ceil(n_tokens/BQ), n_heads, n_seqs), block 32 * W (threads(D, raw)),
+// dynamic shared memory [BQ * (D + 8) * 2 when D > 128] + 4 * BK * (D + 8) * 2, plus
+// 2 * BK * (k_row_bytes + v_row_bytes) + 16 * BK (the K and V factor stages) for a
+// quantized cache (BK = key_tile: 64, 32 for a quantized cache at D = 256): bf16 d 128
+// 69632 bytes (BQ 64, block 128), fp8 d 128 107520 (BQ 128, block 256), bf16 d 256
+// 168960, fp8 d 256 136704 (BQ 64, block 128).
+// The launcher (ops::attention, ops::attn_flash_tiles) mirrors m_tiles, warps and key_tile.
 // CPU twin: backend::cpu::attention::attention on the same bf16-rounded q, k, v
 // (a quantized format: on the CPU backend's cache of that format, kv::codec
 // decode; the bf16 roundings of the decoded K/V and of (H q) / n are the
 // differences the parity test's tolerance covers, tests/gpu_ops.rs).
 
 namespace flash {
-constexpr int THREADS = 128;
+// Warps per block: 4 for a bf16 cache; 8 for a coded cache up to d_head 128, so each
+// decoded K/V tile is shared by 128 query rows instead of 64 and every thread decodes
+// half as many chunks per tile (the decode is ALU work issued beside the MMAs: with 4
+// warps it nearly doubled the instructions per tile; the rows each warp computes and
+// their arithmetic are unchanged, so the outputs are bit-identical). At d_head 256 the
+// (BQ, D) f32 scratch of the rotations would not fit over the K and V stages: 4.
+__host__ __device__ constexpr int warps(int d, bool raw) { return !raw && d <= 128 ? 8 : 4; }
+__host__ __device__ constexpr int threads(int d, bool raw) { return 32 * warps(d, raw); }
 // 16-row query tiles per warp (BQ = 64 * MT) and keys per tile. Measured on the
 // H200 (benches/attention.rs, causal, ctx 4096): MT = 2 (each K/V fragment feeding
 // two MMAs; BK = 32 at d_head 96/128 to stay within 255 registers) ran at 201.7
@@ -294,14 +309,51 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// The rotation (kv::hadamard: blocks of n = D & -D, butterflies (a + b, a - b) over
+// index bit 0, then 1, 2, ...: hadamard_rows_impl's pairs in its stage order) of one
+// row held in mma fragment order across a quad: v[j] (N = D / 4 values) is column
+// (j & 1) | (lane & 3) << 1 | (j >> 1) << 3, the layout of a thread's Q A-fragment
+// values of one row (j = 4 kk + 2 hi + e) and of its O accumulators of one row
+// (j = 2 dt + e). Column bits 1 and 2 pair lanes (shuffles), the others registers;
+// the same additions in the same order as the shared-memory version, so the same bits,
+// with no shared memory and no barrier.
+template <int D>
+__device__ __forceinline__ void hadamard_frag(float (&v)[D / 4], int lane) {
+    constexpr int LOGN = __builtin_ctz(D & -D);
+#pragma unroll
+    for (int b = 0; b < LOGN; ++b) {
+        if (b == 1 || b == 2) {
+            const int m = 1 << (b - 1);
+            const bool hi = (lane & m) != 0;
+#pragma unroll
+            for (int j = 0; j < D / 4; ++j) {
+                const float o = __shfl_xor_sync(0xffffffffu, v[j], m);
+                v[j] = hi ? __fsub_rn(o, v[j]) : __fadd_rn(v[j], o);
+            }
+        } else {
+            const int m = b == 0 ? 1 : 1 << (b - 2);
+#pragma unroll
+            for (int j = 0; j < D / 4; ++j) {
+                if (j & m) continue;
+                const float x = v[j], y = v[j | m];
+                v[j] = __fadd_rn(x, y);
+                v[j | m] = __fsub_rn(x, y);
+            }
+        }
+    }
+}
+
 // K/V row decoders of the tile loads, one per src/kv codec: `load8(row, c, book)`
 // gives elements 8c .. 8c+7 of one encoded cache row as eight bf16: each element
 // decoded exactly as kv::codec's decode_row before its inverse rotation (one f32
 // multiply: code value * scale; nvfp4 (e2m1 * e4m3 block scale, exact) * row
-// scale), then rounded to nearest even bf16 for the mma. RAW (bf16 rows) is
-// fetched with cp.async instead. A poisoned row (NaN scales) decodes to NaN.
+// scale), then rounded to nearest even bf16 for the mma; or, FOLD (a single scale per
+// row: fp8, int8), the code values alone, exactly, with `scale(row)` applied by the
+// kernel to the key's column of S or P. RAW (bf16 rows) is fetched with cp.async
+// instead. A poisoned row (NaN scales) decodes to NaN (FOLD: makes its S or P column NaN).
 struct DecBf16 {
     static constexpr bool RAW = true;
+    static constexpr bool FOLD = false;
 };
 // One-byte codes, four per 32-bit word (low byte first), to their exact f32 values.
 // E4M3: cvt.rn.f16x2.e4m3x2 (sm_89+, two codes per instruction): every E4M3 value is
@@ -326,19 +378,39 @@ struct CodeInt8 {
         for (int j = 0; j < 4; ++j) v[j] = __fsub_rn(__uint_as_float(__byte_perm(u, 0x4B000000u, 0x7440u + j)), 8388736.0f);
     }
 };
+// One-byte codes with their row scale folded out of the tile (FOLD; fp8, int8, up to
+// d_head 128): load8 gives the eight code values themselves as bf16 (every E4M3
+// value, NaN included, and every int8 is a bf16: exact), `scale` the row's f32 scale, which the kernel applies to
+// the key's column of S (K: x = (q·c) * (s * scale * log2 e)) or of P (V: P' = bf16(p *
+// s), then P'·c): q·(c s) and Σ p (c s) of the definition, with no bf16 rounding of the
+// decoded element (where c * s was rounded to bf16 before) and one rounding of p * s
+// (where p alone was rounded); no multiply per element in the decode.
+// Up to d_head 128 (8-warp blocks); at 256 (4 warps, key tiles of 32) the column
+// factors and P's scaling cost more than the multiplies they save (measured on the
+// H200, attnq4: fp8 68.3 TFLOP/s folded against 79.4 unfolded at ctx 4096), so there
+// load8 multiplies as the other decoders do.
 template <int D, typename CODE>
 struct DecByte {  // D one-byte codes (CODE: E4M3 or int8), f32 row scale at D
     static constexpr bool RAW = false;
+    static constexpr bool FOLD = D <= 128;
     static __device__ __forceinline__ uint4 load8(const unsigned char* row, int c, const float*) {
         const uint2 q = *reinterpret_cast<const uint2*>(row + c * 8);
-        const float s = *reinterpret_cast<const float*>(row + D);
-        float v[8];
-        CODE::cvt4(q.x, v);
-        CODE::cvt4(q.y, v + 4);
+        if constexpr (FOLD) {
+            float v[8];
+            CODE::cvt4(q.x, v);
+            CODE::cvt4(q.y, v + 4);
+            return pack_bf16x8(v);
+        } else {
+            const float s = *reinterpret_cast<const float*>(row + D);
+            float v[8];
+            CODE::cvt4(q.x, v);
+            CODE::cvt4(q.y, v + 4);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(v[j], s);
-        return pack_bf16x8(v);
+            for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(v[j], s);
+            return pack_bf16x8(v);
+        }
     }
+    static __device__ __forceinline__ float scale(const unsigned char* row) { return *reinterpret_cast<const float*>(row + D); }
 };
 template <int D>
 using DecFp8 = DecByte<D, CodeE4m3>;
@@ -347,6 +419,7 @@ using DecInt8 = DecByte<D, CodeInt8>;
 template <int D>
 struct DecNvfp4 {  // D/2 bytes of E2M1 nibbles, f32 row scale at D/2, D/16 E4M3 block scales at D/2 + 4
     static constexpr bool RAW = false;
+    static constexpr bool FOLD = false;
     static __device__ __forceinline__ uint4 load8(const unsigned char* row, int c, const float*) {
         const uint32_t q = *reinterpret_cast<const uint32_t*>(row + c * 4);
         const float S = *reinterpret_cast<const float*>(row + D / 2);
@@ -368,6 +441,7 @@ struct DecNvfp4 {  // D/2 bytes of E2M1 nibbles, f32 row scale at D/2, D/16 E4M3
 template <int D>
 struct DecInt4G32 {  // D/2 bytes of nibbles q + 8, D/32 f32 scales at D/2
     static constexpr bool RAW = false;
+    static constexpr bool FOLD = false;
     static __device__ __forceinline__ uint4 load8(const unsigned char* row, int c, const float*) {
         const uint32_t q = *reinterpret_cast<const uint32_t*>(row + c * 4);
         const float s = reinterpret_cast<const float*>(row + D / 2)[c / 4];
@@ -380,6 +454,7 @@ struct DecInt4G32 {  // D/2 bytes of nibbles q + 8, D/32 f32 scales at D/2
 template <int D>
 struct DecInt2G32 {  // D/4 bytes of 2-bit codes, D/32 f32 scales at D/4; value (q - 1.5) * s
     static constexpr bool RAW = false;
+    static constexpr bool FOLD = false;
     static __device__ __forceinline__ uint4 load8(const unsigned char* row, int c, const float*) {
         const uint32_t q = *reinterpret_cast<const uint16_t*>(row + c * 2);
         const float s = reinterpret_cast<const float*>(row + D / 4)[c / 4];
@@ -392,6 +467,7 @@ struct DecInt2G32 {  // D/4 bytes of 2-bit codes, D/32 f32 scales at D/4; value 
 template <int D>
 struct DecVq2 {  // D/4 codeword indices (4 elements each), f32 RMS at D/4; value codeword_j * s
     static constexpr bool RAW = false;
+    static constexpr bool FOLD = false;
     static __device__ __forceinline__ uint4 load8(const unsigned char* row, int c, const float* book) {
         const uint32_t q = *reinterpret_cast<const uint16_t*>(row + c * 2);
         const float s = *reinterpret_cast<const float*>(row + D / 4);
@@ -410,7 +486,8 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
     using namespace flash;
     constexpr bool RAW = KD::RAW;        // bf16 rows: cp.async; coded rows: decoded in the load
     constexpr int MT = m_tiles(D);       // 16-row query tiles per warp
-    constexpr int BQ = 4 * 16 * MT;      // queries per block
+    constexpr int THREADS = threads(D, RAW); // 32 * warps(D, RAW)
+    constexpr int BQ = warps(D, RAW) * 16 * MT; // queries per block
     constexpr int BK = key_tile(D, RAW); // keys per tile
     constexpr bool QREG = q_in_regs(D);  // Q's mma fragments held in registers
     constexpr int LDS = D + 8;           // shared row stride (elements)
@@ -420,10 +497,15 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
     constexpr int KS = D / 16;           // k-steps of Q·Kᵀ
     constexpr int VS = BK / 16;          // k-steps of P·V
     constexpr int NC = BK * CH / THREADS; // decoded 8-element chunks per thread per tile, of K and of V
+    constexpr bool KF = KD::FOLD, VF = VD::FOLD; // row scales folded into S's / P's columns
     static_assert(KD::RAW == VD::RAW, "K and V are both bf16 or both coded");
     static_assert(D % 16 == 0 && DT % 2 == 0, "head dims are multiples of 16");
     static_assert(BK * CH % THREADS == 0, "a tile's chunks split evenly over the block");
-    static_assert(4 * BK * LDS * 2 >= BQ * D * 4, "the K and V stages hold a (BQ, D) f32 scratch");
+    // The rotations in registers (hadamard_frag) for a coded cache with Q in registers;
+    // else through the (BQ, D) f32 scratch: d_head 256, and a bf16 cache, which never
+    // rotates (that instantiation stays the kernel it was before the register path).
+    constexpr bool ROT_REGS = QREG && !RAW;
+    static_assert(ROT_REGS || 4 * BK * LDS * 2 >= BQ * D * 4, "the K and V stages hold a (BQ, D) f32 scratch");
     extern __shared__ __align__(16) unsigned char smem[];
     // Q (unless QREG), then 2 stages of K and 2 of V, each (BK, LDS) bf16: for bf16 rows
     // filled by cp.async, for coded rows decoded from the 2 raw stages that follow
@@ -432,6 +514,10 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
     bf16* sk = sq + (QREG ? 0 : BQ * LDS);           // 2 stages of (BK, LDS)
     bf16* sv = sk + 2 * BK * LDS;                    // 2 stages of (BK, LDS)
     unsigned char* raw = reinterpret_cast<unsigned char*>(sv + 2 * BK * LDS);
+    // Coded rows: 2 stages of BK K factors, then 2 of BK V factors (f32), after the raw
+    // stages; a FOLD decoder's row scales (K: times scale * log2 e unless soft-capped).
+    float* kfac = reinterpret_cast<float*>(raw + 2 * BK * ((long long)a.k_row_bytes + a.v_row_bytes));
+    float* vfac = kfac + 2 * BK;
     float* scratch = reinterpret_cast<float*>(sk);  // (BQ, D) f32 over the K and V stages while no tile lives there
     auto block_sync = [] { __syncthreads(); };
 
@@ -494,18 +580,25 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
     };
     // Coded rows: chunk j (of NC) of this thread, raw stage `stage` -> bf16 stage `stage`
     // (kv::codec's decode, still in the rotated basis, rounded to bf16 nearest even).
+    const float kmul = a.softcap > 0.f ? 1.0f : a.scale * LOG2E;  // folded into K's factors unless capped
     auto decode_k = [&](int stage, int j) {
         if constexpr (!RAW) {
             const int i = tid + j * THREADS, r = i / CH, c = i % CH;
-            *reinterpret_cast<uint4*>(sk + stage * BK * LDS + r * LDS + c * 8) =
-                KD::load8(raw_k + (stage * BK + r) * krb, c, a.book);
+            const unsigned char* row = raw_k + (stage * BK + r) * krb;
+            *reinterpret_cast<uint4*>(sk + stage * BK * LDS + r * LDS + c * 8) = KD::load8(row, c, a.book);
+            if constexpr (KF) {
+                if (c == 0) kfac[stage * BK + r] = KD::scale(row) * kmul;
+            }
         }
     };
     auto decode_v = [&](int stage, int j) {
         if constexpr (!RAW) {
             const int i = tid + j * THREADS, r = i / CH, c = i % CH;
-            *reinterpret_cast<uint4*>(sv + stage * BK * LDS + r * LDS + c * 8) =
-                VD::load8(raw_v + (stage * BK + r) * vrb, c, a.book);
+            const unsigned char* row = raw_v + (stage * BK + r) * vrb;
+            *reinterpret_cast<uint4*>(sv + stage * BK * LDS + r * LDS + c * 8) = VD::load8(row, c, a.book);
+            if constexpr (VF) {
+                if (c == 0) vfac[stage * BK + r] = VD::scale(row);
+            }
         }
     };
 
@@ -556,7 +649,39 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
     // queries are rotated the same way (hadamard_rows_d in f32, exact 1/n) before the
     // rounding; the K and V stages are the f32 scratch, so this runs before the first
     // tile lands there.
-    if (rot_k) {
+    if constexpr (ROT_REGS) {
+        if (rot_k) {
+            // In registers: each quad holds its rows whole (hadamard_frag), the f32 q
+            // rotated, times the exact 1/n, then rounded to bf16 into qf.
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const int r0 = warp * 16 * MT + mt * 16 + g;
+                float x[2][D / 4];
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+#pragma unroll
+                    for (int kk = 0; kk < KS; ++kk) {
+#pragma unroll
+                        for (int hi = 0; hi < 2; ++hi) {
+                            const float2 y = q_global(r0 + 8 * r, kk * 16 + hi * 8 + cq);
+                            x[r][kk * 4 + hi * 2] = y.x;
+                            x[r][kk * 4 + hi * 2 + 1] = y.y;
+                        }
+                    }
+                    hadamard_frag<D>(x[r], lane);
+                }
+#pragma unroll
+                for (int kk = 0; kk < KS; ++kk) {
+                    qf[mt][kk][0] = pack_bf16x2(x[0][kk * 4] * inv_n, x[0][kk * 4 + 1] * inv_n);
+                    qf[mt][kk][1] = pack_bf16x2(x[1][kk * 4] * inv_n, x[1][kk * 4 + 1] * inv_n);
+                    qf[mt][kk][2] = pack_bf16x2(x[0][kk * 4 + 2] * inv_n, x[0][kk * 4 + 3] * inv_n);
+                    qf[mt][kk][3] = pack_bf16x2(x[1][kk * 4 + 2] * inv_n, x[1][kk * 4 + 3] * inv_n);
+                }
+            }
+        } else {
+            stage_q(q_global);
+        }
+    } else if (rot_k) {
         for (int i = tid; i < BQ * (D / 4); i += THREADS) {
             const int r = i / (D / 4), c = (i % (D / 4)) * 4;
             float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -653,6 +778,16 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
         // Scale, soft-cap, mask; then the online softmax update, per m-tile.
         const int kbase = tile * BK;
         const bool full = kbase + BK - 1 <= qp_min && kbase + BK <= kv_len && (window <= 0 || qp_max - kbase < window);
+        // A FOLD K: this thread's columns' factors (key kbase + nt * 8 + cq + e).
+        float kf[KF ? NT : 1][2];
+        if constexpr (KF) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const float2 f = *reinterpret_cast<const float2*>(kfac + st * BK + nt * 8 + cq);
+                kf[nt][0] = f.x;
+                kf[nt][1] = f.y;
+            }
+        }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             float mx[2] = {m_run[mt][0], m_run[mt][1]};
@@ -661,8 +796,15 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     float x;
-                    if (cap > 0.f) x = cap * tanhf(s[mt][nt][e] * scale / cap) * LOG2E;
-                    else x = s[mt][nt][e] * scale_l2;
+                    if constexpr (KF) {
+                        // kf = s (capped) or s * scale * log2 e: q·(c s) = (q·c) s.
+                        if (cap > 0.f) x = cap * tanhf(s[mt][nt][e] * kf[nt][e & 1] * scale / cap) * LOG2E;
+                        else x = s[mt][nt][e] * kf[nt][e & 1];
+                    } else if (cap > 0.f) {
+                        x = cap * tanhf(s[mt][nt][e] * scale / cap) * LOG2E;
+                    } else {
+                        x = s[mt][nt][e] * scale_l2;
+                    }
                     if (!full) {
                         const int kp = kbase + nt * 8 + cq + (e & 1);
                         const int qp = qp0 + mt * 16 + 8 * (e >> 1);
@@ -704,6 +846,20 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
 
         // O += P · V: the S accumulators of key tiles 2kk, 2kk+1 are the A fragment.
         const uint32_t v_addr = smem_addr(vb + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8);
+        // A FOLD V: p of key k times k's row scale before the bf16 rounding (P'·c = Σ p c s).
+        if constexpr (VF) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const float2 f = *reinterpret_cast<const float2*>(vfac + st * BK + nt * 8 + cq);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    s[mt][nt][0] *= f.x;
+                    s[mt][nt][1] *= f.y;
+                    s[mt][nt][2] *= f.x;
+                    s[mt][nt][3] *= f.y;
+                }
+            }
+        }
 #pragma unroll
         for (int kk = 0; kk < VS; ++kk) {
             uint32_t pa[MT][4];
@@ -734,7 +890,8 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
     // through the f32 scratch (the K and V stages, free once every warp is past the
     // last tile: the barrier below), are rotated there and scaled by the exact 1/n on
     // the way out.
-    if (rot_v) __syncthreads();
+    constexpr bool ROT_SMEM = !ROT_REGS;  // the output rotation through the scratch, else in registers
+    if (ROT_SMEM && rot_v) __syncthreads();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -745,6 +902,20 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
             const float inv = 1.0f / l;
             const int rb = warp * 16 * MT + mt * 16 + g + 8 * r;  // row in the block
             const int t = t0 + rb;
+            if (!ROT_SMEM && rot_v) {
+                float x[D / 4];
+#pragma unroll
+                for (int i = 0; i < DT; ++i) {
+                    x[2 * i] = o[mt][i][2 * r] * inv;
+                    x[2 * i + 1] = o[mt][i][2 * r + 1] * inv;
+                }
+                hadamard_frag<D>(x, lane);
+                if (t >= n_tokens) continue;
+                OUT* orow = ob + (long long)t * a.out_stride + cq;
+#pragma unroll
+                for (int i = 0; i < DT; ++i) store2<OUT>(orow + i * 8, x[2 * i] * inv_n, x[2 * i + 1] * inv_n);
+                continue;
+            }
             if (rot_v) {
                 float* srow = scratch + rb * D + cq;
 #pragma unroll
@@ -760,7 +931,7 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
             for (int i = 0; i < DT; ++i) store2<OUT>(orow + i * 8, o[mt][i][2 * r] * inv, o[mt][i][2 * r + 1] * inv);
         }
     }
-    if (rot_v) {
+    if (ROT_SMEM && rot_v) {
         hadamard_rows_d<D>(scratch, BQ, tid, THREADS, block_sync);
         for (int i = tid; i < BQ * (D / 2); i += THREADS) {
             const int r = i / (D / 2), c = (i % (D / 2)) * 2;
@@ -774,7 +945,7 @@ __device__ __forceinline__ void attn_flash_impl(const AttnArgs& a) {
 // and V decoders the tile loads use; the quantized formats have f32 outputs only
 // (the backend's attention output), bf16 and fp8 both.
 #define ATTN_FLASH(D, kvn, KD, VD, outn, OUT)                                                       \
-    extern "C" __global__ void __launch_bounds__(flash::THREADS) attn_flash_d##D##_##kvn##_##outn( \
+    extern "C" __global__ void __launch_bounds__(flash::threads(D, KD::RAW)) attn_flash_d##D##_##kvn##_##outn( \
         const AttnArgs a) {                                                                         \
         attn_flash_impl<D, OUT, KD, VD>(a);                                                         \
     }

@@ -1279,7 +1279,10 @@ impl AttnKernel {
                  buffer); q rounded to bf16 (nearest even) in the kernel, P rounded to bf16, f32 \
                  accumulation and f32 online softmax; a bf16 cache fetched with cp.async, or a quantized cache's \
                  stored rows fetched with cp.async two tiles ahead and decoded from shared memory (src/kv's \
-                 decode, code * scale, rounded to bf16), tile n + 1 between tile n's MMAs; Hadamard-rotated \
+                 decode, code * scale, rounded to bf16; fp8 and int8 rows up to d_head 128: the exact codes, \
+                 their row scale applied in f32 to the key's column of the scores (K) or of P before its bf16 \
+                 rounding (V)), tile n + 1 between tile n's MMAs, 8 warps per block for a quantized cache up to \
+                 d_head 128; Hadamard-rotated \
                  K: q rotated (f32) in the kernel before its rounding; rotated V: the output rotated back (f32); \
                  on a compute capability 9.0 device a bf16 cache at the head sizes of \
                  ops::ATTN_V3_DEFAULT_HEAD_DIMS runs kernel v3 (attn_wgmma) instead"
@@ -1395,12 +1398,22 @@ fn tensor_map_kv(ptr: u64, d_head: usize, kv_len: usize, n_ctx: usize, n_slabs: 
 }
 
 /// (queries per block, keys per tile) of `attn_flash_d<d_head>_*` for a bf16 cache or
-/// (`coded`) a quantized one: the kernel's `4 * 16 * m_tiles(D)` and
+/// (`coded`) a quantized one: the kernel's `warps(D, raw) * 16 * m_tiles(D)` and
 /// `key_tile(D, raw)` (kernels/attention.cu).
 pub fn attn_flash_tiles(d_head: usize, coded: bool) -> (usize, usize) {
     let m_tiles = 1;
     let key_tile = if coded && d_head > 128 { 32 } else { 64 };
-    (4 * 16 * m_tiles, key_tile)
+    (attn_flash_warps(d_head, coded) * 16 * m_tiles, key_tile)
+}
+
+/// Warps per block of `attn_flash_d<d_head>_*`: the kernel's `warps(D, raw)`, 8 for a
+/// quantized cache up to d_head 128 (each decoded tile shared by 128 query rows), else 4.
+fn attn_flash_warps(d_head: usize, coded: bool) -> usize {
+    if coded && d_head <= 128 {
+        8
+    } else {
+        4
+    }
 }
 
 /// Dynamic shared memory of attn_prefill (v1) for d_head and cache element size.
@@ -1412,12 +1425,13 @@ fn attn_smem_bytes(d_head: usize, kv_bytes: usize) -> usize {
 /// Dynamic shared memory of attn_flash (v2), bf16 rows padded by 8: Q (only above
 /// d_head 128, the kernel's `q_in_regs`), two bf16 stages of K and of V, and for a
 /// quantized cache (`raw_row_bytes` = K's and V's row bytes) two raw stages of the
-/// stored rows.
+/// stored rows and two stages of K's and of V's per-key f32 factors (the row scales a
+/// folding decoder applies to S's and P's columns).
 fn attn_flash_smem_bytes(d_head: usize, raw_row_bytes: Option<(usize, usize)>) -> usize {
     let (bq, bk) = attn_flash_tiles(d_head, raw_row_bytes.is_some());
     let row = (d_head + 8) * 2;
     let q = if d_head <= 128 { 0 } else { bq * row };
-    q + 4 * bk * row + raw_row_bytes.map_or(0, |(krb, vrb)| 2 * bk * (krb + vrb))
+    q + 4 * bk * row + raw_row_bytes.map_or(0, |(krb, vrb)| 2 * bk * (krb + vrb) + 4 * bk * 4)
 }
 
 /// out[t, h*d_head ..] = softmax(q·Kᵀ * scale, causal/window mask) · V, per head with GQA,
@@ -1544,7 +1558,7 @@ fn attention_launch<O: OutElem>(
     if n_rows == 0 {
         return Ok(());
     }
-    let (name, smem, block_q) = match kernel {
+    let (name, smem, block_q, threads) = match kernel {
         AttnKernel::V3 => return attention_v3::<O>(dev, q, &cache, shape, out, p),
         AttnKernel::V1 => {
             ensure!(
@@ -1552,7 +1566,7 @@ fn attention_launch<O: OutElem>(
                 "attention kernel v1 reads bf16 or f32 caches; a {} cache runs kernel v2",
                 cache.kv
             );
-            (format!("attn_prefill_d{d}_{}_{}", cache.kv, O::NAME), attn_smem_bytes(d, cache.k_row_bytes / d), 16u32)
+            (format!("attn_prefill_d{d}_{}_{}", cache.kv, O::NAME), attn_smem_bytes(d, cache.k_row_bytes / d), 16u32, 128u32)
         }
         AttnKernel::V2 => {
             ensure!(
@@ -1568,7 +1582,8 @@ fn attention_launch<O: OutElem>(
             );
             ensure!(out.ptr() % 8 == 0 && p.out_stride % 2 == 0, "attention v2: out must be 8-byte aligned with an even stride");
             let raw = (!matches!(cache.kv, "bf16")).then_some((cache.k_row_bytes, cache.v_row_bytes));
-            (format!("attn_flash_d{d}_{}_{}", cache.kv, O::NAME), attn_flash_smem_bytes(d, raw), attn_flash_tiles(d, raw.is_some()).0 as u32)
+            let threads = 32 * attn_flash_warps(d, raw.is_some()) as u32;
+            (format!("attn_flash_d{d}_{}_{}", cache.kv, O::NAME), attn_flash_smem_bytes(d, raw), attn_flash_tiles(d, raw.is_some()).0 as u32, threads)
         }
     };
     let f = func(dev, &name)?;
@@ -1623,7 +1638,7 @@ fn attention_launch<O: OutElem>(
     // `attn_flash_d<D>_<kv>_<out>` (v2, one AttnArgs) in kernels/attention.cu; q, out and
     // both caches checked above and by the callers (lengths; v2: alignment too); dynamic
     // shared memory set to the kernel's need.
-    unsafe { b.launch(cfg(grid, 128, smem as u32)) }.map_err(|e| launch_err(&name, e))?;
+    unsafe { b.launch(cfg(grid, threads, smem as u32)) }.map_err(|e| launch_err(&name, e))?;
     Ok(())
 }
 
