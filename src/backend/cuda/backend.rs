@@ -491,11 +491,21 @@ impl CudaBackend {
         let enc = |c: crate::kv::RowCodec| ops::kv_encode_kernel(c.elem).unwrap_or("none");
         format!(
             "K ({}) stored by {}, V ({}) stored by {} (kernels/kv_codec.cu: src/kv's rows, bit-identical to the CPU codec); \
-             read by {reader} (each element decoded as src/kv decodes it, rounded to bf16 in the K/V tile load{})",
+             read by {reader} (each element decoded as src/kv decodes it, rounded to bf16 in the K/V tile load{}{})",
             k.name(),
             enc(k),
             v.name(),
             enc(v),
+            {
+                // kernels/attention.cu keeps fp8/int8 codes unscaled in the tile at d_head <= 128.
+                let folds = |c: crate::kv::RowCodec| matches!(c.elem, crate::kv::ElemCodec::Fp8 | crate::kv::ElemCodec::Int8);
+                match (folds(k), folds(v)) {
+                    (true, true) => "; at d_head <= 128 the fp8/int8 codes themselves in the tile (exact in bf16), K's row scale folded into the scores' scale and V's into P before its bf16 rounding",
+                    (true, false) => "; at d_head <= 128 K's int8/fp8 codes themselves in the tile (exact in bf16), its row scale folded into the scores' scale",
+                    (false, true) => "; at d_head <= 128 V's int8/fp8 codes themselves in the tile (exact in bf16), its row scale folded into P before its bf16 rounding",
+                    (false, false) => "",
+                }
+            },
             if k.rotate || v.rotate { "; q rotated in the kernel for rotated K, the output rotated back for rotated V" } else { "" }
         )
     }
