@@ -34,7 +34,7 @@ struct Args {
     /// Keep only source blocks A..B (end exclusive): a qualification artifact.
     #[arg(long, value_name = "A..B")]
     layers: Option<String>,
-    /// Write a seeded random-weight model of this geometry instead (smollm2-135m, llama-8b, qwen3moe-30b-a3b, qwen3moe-tiny).
+    /// Write a seeded random-weight model of this geometry instead (smollm2-135m, llama-8b, llama-70b, qwen3moe-30b-a3b, qwen3moe-tiny).
     #[arg(long, value_name = "GEOMETRY")]
     synthetic: Option<String>,
     /// Block format of the synthetic weights (F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K).
