@@ -7,7 +7,9 @@
 // different summation order only. CPU twin: tests/gpu_ops/twin.rs matmul_f64
 // over the same bf16-rounded operands.
 //
-// Algorithm: block tile 128 (M) x 256 (N) x 64 (K), GEMM_STAGES = 4 shared-
+// Algorithm (the main loop is sm90a.cuh's wgmma_pipeline, shared with
+// moe_sm90a.cu; this file gives it the tile order, the loads and the
+// epilogues): block tile 128 (M) x 256 (N) x 64 (K), GEMM_STAGES = 4 shared-
 // memory stages of (A 128x64 + B 256x64) bf16 = 48 KiB each. Both tiles are
 // brought in by the tensor-memory accelerator (cp.async.bulk.tensor.2d, tensor
 // maps built on the host with cuTensorMapEncodeTiled, 128-byte swizzle, zero
@@ -59,13 +61,6 @@
 
 #define GEMM_THREADS 384
 
-static_assert(GEMM_BM * GEMM_BK * 2 == 16384, "A stage is 16 KiB");
-static_assert(GEMM_BN * GEMM_BK * 2 == 32768, "B stage is 32 KiB");
-
-#define GEMM_A_STAGE_BYTES (GEMM_BM * GEMM_BK * 2)
-#define GEMM_B_STAGE_BYTES (GEMM_BN * GEMM_BK * 2)
-#define GEMM_STAGE_BYTES (GEMM_A_STAGE_BYTES + GEMM_B_STAGE_BYTES)
-
 // Tile `tile` of the grouped order: groups of GEMM_GROUP_M row tiles, column tiles
 // (of tile_n output columns) within a group.
 __device__ __forceinline__ void tile_origin(int tile, int m_tiles, int n_tiles, int tile_n, int& m0, int& n0) {
@@ -87,14 +82,6 @@ __device__ __forceinline__ void tile_origin(int tile, int m_tiles, int n_tiles, 
 template <bool GATED, int ACT, bool QKV, typename P>
 __device__ __forceinline__ void gemm_tiles(const P& p) {
     extern __shared__ uint8_t gemm_smem_raw[];
-    // 1024-byte alignment for the 128-byte swizzle (the launcher adds 1 KiB of slack).
-    const uint32_t raw = smem_addr(gemm_smem_raw);
-    const uint32_t base = (raw + 1023u) & ~1023u;
-    const uint32_t a_base = base;
-    const uint32_t b_base = base + GEMM_STAGES * GEMM_A_STAGE_BYTES;
-    const uint32_t bar_base = base + GEMM_STAGES * GEMM_STAGE_BYTES;  // full[s] then empty[s], 8 bytes each
-    const int warpgroup = threadIdx.x / 128;
-    const int tid_wg = threadIdx.x % 128;
     // Output columns a tile covers: 256, or 128 when gated (256 B rows: gate and up halves).
     constexpr int TILE_N = GATED ? GEMM_BN / 2 : GEMM_BN;
     int n_out;
@@ -104,119 +91,67 @@ __device__ __forceinline__ void gemm_tiles(const P& p) {
         n_out = p.n;
     }
     const int m_tiles = (p.m + GEMM_BM - 1) / GEMM_BM, n_tiles = (n_out + TILE_N - 1) / TILE_N;
-    const int n_tiles_total = m_tiles * n_tiles;
     const int k_tiles = (p.k + GEMM_BK - 1) / GEMM_BK;
-
-    if (threadIdx.x == 0) {
-#pragma unroll
-        for (int s = 0; s < GEMM_STAGES; ++s) {
-            mbar_init(bar_base + 8 * s, 1);                  // full: the producer's expect_tx
-            mbar_init(bar_base + 8 * (GEMM_STAGES + s), 2);  // empty: one arrival per consumer warpgroup
+    // Work item = tile of the grouped order (tile_origin).
+    auto load = [&](int tile, int kt, uint32_t a_stage, uint32_t b_stage, uint32_t full) {
+        int m0, n0;
+        tile_origin(tile, m_tiles, n_tiles, TILE_N, m0, n0);
+        tma_load_2d(a_stage, &p.a, full, kt * GEMM_BK, m0);
+        if constexpr (GATED) {
+            tma_load_2d(b_stage, &p.b_gate, full, kt * GEMM_BK, n0);
+            tma_load_2d(b_stage + GEMM_B_STAGE_BYTES / 2, &p.b_up, full, kt * GEMM_BK, n0);
+        } else {
+            tma_load_2d(b_stage, &p.b, full, kt * GEMM_BK, n0);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-
-    // Persistent: block b takes tiles b, b + gridDim.x, ...; `it` counts this block's
-    // K tiles over all its tiles (stage it % GEMM_STAGES, phase (it / GEMM_STAGES) & 1),
-    // so the producer runs ahead into the next tile while the consumers store this one.
-    if (warpgroup == 0) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-        if (tid_wg == 0) {
-            uint32_t it = 0;
-            for (int tile = blockIdx.x; tile < n_tiles_total; tile += gridDim.x) {
-                int m0, n0;
-                tile_origin(tile, m_tiles, n_tiles, TILE_N, m0, n0);
-                for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-                    const uint32_t s = it % GEMM_STAGES;
-                    mbar_wait(bar_base + 8 * (GEMM_STAGES + s), ((it / GEMM_STAGES) & 1) ^ 1);
-                    const uint32_t full = bar_base + 8 * s;
-                    mbar_arrive_expect_tx(full, GEMM_STAGE_BYTES);
-                    tma_load_2d(a_base + s * GEMM_A_STAGE_BYTES, &p.a, full, kt * GEMM_BK, m0);
-                    if constexpr (GATED) {
-                        const uint32_t b_stage = b_base + s * GEMM_B_STAGE_BYTES;
-                        tma_load_2d(b_stage, &p.b_gate, full, kt * GEMM_BK, n0);
-                        tma_load_2d(b_stage + GEMM_B_STAGE_BYTES / 2, &p.b_up, full, kt * GEMM_BK, n0);
-                    } else {
-                        tma_load_2d(b_base + s * GEMM_B_STAGE_BYTES, &p.b, full, kt * GEMM_BK, n0);
-                    }
-                }
-            }
-        }
-    } else {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-        const int c = warpgroup - 1;  // consumer: rows 64c .. 64c+63 of the tile
-        const int warp = tid_wg / 32, lane = tid_wg % 32;
-        uint32_t it = 0;
-        for (int tile = blockIdx.x; tile < n_tiles_total; tile += gridDim.x) {
-            int m0, n0;
-            tile_origin(tile, m_tiles, n_tiles, TILE_N, m0, n0);
-            float d[128];
+    };
+    auto epilogue = [&](int tile, int c, int warp, int lane, float (&d)[128]) {
+        int m0, n0;
+        tile_origin(tile, m_tiles, n_tiles, TILE_N, m0, n0);
+        const int row = m0 + c * 64 + warp * 16 + lane / 4;
+        const int col = n0 + 2 * (lane % 4);
+        if constexpr (GATED) {
+            // Column block j < 16 of the accumulators is gate, j + 16 the same columns of up.
 #pragma unroll
-            for (int i = 0; i < 128; ++i) d[i] = 0.0f;
-            for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-                const uint32_t s = it % GEMM_STAGES;
-                mbar_wait(bar_base + 8 * s, (it / GEMM_STAGES) & 1);
-                const uint64_t da = sw128_desc(a_base + s * GEMM_A_STAGE_BYTES + c * 64 * 128);
-                const uint64_t db = sw128_desc(b_base + s * GEMM_B_STAGE_BYTES);
-                wgmma_fence_regs(d);
-                wgmma_fence();
+            for (int j = 0; j < 16; ++j) {
 #pragma unroll
-                for (int kk = 0; kk < GEMM_BK / 16; ++kk) wgmma_bf16_m64n256k16(d, da + 2 * kk, db + 2 * kk);
-                wgmma_commit();
-                wgmma_wait<1>();  // the group of K tile it-1 has retired: its stage is free
-                wgmma_fence_regs(d);
-                if (kt > 0 && tid_wg == 0) mbar_arrive(bar_base + 8 * (GEMM_STAGES + (it - 1) % GEMM_STAGES));
-            }
-            wgmma_wait<0>();
-            wgmma_fence_regs(d);
-            if (tid_wg == 0) mbar_arrive(bar_base + 8 * (GEMM_STAGES + (it - 1) % GEMM_STAGES));
-
-            const int row = m0 + c * 64 + warp * 16 + lane / 4;
-            const int col = n0 + 2 * (lane % 4);
-            if constexpr (GATED) {
-                // Column block j < 16 of the accumulators is gate, j + 16 the same columns of up.
-#pragma unroll
-                for (int j = 0; j < 16; ++j) {
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int r = row + 8 * h;
-                        const int n = col + 8 * j;
-                        if (r < p.m && n < p.n_ffn) {
-                            const float o0 = fmul(act<ACT>(d[4 * j + 2 * h]), d[4 * (j + 16) + 2 * h]);
-                            const float o1 = fmul(act<ACT>(d[4 * j + 2 * h + 1]), d[4 * (j + 16) + 2 * h + 1]);
-                            // n_ffn even: n + 1 < n_ffn whenever n < n_ffn.
-                            *reinterpret_cast<__nv_bfloat162*>(p.out + (long long)r * p.ldo + n) = __floats2bfloat162_rn(o0, o1);
-                        }
-                    }
-                }
-            } else if constexpr (QKV) {
-                // Columns come in even pairs and every segment boundary is even: a pair
-                // never straddles two projections.
-#pragma unroll
-                for (int j = 0; j < 32; ++j) {
+                for (int h = 0; h < 2; ++h) {
+                    const int r = row + 8 * h;
                     const int n = col + 8 * j;
-                    if (n >= p.n) continue;
-                    const int s = n >= p.col2 ? 2 : (n >= p.col1 ? 1 : 0);
-                    const int c0 = s == 2 ? p.col2 : (s == 1 ? p.col1 : 0);
-                    const int width = (s == 2 ? p.n : (s == 1 ? p.col2 : p.col1)) - c0;
-                    float* ys = p.y[s];
-                    const float* bs = p.bias[s];
-                    const float b0 = bs ? bs[n - c0] : 0.0f, b1 = bs ? bs[n - c0 + 1] : 0.0f;
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int r = row + 8 * h;
-                        if (r < p.m) {
-                            float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
-                            if (bs) {
-                                v0 = fadd(v0, b0);
-                                v1 = fadd(v1, b1);
-                            }
-                            *reinterpret_cast<float2*>(ys + (long long)r * width + (n - c0)) = make_float2(v0, v1);
-                        }
+                    if (r < p.m && n < p.n_ffn) {
+                        const float o0 = fmul(act<ACT>(d[4 * j + 2 * h]), d[4 * (j + 16) + 2 * h]);
+                        const float o1 = fmul(act<ACT>(d[4 * j + 2 * h + 1]), d[4 * (j + 16) + 2 * h + 1]);
+                        // n_ffn even: n + 1 < n_ffn whenever n < n_ffn.
+                        *reinterpret_cast<__nv_bfloat162*>(p.out + (long long)r * p.ldo + n) = __floats2bfloat162_rn(o0, o1);
                     }
                 }
-            } else {
+            }
+        } else if constexpr (QKV) {
+            // Columns come in even pairs and every segment boundary is even: a pair
+            // never straddles two projections.
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                const int n = col + 8 * j;
+                if (n >= p.n) continue;
+                const int s = n >= p.col2 ? 2 : (n >= p.col1 ? 1 : 0);
+                const int c0 = s == 2 ? p.col2 : (s == 1 ? p.col1 : 0);
+                const int width = (s == 2 ? p.n : (s == 1 ? p.col2 : p.col1)) - c0;
+                float* ys = p.y[s];
+                const float* bs = p.bias[s];
+                const float b0 = bs ? bs[n - c0] : 0.0f, b1 = bs ? bs[n - c0 + 1] : 0.0f;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = row + 8 * h;
+                    if (r < p.m) {
+                        float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
+                        if (bs) {
+                            v0 = fadd(v0, b0);
+                            v1 = fadd(v1, b1);
+                        }
+                        *reinterpret_cast<float2*>(ys + (long long)r * width + (n - c0)) = make_float2(v0, v1);
+                    }
+                }
+            }
+        } else {
 #pragma unroll
             for (int j = 0; j < 32; ++j) {
 #pragma unroll
@@ -240,9 +175,9 @@ __device__ __forceinline__ void gemm_tiles(const P& p) {
                     }
                 }
             }
-            }
         }
-    }
+    };
+    wgmma_pipeline(gemm_smem_raw, m_tiles * n_tiles, k_tiles, load, epilogue);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_bf16_wgmma(const __grid_constant__ GemmParams p) {

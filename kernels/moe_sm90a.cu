@@ -18,7 +18,7 @@
 // on its own slot's row and its expert's weight alone, never on the rows beside
 // it in a tile.
 //
-// Algorithm: the pipeline of gemm_sm90a.cu (block tile 128 slots x 256 B rows x
+// Algorithm: sm90a.cuh's wgmma_pipeline, the one gemm_sm90a.cu runs (block tile 128 slots x 256 B rows x
 // 64 K, GEMM_STAGES = 4 shared stages of 48 KiB loaded by TMA with 128-byte
 // swizzle, zero fill outside a matrix, a "full" and an "empty" mbarrier per
 // stage; warpgroup 0 produces (one thread), warpgroups 1 and 2 consume, 64
@@ -43,122 +43,61 @@
 #include "sm90a.cuh"
 
 #define MOE_WG_THREADS 384
-#define MOE_WG_A_STAGE_BYTES (GEMM_BM * GEMM_BK * 2)
-#define MOE_WG_B_STAGE_BYTES (GEMM_BN * GEMM_BK * 2)
-#define MOE_WG_STAGE_BYTES (MOE_WG_A_STAGE_BYTES + MOE_WG_B_STAGE_BYTES)
 
 template <bool GATED, int ACT>
 __device__ __forceinline__ void moe_wgmma_items(const MoeWgmmaParams& p) {
     extern __shared__ uint8_t moe_smem_raw[];
-    const uint32_t base = (smem_addr(moe_smem_raw) + 1023u) & ~1023u;  // 1024-byte alignment (1 KiB slack)
-    const uint32_t a_base = base;
-    const uint32_t b_base = base + GEMM_STAGES * MOE_WG_A_STAGE_BYTES;
-    const uint32_t bar_base = base + GEMM_STAGES * MOE_WG_STAGE_BYTES;  // full[s] then empty[s]
-    const int warpgroup = threadIdx.x / 128;
-    const int tid_wg = threadIdx.x % 128;
     constexpr int TILE_N = GATED ? GEMM_BN / 2 : GEMM_BN;
     const int n_col_tiles = (p.n + TILE_N - 1) / TILE_N;
-    const int n_items = p.n_tiles * n_col_tiles;
     const int k_tiles = (p.k + GEMM_BK - 1) / GEMM_BK;
-
-    if (threadIdx.x == 0) {
+    // Work item = (slot tile item / n_col_tiles, column tile item % n_col_tiles).
+    auto load = [&](int item, int kt, uint32_t a_stage, uint32_t b_stage, uint32_t full) {
+        const int* t = p.tiles + 3 * (item / n_col_tiles);
+        const int b_row = t[0] * p.n + (item % n_col_tiles) * TILE_N;
+        tma_load_2d(a_stage, &p.a, full, kt * GEMM_BK, t[1]);
+        tma_load_2d(b_stage, &p.b, full, kt * GEMM_BK, b_row);
+        if constexpr (GATED) tma_load_2d(b_stage + GEMM_B_STAGE_BYTES / 2, &p.b_up, full, kt * GEMM_BK, b_row);
+    };
+    auto epilogue = [&](int item, int c, int warp, int lane, float (&d)[128]) {
+        const int* t = p.tiles + 3 * (item / n_col_tiles);
+        const int s0 = t[1], s1 = t[2];
+        const int n0 = (item % n_col_tiles) * TILE_N;
+        // m64nNk16 layout: warp w holds rows 16w..16w+15; lane (g, t) rows g and g+8,
+        // columns 8j + 2t, 8j + 2t + 1.
+        const int slot = s0 + c * 64 + warp * 16 + lane / 4;
+        const int col = n0 + 2 * (lane % 4);
+        if constexpr (GATED) {
+            bf16* out = static_cast<bf16*>(p.y);
 #pragma unroll
-        for (int s = 0; s < GEMM_STAGES; ++s) {
-            mbar_init(bar_base + 8 * s, 1);                  // full: the producer's expect_tx
-            mbar_init(bar_base + 8 * (GEMM_STAGES + s), 2);  // empty: one arrival per consumer warpgroup
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-
-    // `it` counts this block's K tiles over all its items (stage it % GEMM_STAGES,
-    // phase (it / GEMM_STAGES) & 1), as in gemm_sm90a.cu.
-    if (warpgroup == 0) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-        if (tid_wg == 0) {
-            uint32_t it = 0;
-            for (int item = blockIdx.x; item < n_items; item += gridDim.x) {
-                const int* t = p.tiles + 3 * (item / n_col_tiles);
-                const int s0 = t[1];
-                const int b_row = t[0] * p.n + (item % n_col_tiles) * TILE_N;
-                for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-                    const uint32_t s = it % GEMM_STAGES;
-                    mbar_wait(bar_base + 8 * (GEMM_STAGES + s), ((it / GEMM_STAGES) & 1) ^ 1);
-                    const uint32_t full = bar_base + 8 * s;
-                    mbar_arrive_expect_tx(full, MOE_WG_STAGE_BYTES);
-                    tma_load_2d(a_base + s * MOE_WG_A_STAGE_BYTES, &p.a, full, kt * GEMM_BK, s0);
-                    const uint32_t b_stage = b_base + s * MOE_WG_B_STAGE_BYTES;
-                    tma_load_2d(b_stage, &p.b, full, kt * GEMM_BK, b_row);
-                    if constexpr (GATED) tma_load_2d(b_stage + MOE_WG_B_STAGE_BYTES / 2, &p.b_up, full, kt * GEMM_BK, b_row);
-                }
-            }
-        }
-    } else {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-        const int c = warpgroup - 1;  // consumer: slots 64c .. 64c+63 of the tile
-        const int warp = tid_wg / 32, lane = tid_wg % 32;
-        uint32_t it = 0;
-        for (int item = blockIdx.x; item < n_items; item += gridDim.x) {
-            const int* t = p.tiles + 3 * (item / n_col_tiles);
-            const int s0 = t[1], s1 = t[2];
-            const int n0 = (item % n_col_tiles) * TILE_N;
-            float d[128];
+            for (int j = 0; j < 16; ++j) {
 #pragma unroll
-            for (int i = 0; i < 128; ++i) d[i] = 0.0f;
-            for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-                const uint32_t s = it % GEMM_STAGES;
-                mbar_wait(bar_base + 8 * s, (it / GEMM_STAGES) & 1);
-                const uint64_t da = sw128_desc(a_base + s * MOE_WG_A_STAGE_BYTES + c * 64 * 128);
-                const uint64_t db = sw128_desc(b_base + s * MOE_WG_B_STAGE_BYTES);
-                wgmma_fence_regs(d);
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < GEMM_BK / 16; ++kk) wgmma_bf16_m64n256k16(d, da + 2 * kk, db + 2 * kk);
-                wgmma_commit();
-                wgmma_wait<1>();  // the group of K tile it-1 has retired: its stage is free
-                wgmma_fence_regs(d);
-                if (kt > 0 && tid_wg == 0) mbar_arrive(bar_base + 8 * (GEMM_STAGES + (it - 1) % GEMM_STAGES));
-            }
-            wgmma_wait<0>();
-            wgmma_fence_regs(d);
-            if (tid_wg == 0) mbar_arrive(bar_base + 8 * (GEMM_STAGES + (it - 1) % GEMM_STAGES));
-
-            // m64nNk16 layout: warp w holds rows 16w..16w+15; lane (g, t) rows g and g+8,
-            // columns 8j + 2t, 8j + 2t + 1.
-            const int slot = s0 + c * 64 + warp * 16 + lane / 4;
-            const int col = n0 + 2 * (lane % 4);
-            if constexpr (GATED) {
-                bf16* out = static_cast<bf16*>(p.y);
-#pragma unroll
-                for (int j = 0; j < 16; ++j) {
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int m = slot + 8 * h;
-                        const int n = col + 8 * j;
-                        if (m < s1 && n < p.n) {
-                            const float o0 = fmul(act<ACT>(d[4 * j + 2 * h]), d[4 * (j + 16) + 2 * h]);
-                            const float o1 = fmul(act<ACT>(d[4 * j + 2 * h + 1]), d[4 * (j + 16) + 2 * h + 1]);
-                            // n even and p.n even: n + 1 < p.n.
-                            *reinterpret_cast<__nv_bfloat162*>(out + (long long)m * p.ldy + n) = __floats2bfloat162_rn(o0, o1);
-                        }
+                for (int h = 0; h < 2; ++h) {
+                    const int m = slot + 8 * h;
+                    const int n = col + 8 * j;
+                    if (m < s1 && n < p.n) {
+                        const float o0 = fmul(act<ACT>(d[4 * j + 2 * h]), d[4 * (j + 16) + 2 * h]);
+                        const float o1 = fmul(act<ACT>(d[4 * j + 2 * h + 1]), d[4 * (j + 16) + 2 * h + 1]);
+                        // n even and p.n even: n + 1 < p.n.
+                        *reinterpret_cast<__nv_bfloat162*>(out + (long long)m * p.ldy + n) = __floats2bfloat162_rn(o0, o1);
                     }
                 }
-            } else {
-                float* y = static_cast<float*>(p.y);
+            }
+        } else {
+            float* y = static_cast<float*>(p.y);
 #pragma unroll
-                for (int j = 0; j < 32; ++j) {
+            for (int j = 0; j < 32; ++j) {
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int m = slot + 8 * h;
-                        const int n = col + 8 * j;
-                        if (m < s1 && n < p.n) {
-                            *reinterpret_cast<float2*>(y + (long long)m * p.ldy + n) = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-                        }
+                for (int h = 0; h < 2; ++h) {
+                    const int m = slot + 8 * h;
+                    const int n = col + 8 * j;
+                    if (m < s1 && n < p.n) {
+                        *reinterpret_cast<float2*>(y + (long long)m * p.ldy + n) = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
                     }
                 }
             }
         }
-    }
+    };
+    wgmma_pipeline(moe_smem_raw, p.n_tiles * n_col_tiles, k_tiles, load, epilogue);
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_WG_THREADS, 1) moe_wgmma_plain(const __grid_constant__ MoeWgmmaParams p) {

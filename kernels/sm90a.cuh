@@ -91,3 +91,97 @@ __device__ __forceinline__ void wgmma_fence_regs(float (&d)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 // --- end moe4 ---
+
+// --- wgmma GEMM pipeline (gemm_sm90a.cu, moe_sm90a.cu) ---
+// The warp-specialized main loop of both GEMM families. Block tile GEMM_BM x
+// GEMM_BN x GEMM_BK (common.cuh), GEMM_STAGES shared-memory stages of (A
+// GEMM_BM x GEMM_BK + B GEMM_BN x GEMM_BK) bf16 from 1024-byte-aligned dynamic
+// shared memory (the launcher adds 1 KiB of slack), then a "full" mbarrier (the
+// producer's expect_tx) and an "empty" one (one arrival per consumer
+// warpgroup) per stage. Block of 384 threads: warpgroup 0 produces (thread 0
+// issues the stage's TMA copies through `load`, after the stage's "empty"
+// phase), warpgroups 1 and 2 consume, consumer c owning rows 64c..64c+63 of the
+// tile x 256 columns (128 f32 accumulators a thread), issuing
+// wgmma.mma_async.m64n256k16 from the swizzled stages (GEMM_BK / 16 a K tile),
+// one wgmma group in flight, releasing a stage once the group that read it has
+// retired; setmaxnreg moves registers from the producer to the consumers.
+// Persistent over work items: block b takes items b, b + gridDim.x, ...; `it`
+// counts the block's K tiles over all its items (stage it % GEMM_STAGES, phase
+// (it / GEMM_STAGES) & 1), so the producer runs ahead into the next item while
+// the consumers store this one.
+//   load(item, kt, a_stage, b_stage, full): the TMA copies of K tile kt of item
+//     into the stage at a_stage / b_stage, completing on `full`
+//     (GEMM_STAGE_BYTES in all);
+//   epilogue(item, c, warp, lane, d): stores consumer c's accumulators `d` of
+//     the item (the m64nNk16 layout: warp w holds rows 16w..16w+15; lane (g =
+//     lane/4, t = lane%4) rows g and g+8, columns 8j+2t, 8j+2t+1 for j < 32).
+#define GEMM_A_STAGE_BYTES (GEMM_BM * GEMM_BK * 2)
+#define GEMM_B_STAGE_BYTES (GEMM_BN * GEMM_BK * 2)
+#define GEMM_STAGE_BYTES (GEMM_A_STAGE_BYTES + GEMM_B_STAGE_BYTES)
+static_assert(GEMM_A_STAGE_BYTES == 16384, "A stage is 16 KiB");
+static_assert(GEMM_B_STAGE_BYTES == 32768, "B stage is 32 KiB");
+
+template <class Load, class Epilogue>
+__device__ __forceinline__ void wgmma_pipeline(uint8_t* smem_raw, int n_items, int k_tiles, Load load, Epilogue epilogue) {
+    const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const uint32_t a_base = base;
+    const uint32_t b_base = base + GEMM_STAGES * GEMM_A_STAGE_BYTES;
+    const uint32_t bar_base = base + GEMM_STAGES * GEMM_STAGE_BYTES;  // full[s] then empty[s], 8 bytes each
+    const int warpgroup = threadIdx.x / 128;
+    const int tid_wg = threadIdx.x % 128;
+
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int s = 0; s < GEMM_STAGES; ++s) {
+            mbar_init(bar_base + 8 * s, 1);
+            mbar_init(bar_base + 8 * (GEMM_STAGES + s), 2);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        if (tid_wg == 0) {
+            uint32_t it = 0;
+            for (int item = blockIdx.x; item < n_items; item += gridDim.x) {
+                for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+                    const uint32_t s = it % GEMM_STAGES;
+                    mbar_wait(bar_base + 8 * (GEMM_STAGES + s), ((it / GEMM_STAGES) & 1) ^ 1);
+                    const uint32_t full = bar_base + 8 * s;
+                    mbar_arrive_expect_tx(full, GEMM_STAGE_BYTES);
+                    load(item, kt, a_base + s * GEMM_A_STAGE_BYTES, b_base + s * GEMM_B_STAGE_BYTES, full);
+                }
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+        const int c = warpgroup - 1;
+        const int warp = tid_wg / 32, lane = tid_wg % 32;
+        uint32_t it = 0;
+        for (int item = blockIdx.x; item < n_items; item += gridDim.x) {
+            float d[128];
+#pragma unroll
+            for (int i = 0; i < 128; ++i) d[i] = 0.0f;
+            for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+                const uint32_t s = it % GEMM_STAGES;
+                mbar_wait(bar_base + 8 * s, (it / GEMM_STAGES) & 1);
+                const uint64_t da = sw128_desc(a_base + s * GEMM_A_STAGE_BYTES + c * 64 * 128);
+                const uint64_t db = sw128_desc(b_base + s * GEMM_B_STAGE_BYTES);
+                wgmma_fence_regs(d);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < GEMM_BK / 16; ++kk) wgmma_bf16_m64n256k16(d, da + 2 * kk, db + 2 * kk);
+                wgmma_commit();
+                wgmma_wait<1>();  // the group of K tile it-1 has retired: its stage is free
+                wgmma_fence_regs(d);
+                if (kt > 0 && tid_wg == 0) mbar_arrive(bar_base + 8 * (GEMM_STAGES + (it - 1) % GEMM_STAGES));
+            }
+            wgmma_wait<0>();
+            wgmma_fence_regs(d);
+            if (tid_wg == 0) mbar_arrive(bar_base + 8 * (GEMM_STAGES + (it - 1) % GEMM_STAGES));
+            epilogue(item, c, warp, lane, d);
+        }
+    }
+}
+// --- end wgmma GEMM pipeline ---
