@@ -602,12 +602,20 @@ fn tiny_qwen3next_on_cuda_matches_the_cpu_over_passes() {
 /// `--reference --kv-dtype X` on CUDA (the FP32 route, every stored K/V row the
 /// CPU's decode(encode(row)) by `kv_roundtrip_<codec>`, V as fp16 under bf16)
 /// against the CPU backend's `--reference` (`CpuBackend::from_spec`), per target,
-/// for the tiny models and every format, within the FP32 route's bounds of
-/// `tiny_models_match_the_cpu_emulation_of_each_route` (f32 KV: 1e-4 max and mean,
-/// 1e-3 listed logits; a rounded cache: 5e-3 / 1e-3 / 5e-3, as its bf16 cache).
-/// The codec must be applied: for the quantized formats the GPU sits farther
-/// from the CPU's lossless f32 scores than from the CPU --reference. Passes of 16
-/// tokens carry the cache; the report names the round-trip kernels.
+/// for the tiny models and every format: f32 and bf16 within the FP32 route's
+/// bounds of `tiny_models_match_the_cpu_emulation_of_each_route` (f32 KV: 1e-4 max
+/// and mean, 1e-3 listed logits; bf16: 5e-3 / 1e-3 / 5e-3). The quantized formats
+/// get their own bounds: the stored rows are the CPU's bit for bit for the same
+/// input (gpu_ops `kv_roundtrip_*`), but K and V come out of f32 matmuls whose
+/// accumulation order differs from the CPU's, and a value that lands on the other
+/// side of a code boundary moves by one code step of the format, not one bf16 ulp.
+/// Measured on the H200 (2026-12-01 22:50 UTC, route5 3b0f681), worst over the five
+/// models: max 1.97e-2 / mean 9.08e-4 / listed logits 1.24e-2 (Llama k8v4; fp8
+/// 5.97e-3 / 6.76e-4 / 7.08e-3; every other format and model at most 2.9e-3 max);
+/// about twice that here: 0.04 / 2e-3 / 0.025. The codec must be applied: for the
+/// quantized formats the GPU's mean distance to the CPU's lossless f32 scores is
+/// more than 10 times its distance to the CPU --reference (measured at least 68
+/// times). Passes of 16 tokens carry the cache; the report names the round-trip kernels.
 #[test]
 fn reference_route_matches_the_cpu_reference_for_every_format() {
     if !have_gpu() {
@@ -641,12 +649,16 @@ fn reference_route_matches_the_cpu_reference_for_every_format() {
                 "reference {setting}: vs CPU --reference max |dNLL| {d_nll:.3e}, mean {d_mean:.3e}, listed logits {d_extra:.3e}; \
                  vs CPU lossless f32 mean {d_lossless:.3e}"
             ));
-            let (tol, tol_mean, tol_logit) = if kv == KvDtype::F32 { (1e-4, 1e-4, 1e-3) } else { (5e-3, 1e-3, 5e-3) };
+            let (tol, tol_mean, tol_logit) = match kv {
+                KvDtype::F32 => (1e-4, 1e-4, 1e-3),
+                KvDtype::Bf16 => (5e-3, 1e-3, 5e-3),
+                _ => (0.04, 2e-3, 0.025),
+            };
             if d_nll > tol || d_mean > tol_mean || d_extra > tol_logit {
                 failures.push(format!("{setting}: max |dNLL| {d_nll:.3e} ({tol:e}), mean {d_mean:.3e} ({tol_mean:e}), listed logits {d_extra:.3e} ({tol_logit:e})"));
             }
-            if kv.is_quantized() && d_lossless <= d_mean {
-                failures.push(format!("{setting}: mean |dNLL| {d_lossless:.3e} from the lossless CPU, {d_mean:.3e} from the CPU --reference: is the codec applied?"));
+            if kv.is_quantized() && d_lossless <= 10.0 * d_mean {
+                failures.push(format!("{setting}: mean |dNLL| {d_lossless:.3e} from the lossless CPU, only {d_mean:.3e} x 10 from the CPU --reference: is the codec applied?"));
             }
             let want_kernel = match kv {
                 KvDtype::F32 => "kv_store_f32".to_string(),
@@ -666,7 +678,10 @@ fn reference_route_matches_the_cpu_reference_for_every_format() {
 /// window scored alone in one pass, for the default route with bf16 and fp8 KV
 /// (tiny llama, gemma3 with sliding windows, qwen3moe, qwen3next) and the FP32
 /// route; the report says so. Reported, not asserted: whether the default route
-/// without the pin differs (its GEMM switches kernels at M = 128).
+/// without the pin differs (its GEMM switches kernels at M = 128). Measured on the
+/// H200 (2026-12-01 22:50 UTC, route5 3b0f681): bit-identical in every setting,
+/// with and without the pin: on these shapes (K of 64 and 96) no difference between
+/// the two GEMM kernels reaches a score, so this test does not show the pin needed.
 #[test]
 fn reproducible_scores_do_not_depend_on_batching_or_prefill_chunk() {
     if !have_gpu() {

@@ -1121,6 +1121,12 @@ impl Backend for CudaBackend {
                     Route::Fp32 => "f32 inputs, weights dequantized to f32 in shared memory, FFMA, f32 accumulation".to_string(),
                 },
                 "fusions": match self.route {
+                    Route::Bf16TensorCore if self.dev.one_gemm_kernel() => "numbers unchanged (the route rounds every matmul input to \
+                         bf16 anyway): RMSNorm writes f32 and its bf16 rounding in one pass (rmsnorm_dual); attention and the gated \
+                         product are written in bf16; --reproducible: gate and up as two mma.sync matmuls then gated_<act>_bf16 (no \
+                         wgmma GEMM, so no fused gated epilogue or fused q/k/v); the residual add folded into the next RMSNorm \
+                         (add_rmsnorm_dual); RoPE's (cos, sin) from one table per base and scale (rope_table_f32)"
+                        .to_string(),
                     Route::Bf16TensorCore => format!(
                         "numbers unchanged (the route rounds every matmul input to bf16 anyway): RMSNorm writes f32 and its bf16 \
                          rounding in one pass (rmsnorm_dual); attention and the gated product are written in bf16 (matmul inputs only); \
