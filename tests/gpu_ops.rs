@@ -1380,39 +1380,70 @@ fn encode_codecs() -> Vec<RowCodec> {
     elems.iter().flat_map(|&e| [RowCodec::new(e, false), RowCodec::new(e, true)]).collect()
 }
 
+/// The two store passes of the KV row tests: the rows of [`kv_rows`] spread over
+/// (window, token, head) in turn (shifted per pass), the rest random, stored at
+/// positions 1.. and 1 + n_tokens.. of a cache with one spare slot and spare
+/// positions (which must stay untouched), from sources with a row gap.
+struct KvPasses {
+    n_tokens: usize,
+    shape: KvShape,
+    src_stride: usize,
+    /// Per pass: pos0 and the source (n_seqs * n_tokens, src_stride) f32.
+    passes: Vec<(usize, Vec<f32>)>,
+    n_seqs: usize,
+}
+
+impl KvPasses {
+    fn new(rng: &mut ChaCha8Rng, d: usize, n_kv_heads: usize, n_seqs: usize) -> Self {
+        let rows_per_pass = kv_rows(rng, d, 20);
+        let n_tokens = rows_per_pass.len().div_ceil(n_kv_heads * n_seqs).max(2);
+        let shape = KvShape { n_seqs: n_seqs + 1, n_kv_heads, n_ctx: 2 * n_tokens + 3, d_head: d };
+        let mut p = Self { n_tokens, shape, src_stride: n_kv_heads * d + 32, passes: Vec::new(), n_seqs };
+        for (pass, pos0) in [(0usize, 1usize), (1, 1 + n_tokens)] {
+            let mut src = randn(rng, n_seqs * n_tokens * p.src_stride, 1.0);
+            for (k, (at, _)) in p.rows(pos0).into_iter().enumerate() {
+                if k < rows_per_pass.len() {
+                    src[at..at + d].copy_from_slice(&rows_per_pass[(k + pass * 7) % rows_per_pass.len()]);
+                }
+            }
+            p.passes.push((pos0, src));
+        }
+        p
+    }
+
+    /// (offset in the source, cache row index) of every row the pass at `pos0`
+    /// stores, in (window, token, head) order.
+    fn rows(&self, pos0: usize) -> Vec<(usize, usize)> {
+        let (h_n, d, n_ctx) = (self.shape.n_kv_heads, self.shape.d_head, self.shape.n_ctx);
+        let mut out = Vec::new();
+        for s in 0..self.n_seqs {
+            for t in 0..self.n_tokens {
+                for h in 0..h_n {
+                    out.push(((s * self.n_tokens + t) * self.src_stride + h * d, (s * h_n + h) * n_ctx + pos0 + t));
+                }
+            }
+        }
+        out
+    }
+}
+
 /// kv_encode against `kv::RowCodec::encode_row`, byte for byte, over two
 /// passes into a poisoned cache (rows outside the stored positions must stay
 /// untouched), with the non-finite count.
 fn kv_encode_case(dev: &CudaDevice, rng: &mut ChaCha8Rng, codec: RowCodec, book: &ops::VqBook, d: usize, n_kv_heads: usize, n_seqs: usize) {
     let rb = codec.row_bytes(d);
-    let rows_per_pass = kv_rows(rng, d, 20);
-    let n_tokens = rows_per_pass.len().div_ceil(n_kv_heads * n_seqs).max(2);
-    let n_ctx = 2 * n_tokens + 3;
-    let shape = KvShape { n_seqs: n_seqs + 1, n_kv_heads, n_ctx, d_head: d };
+    let p = KvPasses::new(rng, d, n_kv_heads, n_seqs);
+    let (shape, n_ctx) = (p.shape, p.shape.n_ctx);
     let mut cache = dev.upload(&vec![0xABu8; shape.coded_bytes(codec)]).unwrap();
     let mut n_bad = dev.alloc_zeros::<u64>(1).unwrap();
     let mut expect = vec![0xABu8; shape.coded_bytes(codec)];
     let mut expect_bad = 0usize;
-    let src_stride = n_kv_heads * d + 32;
-    for (pass, pos0) in [(0usize, 1usize), (1, 1 + n_tokens)] {
-        // Row (s, t, h) takes the adversarial rows in turn (shifted per pass), then random ones.
-        let mut src = randn(rng, n_seqs * n_tokens * src_stride, 1.0);
-        let mut k = pass * 7;
-        for s in 0..n_seqs {
-            for t in 0..n_tokens {
-                for h in 0..n_kv_heads {
-                    let at = (s * n_tokens + t) * src_stride + h * d;
-                    if k < rows_per_pass.len() + pass * 7 {
-                        src[at..at + d].copy_from_slice(&rows_per_pass[k % rows_per_pass.len()]);
-                    }
-                    k += 1;
-                    let dst = ((s * n_kv_heads + h) * n_ctx + pos0 + t) * rb;
-                    expect_bad += codec.encode_row(&src[at..at + d], &mut expect[dst..dst + rb]).unwrap();
-                }
-            }
+    for (pos0, src) in &p.passes {
+        for (at, r) in p.rows(*pos0) {
+            expect_bad += codec.encode_row(&src[at..at + d], &mut expect[r * rb..(r + 1) * rb]).unwrap();
         }
-        let sd = dev.upload(&src).unwrap();
-        ops::kv_encode(dev, codec, sd.view(), n_seqs, n_tokens, src_stride, cache.view_mut(), shape, pos0, n_bad.view_mut(), Some(book))
+        let sd = dev.upload(src).unwrap();
+        ops::kv_encode(dev, codec, sd.view(), n_seqs, p.n_tokens, p.src_stride, cache.view_mut(), shape, *pos0, n_bad.view_mut(), Some(book))
             .unwrap();
     }
     let got = dev.download(&cache).unwrap();
@@ -1476,37 +1507,21 @@ fn kv_encode_every_codec_bit_exact_random_and_adversarial() {
 /// untouched), with the non-finite count. NaN against NaN counts as equal (IEEE
 /// leaves NaN payloads to the machine; reported apart); every other bit must match.
 fn kv_roundtrip_case(dev: &CudaDevice, rng: &mut ChaCha8Rng, codec: RowCodec, book: &ops::VqBook, d: usize, n_kv_heads: usize, n_seqs: usize) {
-    let rb = codec.row_bytes(d);
-    let rows_per_pass = kv_rows(rng, d, 20);
-    let n_tokens = rows_per_pass.len().div_ceil(n_kv_heads * n_seqs).max(2);
-    let n_ctx = 2 * n_tokens + 3;
-    let shape = KvShape { n_seqs: n_seqs + 1, n_kv_heads, n_ctx, d_head: d };
+    let p = KvPasses::new(rng, d, n_kv_heads, n_seqs);
+    let (shape, n_ctx) = (p.shape, p.shape.n_ctx);
     let untouched = f32::from_bits(0x7FA5_A5A5);
     let mut cache = dev.upload(&vec![untouched; shape.len()]).unwrap();
     let mut n_bad = dev.alloc_zeros::<u64>(1).unwrap();
     let mut expect = vec![untouched; shape.len()];
     let mut expect_bad = 0usize;
-    let mut bytes = vec![0u8; rb];
-    let src_stride = n_kv_heads * d + 32;
-    for (pass, pos0) in [(0usize, 1usize), (1, 1 + n_tokens)] {
-        let mut src = randn(rng, n_seqs * n_tokens * src_stride, 1.0);
-        let mut k = pass * 7;
-        for s in 0..n_seqs {
-            for t in 0..n_tokens {
-                for h in 0..n_kv_heads {
-                    let at = (s * n_tokens + t) * src_stride + h * d;
-                    if k < rows_per_pass.len() + pass * 7 {
-                        src[at..at + d].copy_from_slice(&rows_per_pass[k % rows_per_pass.len()]);
-                    }
-                    k += 1;
-                    let dst = ((s * n_kv_heads + h) * n_ctx + pos0 + t) * d;
-                    expect_bad += codec.encode_row(&src[at..at + d], &mut bytes).unwrap();
-                    codec.decode_row(&bytes, &mut expect[dst..dst + d]).unwrap();
-                }
-            }
+    let mut bytes = vec![0u8; codec.row_bytes(d)];
+    for (pos0, src) in &p.passes {
+        for (at, r) in p.rows(*pos0) {
+            expect_bad += codec.encode_row(&src[at..at + d], &mut bytes).unwrap();
+            codec.decode_row(&bytes, &mut expect[r * d..(r + 1) * d]).unwrap();
         }
-        let sd = dev.upload(&src).unwrap();
-        ops::kv_roundtrip(dev, codec, sd.view(), n_seqs, n_tokens, src_stride, cache.view_mut(), shape, pos0, n_bad.view_mut(), Some(book))
+        let sd = dev.upload(src).unwrap();
+        ops::kv_roundtrip(dev, codec, sd.view(), n_seqs, p.n_tokens, p.src_stride, cache.view_mut(), shape, *pos0, n_bad.view_mut(), Some(book))
             .unwrap();
     }
     let got = dev.download(&cache).unwrap();
