@@ -13,6 +13,13 @@
 //!   same bf16 operands either way); the KV cache is bf16.
 //! - `Fp32` (`--lossless`): f32 matmul inputs, f32 FFMA accumulation, f32 KV.
 //!
+//! Beside the route, [`RouteOptions`]: `--reference` runs the FP32 route with
+//! an f32 cache whose every K/V row is the CPU backend's decode(encode(row))
+//! through the format's codec (`kv_roundtrip_<codec>`, bit-identical; V as fp16
+//! under bf16), read by kernel v1; `--reproducible` pins the device to one GEMM
+//! kernel for every M (`CudaDevice::pin_one_gemm_kernel`), so no row's bits
+//! depend on the pass (tests/gpu_e2e.rs checks batched and chunked passes).
+//!
 //! `--kv-dtype` sets the KV cache type apart from the route (bf16 KV on the
 //! FP32 route, f32 KV on the default route), to measure what each costs. The
 //! quantized formats (src/kv's rows: codes and their scales per position and
