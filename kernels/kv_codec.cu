@@ -32,6 +32,22 @@
 // the backend keeps per cache, as the CPU backend's cache counts what its codecs report.
 // Launch: grid (n_tokens, n_kv_heads, n_seqs), block 32 (one warp per row), dynamic
 // shared memory (d + d/16) * 4 bytes (the row y, then group scales or nvfp4's eff_b).
+//
+// kv_roundtrip_<codec>(KvEncodeArgs), codec = the six above | bf16 | fp16: the
+// `--reference` route's store (CPU twin: src/backend/cpu/mod.rs CpuBackend::kv_store,
+// decode_row(encode_row(x))). The same rows, but a.cache is the f32 cache
+// (n_seqs, n_kv_heads, n_ctx, d) and row (s, h, pos0 + t) receives the f32 decode of
+// the row's encode: encode_row (the code above, unchanged) writes the encoded row into
+// shared memory, then each element is decoded as kv::codec decodes it (one f32
+// multiply; nvfp4 (e2m1 * e4m3) * S; int2 (q - 1.5) * s; vq2 codeword * s) and, when
+// the codec rotates, the inverse rotation: the same butterflies, then * (1/n) (n the
+// rotation block, a power of two). A poisoned row decodes to NaN 0x7FC00000 in every
+// element (the CPU's NaN scale times the zero codes, kept by the butterflies). So the
+// stored f32 row is the CPU's decoded row bit for bit (NaN payloads aside where finite
+// inputs overflow the inverse rotation: IEEE leaves those bits to the machine).
+// bf16 / fp16 round each element and back (kv_roundtrip_half). a.row_bytes is the
+// codec's encoded row (the shared scratch). Launch as kv_encode, shared memory
+// (d + d/16) * 4 + row_bytes bytes; non-finite counts as kv_encode.
 #include "common.cuh"
 
 namespace kvc {
@@ -109,15 +125,12 @@ __device__ __forceinline__ uint32_t elem_code(float y, float s) {
 template <int C>
 __device__ constexpr uint32_t zero_code() { return C == INT4G32 ? 8u : C == INT2G32 ? 2u : 0u; }
 
+// One row x (d values) encoded into `row` (row_bytes bytes, 4-byte aligned) by the
+// calling warp; y (d f32) and gsc (d/16 f32) are its shared scratch. Returns the row's
+// non-finite count (the same on every lane); `poison` tells whether the row was poisoned.
 template <int C>
-__device__ __forceinline__ void kv_encode(const KvEncodeArgs& a) {
-    const int t = blockIdx.x, h = blockIdx.y, seq = blockIdx.z, lane = threadIdx.x;
-    const int d = a.d;
-    const float* x = a.src + ((long long)seq * gridDim.x + t) * a.src_stride + (long long)h * d;
-    unsigned char* row = a.cache + (((long long)seq * a.n_kv_heads + h) * a.n_ctx + a.pos0 + t) * a.row_bytes;
-    extern __shared__ float sm[];
-    float* y = sm;           // (d) the row, rotated in place
-    float* gsc = sm + d;     // (d / 16) group scales (int4, int2) or nvfp4's eff per block
+__device__ __forceinline__ int encode_row(const float* x, unsigned char* row, int d, int row_bytes, bool rotate,
+                                          const float* __restrict__ book, float* y, float* gsc, int lane, bool& poison) {
     auto warp_sync = [] { __syncwarp(); };
 
     int n_bad = 0;
@@ -127,8 +140,8 @@ __device__ __forceinline__ void kv_encode(const KvEncodeArgs& a) {
         y[i] = v;
     }
     n_bad = warp_sum(n_bad);
-    bool poison = n_bad > 0;
-    if (!poison && a.rotate) {
+    poison = n_bad > 0;
+    if (!poison && rotate) {
         hadamard_rows(y, 1, d, lane, 32, warp_sync);
         int nf = 0;
         for (int i = lane; i < d; i += 32) nf += isfinite(y[i]) ? 0 : 1;
@@ -194,7 +207,7 @@ __device__ __forceinline__ void kv_encode(const KvEncodeArgs& a) {
                 if (s != 0.0f) {
                     const float z[4] = {__fdiv_rn(y[4 * b], s), __fdiv_rn(y[4 * b + 1], s), __fdiv_rn(y[4 * b + 2], s),
                                         __fdiv_rn(y[4 * b + 3], s)};
-                    w = vq_nearest(z, a.book);
+                    w = vq_nearest(z, book);
                 }
             } else {
 #pragma unroll
@@ -211,7 +224,103 @@ __device__ __forceinline__ void kv_encode(const KvEncodeArgs& a) {
     // f32 scale fields (4-aligned: data_bytes is a multiple of 8), then zeros to row_bytes.
     float* sf = reinterpret_cast<float*>(scales);
     for (int g = lane; g < n_f32; g += 32) sf[g] = poison ? __uint_as_float(0x7FC00000u) : (group32<C>() ? gsc[g] : s);
-    for (int i = data_bytes + 4 * n_f32 + n_u8 + lane; i < a.row_bytes; i += 32) row[i] = 0;
+    for (int i = data_bytes + 4 * n_f32 + n_u8 + lane; i < row_bytes; i += 32) row[i] = 0;
+    return n_bad;
+}
+
+template <int C>
+__device__ __forceinline__ void kv_encode(const KvEncodeArgs& a) {
+    const int t = blockIdx.x, h = blockIdx.y, seq = blockIdx.z, lane = threadIdx.x;
+    const int d = a.d;
+    const float* x = a.src + ((long long)seq * gridDim.x + t) * a.src_stride + (long long)h * d;
+    unsigned char* row = a.cache + (((long long)seq * a.n_kv_heads + h) * a.n_ctx + a.pos0 + t) * a.row_bytes;
+    extern __shared__ float sm[];
+    float* y = sm;        // (d) the row, rotated in place
+    float* gsc = sm + d;  // (d / 16) group scales (int4, int2) or nvfp4's eff per block
+    bool poison;
+    const int n_bad = encode_row<C>(x, row, a.d, a.row_bytes, a.rotate != 0, a.book, y, gsc, lane, poison);
+    if (lane == 0 && n_bad > 0) atomicAdd(a.n_bad, (unsigned long long)n_bad);
+}
+
+// --- route ---
+// The value of element i of an encoded row (src/kv/codec.rs RowCodec::decode_row
+// before its inverse rotation): one f32 multiply per element, nvfp4's inner product
+// first (exact).
+template <int C>
+__device__ __forceinline__ float decode_elem(const unsigned char* row, int d, int i, const float* __restrict__ book) {
+    constexpr int BITS = elem_bits<C>();
+    const int data_bytes = d * BITS / 8;
+    const float* sf = reinterpret_cast<const float*>(row + data_bytes);
+    if constexpr (C == INT8) return __fmul_rn((float)(signed char)row[i], sf[0]);
+    else if constexpr (C == FP8) return __fmul_rn(e4m3_value(row[i]), sf[0]);
+    else if constexpr (C == NVFP4) {
+        const uint32_t nib = (row[i / 2] >> (4 * (i & 1))) & 0xFu;
+        const float bs = e4m3_value(row[data_bytes + 4 + i / 16]);
+        return __fmul_rn(__fmul_rn(e2m1_value(nib), bs), sf[0]);
+    } else if constexpr (C == INT4G32) {
+        const int nib = (row[i / 2] >> (4 * (i & 1))) & 0xF;
+        return __fmul_rn((float)(nib - 8), sf[i / 32]);
+    } else if constexpr (C == INT2G32) {
+        const int q = (row[i / 4] >> (2 * (i & 3))) & 3;
+        return __fmul_rn(__fsub_rn((float)q, 1.5f), sf[i / 32]);
+    } else {
+        return __fmul_rn(__ldg(book + 4 * row[i / 4] + (i & 3)), sf[0]);
+    }
+}
+
+// kv_roundtrip<C>: the reference route's store (see the header): the row encoded
+// by encode_row into shared memory, decoded, inverse-rotated ((H v) * (1/n)), written
+// as f32 into the cache row.
+template <int C>
+__device__ __forceinline__ void kv_roundtrip(const KvEncodeArgs& a) {
+    const int t = blockIdx.x, h = blockIdx.y, seq = blockIdx.z, lane = threadIdx.x;
+    const int d = a.d;
+    const float* x = a.src + ((long long)seq * gridDim.x + t) * a.src_stride + (long long)h * d;
+    float* out = reinterpret_cast<float*>(a.cache) + (((long long)seq * a.n_kv_heads + h) * a.n_ctx + a.pos0 + t) * d;
+    extern __shared__ float sm[];
+    float* y = sm;                                                     // (d) the row, then its decode
+    float* gsc = sm + d;                                               // (d / 16) scales
+    unsigned char* code = reinterpret_cast<unsigned char*>(sm + d + d / 16);  // (row_bytes) the encoded row
+    bool poison;
+    const int n_bad = encode_row<C>(x, code, d, a.row_bytes, a.rotate != 0, a.book, y, gsc, lane, poison);
+    __syncwarp();
+    if (poison) {
+        // Codes 0 and NaN scales decode to the scale's NaN, and the rotation keeps it.
+        for (int i = lane; i < d; i += 32) out[i] = __uint_as_float(0x7FC00000u);
+    } else {
+        for (int i = lane; i < d; i += 32) y[i] = decode_elem<C>(code, d, i, a.book);
+        if (a.rotate) {
+            hadamard_rows(y, 1, d, lane, 32, [] { __syncwarp(); });
+            const float inv_n = 1.0f / (float)(d & -d);  // a power of two: exact
+            for (int i = lane; i < d; i += 32) y[i] = __fmul_rn(y[i], inv_n);
+        }
+        __syncwarp();
+        for (int i = lane; i < d; i += 32) out[i] = y[i];
+    }
+    if (lane == 0 && n_bad > 0) atomicAdd(a.n_bad, (unsigned long long)n_bad);
+}
+
+// kv_roundtrip_bf16 / _fp16: each element rounded to bf16 / IEEE binary16 (nearest
+// even, overflow to ±Inf) and back, as kv::codec's Bf16 / Fp16 encode then decode; a
+// NaN becomes the CPU's decoded 0x7FFF (bf16: 0x7FFF0000, fp16: 0x7FFFE000); the
+// elements whose code has an all-ones exponent (±Inf, NaN) are counted.
+template <bool FP16>
+__device__ __forceinline__ void kv_roundtrip_half(const KvEncodeArgs& a) {
+    const int t = blockIdx.x, h = blockIdx.y, seq = blockIdx.z, lane = threadIdx.x;
+    const int d = a.d;
+    const float* x = a.src + ((long long)seq * gridDim.x + t) * a.src_stride + (long long)h * d;
+    float* out = reinterpret_cast<float*>(a.cache) + (((long long)seq * a.n_kv_heads + h) * a.n_ctx + a.pos0 + t) * d;
+    int n_bad = 0;
+    for (int i = lane; i < d; i += 32) {
+        const float v = x[i];
+        float r;
+        if (isnan(v)) r = __uint_as_float(FP16 ? 0x7FFFE000u : 0x7FFF0000u);
+        else if constexpr (FP16) r = __half2float(__float2half_rn(v));
+        else r = __bfloat162float(__float2bfloat16_rn(v));
+        n_bad += isfinite(r) ? 0 : 1;
+        out[i] = r;
+    }
+    n_bad = warp_sum(n_bad);
     if (lane == 0 && n_bad > 0) atomicAdd(a.n_bad, (unsigned long long)n_bad);
 }
 }  // namespace kvc
@@ -224,3 +333,13 @@ KV_ENCODE(nvfp4, kvc::NVFP4)
 KV_ENCODE(int4g32, kvc::INT4G32)
 KV_ENCODE(int2g32, kvc::INT2G32)
 KV_ENCODE(vq2, kvc::VQ2)
+#define KV_ROUNDTRIP(name, C) \
+    extern "C" __global__ void __launch_bounds__(32) kv_roundtrip_##name(const KvEncodeArgs a) { kvc::kv_roundtrip<C>(a); }
+KV_ROUNDTRIP(int8, kvc::INT8)
+KV_ROUNDTRIP(fp8, kvc::FP8)
+KV_ROUNDTRIP(nvfp4, kvc::NVFP4)
+KV_ROUNDTRIP(int4g32, kvc::INT4G32)
+KV_ROUNDTRIP(int2g32, kvc::INT2G32)
+KV_ROUNDTRIP(vq2, kvc::VQ2)
+extern "C" __global__ void __launch_bounds__(32) kv_roundtrip_bf16(const KvEncodeArgs a) { kvc::kv_roundtrip_half<false>(a); }
+extern "C" __global__ void __launch_bounds__(32) kv_roundtrip_fp16(const KvEncodeArgs a) { kvc::kv_roundtrip_half<true>(a); }

@@ -219,7 +219,7 @@ fn device_opens_and_every_kernel_is_loaded() {
             assert!(dev.function(&k).is_ok(), "kernel {k} missing");
         }
     }
-    for k in ["rmsnorm_f32", "rmsnorm_bf16", "rmsnorm_dual", "rope_f32", "gated_silu_bf16", "gated_gelu_f32", "add_f32", "cast_bf16", "kv_store_bf16", "kv_store_f32", "lmhead_reduce", "attn_prefill_d64_bf16_f32", "attn_prefill_d256_f32_bf16", "attn_flash_d64_bf16_f32", "attn_flash_d96_bf16_bf16", "attn_flash_d128_bf16_f32", "attn_flash_d256_bf16_bf16", "kv_encode_fp8", "kv_encode_int8", "kv_encode_nvfp4", "kv_encode_int4g32", "kv_encode_int2g32", "kv_encode_vq2", "attn_flash_d64_fp8_f32", "attn_flash_d96_fp8_bf16", "attn_flash_d256_fp8_bf16", "attn_flash_d64_int8_f32", "attn_flash_d96_nvfp4_f32", "attn_flash_d128_k8v4_f32", "attn_flash_d256_k4v2_f32", "attn_flash_d128_vq2_f32"] {
+    for k in ["rmsnorm_f32", "rmsnorm_bf16", "rmsnorm_dual", "rope_f32", "gated_silu_bf16", "gated_gelu_f32", "add_f32", "cast_bf16", "kv_store_bf16", "kv_store_f32", "lmhead_reduce", "attn_prefill_d64_bf16_f32", "attn_prefill_d256_f32_bf16", "attn_flash_d64_bf16_f32", "attn_flash_d96_bf16_bf16", "attn_flash_d128_bf16_f32", "attn_flash_d256_bf16_bf16", "kv_encode_fp8", "kv_encode_int8", "kv_encode_nvfp4", "kv_encode_int4g32", "kv_encode_int2g32", "kv_encode_vq2", "kv_roundtrip_int8", "kv_roundtrip_fp8", "kv_roundtrip_nvfp4", "kv_roundtrip_int4g32", "kv_roundtrip_int2g32", "kv_roundtrip_vq2", "kv_roundtrip_bf16", "kv_roundtrip_fp16", "attn_flash_d64_fp8_f32", "attn_flash_d96_fp8_bf16", "attn_flash_d256_fp8_bf16", "attn_flash_d64_int8_f32", "attn_flash_d96_nvfp4_f32", "attn_flash_d128_k8v4_f32", "attn_flash_d256_k4v2_f32", "attn_flash_d128_vq2_f32"] {
         assert!(dev.function(k).is_ok(), "kernel {k} missing");
     }
     assert!(dev.function("no_such_kernel").is_err());
@@ -1380,39 +1380,70 @@ fn encode_codecs() -> Vec<RowCodec> {
     elems.iter().flat_map(|&e| [RowCodec::new(e, false), RowCodec::new(e, true)]).collect()
 }
 
+/// The two store passes of the KV row tests: the rows of [`kv_rows`] spread over
+/// (window, token, head) in turn (shifted per pass), the rest random, stored at
+/// positions 1.. and 1 + n_tokens.. of a cache with one spare slot and spare
+/// positions (which must stay untouched), from sources with a row gap.
+struct KvPasses {
+    n_tokens: usize,
+    shape: KvShape,
+    src_stride: usize,
+    /// Per pass: pos0 and the source (n_seqs * n_tokens, src_stride) f32.
+    passes: Vec<(usize, Vec<f32>)>,
+    n_seqs: usize,
+}
+
+impl KvPasses {
+    fn new(rng: &mut ChaCha8Rng, d: usize, n_kv_heads: usize, n_seqs: usize) -> Self {
+        let rows_per_pass = kv_rows(rng, d, 20);
+        let n_tokens = rows_per_pass.len().div_ceil(n_kv_heads * n_seqs).max(2);
+        let shape = KvShape { n_seqs: n_seqs + 1, n_kv_heads, n_ctx: 2 * n_tokens + 3, d_head: d };
+        let mut p = Self { n_tokens, shape, src_stride: n_kv_heads * d + 32, passes: Vec::new(), n_seqs };
+        for (pass, pos0) in [(0usize, 1usize), (1, 1 + n_tokens)] {
+            let mut src = randn(rng, n_seqs * n_tokens * p.src_stride, 1.0);
+            for (k, (at, _)) in p.rows(pos0).into_iter().enumerate() {
+                if k < rows_per_pass.len() {
+                    src[at..at + d].copy_from_slice(&rows_per_pass[(k + pass * 7) % rows_per_pass.len()]);
+                }
+            }
+            p.passes.push((pos0, src));
+        }
+        p
+    }
+
+    /// (offset in the source, cache row index) of every row the pass at `pos0`
+    /// stores, in (window, token, head) order.
+    fn rows(&self, pos0: usize) -> Vec<(usize, usize)> {
+        let (h_n, d, n_ctx) = (self.shape.n_kv_heads, self.shape.d_head, self.shape.n_ctx);
+        let mut out = Vec::new();
+        for s in 0..self.n_seqs {
+            for t in 0..self.n_tokens {
+                for h in 0..h_n {
+                    out.push(((s * self.n_tokens + t) * self.src_stride + h * d, (s * h_n + h) * n_ctx + pos0 + t));
+                }
+            }
+        }
+        out
+    }
+}
+
 /// kv_encode against `kv::RowCodec::encode_row`, byte for byte, over two
 /// passes into a poisoned cache (rows outside the stored positions must stay
 /// untouched), with the non-finite count.
 fn kv_encode_case(dev: &CudaDevice, rng: &mut ChaCha8Rng, codec: RowCodec, book: &ops::VqBook, d: usize, n_kv_heads: usize, n_seqs: usize) {
     let rb = codec.row_bytes(d);
-    let rows_per_pass = kv_rows(rng, d, 20);
-    let n_tokens = rows_per_pass.len().div_ceil(n_kv_heads * n_seqs).max(2);
-    let n_ctx = 2 * n_tokens + 3;
-    let shape = KvShape { n_seqs: n_seqs + 1, n_kv_heads, n_ctx, d_head: d };
+    let p = KvPasses::new(rng, d, n_kv_heads, n_seqs);
+    let (shape, n_ctx) = (p.shape, p.shape.n_ctx);
     let mut cache = dev.upload(&vec![0xABu8; shape.coded_bytes(codec)]).unwrap();
     let mut n_bad = dev.alloc_zeros::<u64>(1).unwrap();
     let mut expect = vec![0xABu8; shape.coded_bytes(codec)];
     let mut expect_bad = 0usize;
-    let src_stride = n_kv_heads * d + 32;
-    for (pass, pos0) in [(0usize, 1usize), (1, 1 + n_tokens)] {
-        // Row (s, t, h) takes the adversarial rows in turn (shifted per pass), then random ones.
-        let mut src = randn(rng, n_seqs * n_tokens * src_stride, 1.0);
-        let mut k = pass * 7;
-        for s in 0..n_seqs {
-            for t in 0..n_tokens {
-                for h in 0..n_kv_heads {
-                    let at = (s * n_tokens + t) * src_stride + h * d;
-                    if k < rows_per_pass.len() + pass * 7 {
-                        src[at..at + d].copy_from_slice(&rows_per_pass[k % rows_per_pass.len()]);
-                    }
-                    k += 1;
-                    let dst = ((s * n_kv_heads + h) * n_ctx + pos0 + t) * rb;
-                    expect_bad += codec.encode_row(&src[at..at + d], &mut expect[dst..dst + rb]).unwrap();
-                }
-            }
+    for (pos0, src) in &p.passes {
+        for (at, r) in p.rows(*pos0) {
+            expect_bad += codec.encode_row(&src[at..at + d], &mut expect[r * rb..(r + 1) * rb]).unwrap();
         }
-        let sd = dev.upload(&src).unwrap();
-        ops::kv_encode(dev, codec, sd.view(), n_seqs, n_tokens, src_stride, cache.view_mut(), shape, pos0, n_bad.view_mut(), Some(book))
+        let sd = dev.upload(src).unwrap();
+        ops::kv_encode(dev, codec, sd.view(), n_seqs, p.n_tokens, p.src_stride, cache.view_mut(), shape, *pos0, n_bad.view_mut(), Some(book))
             .unwrap();
     }
     let got = dev.download(&cache).unwrap();
@@ -1468,6 +1499,86 @@ fn kv_encode_every_codec_bit_exact_random_and_adversarial() {
     let mut c = dev.alloc_zeros::<u8>(shape.coded_bytes(vq)).unwrap();
     let err = ops::kv_encode(dev, vq, src.view(), 1, 1, 80, c.view_mut(), shape, 0, nb.view_mut(), None).unwrap_err();
     assert!(format!("{err:#}").contains("codebook"), "{err:#}");
+}
+
+/// kv_roundtrip (the `--reference` route's store) against the CPU backend's store
+/// (`CpuBackend::kv_store`: `decode_row(encode_row(x))`), f32 bit for bit, over two
+/// passes into a poisoned f32 cache (rows outside the stored positions must stay
+/// untouched), with the non-finite count. NaN against NaN counts as equal (IEEE
+/// leaves NaN payloads to the machine; reported apart); every other bit must match.
+fn kv_roundtrip_case(dev: &CudaDevice, rng: &mut ChaCha8Rng, codec: RowCodec, book: &ops::VqBook, d: usize, n_kv_heads: usize, n_seqs: usize) {
+    let p = KvPasses::new(rng, d, n_kv_heads, n_seqs);
+    let (shape, n_ctx) = (p.shape, p.shape.n_ctx);
+    let untouched = f32::from_bits(0x7FA5_A5A5);
+    let mut cache = dev.upload(&vec![untouched; shape.len()]).unwrap();
+    let mut n_bad = dev.alloc_zeros::<u64>(1).unwrap();
+    let mut expect = vec![untouched; shape.len()];
+    let mut expect_bad = 0usize;
+    let mut bytes = vec![0u8; codec.row_bytes(d)];
+    for (pos0, src) in &p.passes {
+        for (at, r) in p.rows(*pos0) {
+            expect_bad += codec.encode_row(&src[at..at + d], &mut bytes).unwrap();
+            codec.decode_row(&bytes, &mut expect[r * d..(r + 1) * d]).unwrap();
+        }
+        let sd = dev.upload(src).unwrap();
+        ops::kv_roundtrip(dev, codec, sd.view(), n_seqs, p.n_tokens, p.src_stride, cache.view_mut(), shape, *pos0, n_bad.view_mut(), Some(book))
+            .unwrap();
+    }
+    let got = dev.download(&cache).unwrap();
+    let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+    let n_rows = got.len() / d;
+    let bad_rows: Vec<usize> = (0..n_rows).filter(|&r| (0..d).any(|i| !same(got[r * d + i], expect[r * d + i]))).collect();
+    let nan_payloads = got.iter().zip(&expect).filter(|(a, b)| a.is_nan() && b.is_nan() && a.to_bits() != b.to_bits()).count();
+    let n_nan = expect.iter().filter(|v| v.is_nan() && v.to_bits() != untouched.to_bits()).count();
+    let gpu_bad = dev.download(&n_bad).unwrap()[0] as usize;
+    let what = format!("kv_roundtrip {} d{d} h{n_kv_heads} x{n_seqs}", codec.name());
+    println!(
+        "PARITY {what:<44} n={:<8} rows={n_rows} rows_differing={} nan={n_nan} nan_payload_differing={nan_payloads} non_finite gpu={gpu_bad} cpu={expect_bad} ({})",
+        got.len(),
+        bad_rows.len(),
+        if bad_rows.is_empty() && gpu_bad == expect_bad { "ok" } else { "FAIL" }
+    );
+    if let Some(&r) = bad_rows.first() {
+        let i = (0..d).find(|&i| !same(got[r * d + i], expect[r * d + i])).unwrap();
+        panic!(
+            "{what}: {} of {n_rows} rows differ from the CPU's decode(encode(row)); row {r} (slot/head/pos {}/{}/{}) element {i}: \
+             gpu {:e} ({:#010x}) cpu {:e} ({:#010x})",
+            bad_rows.len(),
+            r / (n_kv_heads * n_ctx),
+            (r / n_ctx) % n_kv_heads,
+            r % n_ctx,
+            got[r * d + i],
+            got[r * d + i].to_bits(),
+            expect[r * d + i],
+            expect[r * d + i].to_bits()
+        );
+    }
+    assert!(expect_bad > 0, "the adversarial rows must include non-finite ones");
+    assert_eq!(gpu_bad, expect_bad, "{what}: non-finite count");
+}
+
+#[test]
+fn kv_roundtrip_every_codec_bit_exact_random_and_adversarial() {
+    let Some(dev) = device() else { return };
+    let mut rng = rng_for("kv_roundtrip");
+    let book = ops::VqBook::upload(dev).unwrap();
+    let mut codecs = encode_codecs();
+    codecs.extend([RowCodec::new(ElemCodec::Bf16, false), RowCodec::new(ElemCodec::Fp16, false)]);
+    for codec in codecs {
+        kv_roundtrip_case(dev, &mut rng, codec, &book, 64, 3, 2);
+        kv_roundtrip_case(dev, &mut rng, codec, &book, 128, 2, 1);
+        kv_roundtrip_case(dev, &mut rng, codec, &book, 256, 1, 3);
+        kv_roundtrip_case(dev, &mut rng, codec, &book, 96, 2, 2);
+    }
+    // f32 rows have no round trip (kv_store_f32 stores them); a refused head length names itself.
+    let shape = KvShape { n_seqs: 1, n_kv_heads: 1, n_ctx: 4, d_head: 80 };
+    let src = dev.alloc_zeros::<f32>(80).unwrap();
+    let mut c = dev.alloc_zeros::<f32>(shape.len()).unwrap();
+    let mut nb = dev.alloc_zeros::<u64>(1).unwrap();
+    let err = ops::kv_roundtrip(dev, KvFormat::F32.k(), src.view(), 1, 1, 80, c.view_mut(), shape, 0, nb.view_mut(), None).unwrap_err();
+    assert!(format!("{err:#}").contains("kv_store_f32"), "{err:#}");
+    let err = ops::kv_roundtrip(dev, KvFormat::Int8.k(), src.view(), 1, 1, 80, c.view_mut(), shape, 0, nb.view_mut(), None).unwrap_err();
+    assert!(format!("{err:#}").contains("80"), "{err:#}");
 }
 
 /// Kernel v2 reading a quantized cache, against the CPU backend's attention op

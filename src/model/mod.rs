@@ -48,9 +48,9 @@ use anyhow::{bail, ensure, Context, Result};
 use crate::artifact::meta::{Architecture, HParams};
 use crate::artifact::names::{self, blk};
 use crate::artifact::{Artifact, TensorView};
-use crate::backend::cuda::{CudaBackend, Route};
+use crate::backend::cuda::{CudaBackend, Route, RouteOptions};
 use crate::backend::{
-    AttnParams, Backend, BackendKind, DeviceMemory, ExecutionInfo, Expert, HeadRequest, KvGeometry, MoeRouting, PassRows, Precision,
+    AttnParams, Backend, BackendKind, DeviceMemory, ExecutionInfo, ExecutionSpec, Expert, HeadRequest, KvGeometry, MoeRouting, PassRows, Precision,
     RopeParams, Yarn, MAX_TOP_K,
 };
 use hybrid::{DeltaNetLayer, SharedExpert};
@@ -683,6 +683,29 @@ pub fn check_cuda_support(artifact: &Artifact) -> Result<()> {
     Ok(())
 }
 
+/// The CUDA route of `spec`: `Fp32` for f32 matmul inputs (`--lossless`, and
+/// `--reference`, which implies it), else `Bf16TensorCore`; with the
+/// `--reference` / `--reproducible` settings. Refuses LM-head inputs that
+/// differ from the matmuls' and `--reference` off the FP32 route.
+pub fn cuda_route(spec: &ExecutionSpec) -> Result<(Route, RouteOptions)> {
+    let route = match spec.matmul_inputs {
+        Precision::F32 => Route::Fp32,
+        Precision::Bf16 => Route::Bf16TensorCore,
+    };
+    ensure!(
+        spec.lm_head_inputs == spec.matmul_inputs,
+        "backend cuda: LM-head inputs {} differ from matmul inputs {} (one route sets both)",
+        spec.lm_head_inputs.name(),
+        spec.matmul_inputs.name()
+    );
+    ensure!(
+        !spec.reference || route == Route::Fp32,
+        "--reference on CUDA: the route has {} matmul inputs; --reference implies --lossless (f32)",
+        spec.matmul_inputs.name()
+    );
+    Ok((route, RouteOptions { reference: spec.reference, reproducible: spec.reproducible }))
+}
+
 /// Loads `artifact` on the chosen backend, with YaRN of `rope_yarn_factor`
 /// (1: native RoPE) on its full-attention layers.
 pub fn load_model(artifact: &Artifact, kind: BackendKind, rope_yarn_factor: f64) -> Result<Box<dyn WindowScorer>> {
@@ -690,23 +713,8 @@ pub fn load_model(artifact: &Artifact, kind: BackendKind, rope_yarn_factor: f64)
         BackendKind::Cpu(cpu) => Ok(Box::new(Transformer::load(cpu, artifact)?.with_rope_yarn(rope_yarn_factor)?)),
         BackendKind::Cuda { device, spec } => {
             check_cuda_support(artifact)?;
-            let route = match spec.matmul_inputs {
-                Precision::F32 => Route::Fp32,
-                Precision::Bf16 => Route::Bf16TensorCore,
-            };
-            ensure!(
-                spec.lm_head_inputs == spec.matmul_inputs,
-                "backend cuda: LM-head inputs {} differ from matmul inputs {} (one route sets both)",
-                spec.lm_head_inputs.name(),
-                spec.matmul_inputs.name()
-            );
-            ensure!(!spec.reference, "--reference is not implemented on the CUDA backend yet: add --backend cpu");
-            ensure!(
-                !spec.reproducible,
-                "--reproducible is not qualified on the CUDA backend yet (no test shows its scores independent of \
-                 batching and prefill chunk): add --backend cpu"
-            );
-            let backend = CudaBackend::open(device, route, spec.kv_format).context("backend cuda")?;
+            let (route, opts) = cuda_route(&spec)?;
+            let backend = CudaBackend::open_with(device, route, spec.kv_format, opts).context("backend cuda")?;
             Ok(Box::new(Transformer::load(backend, artifact)?.with_rope_yarn(rope_yarn_factor)?))
         }
     }

@@ -463,3 +463,31 @@ fn quantized_kv_scores_do_not_depend_on_chunking_or_batching() {
         }
     }
 }
+
+#[test]
+fn cuda_runs_reference_and_reproducible_and_refuses_a_reference_off_the_fp32_route() {
+    use crate::backend::cuda::{Route, RouteOptions};
+    use clap::Parser;
+    let spec = |extra: &[&str]| {
+        let mut argv = vec!["infernix-perplexity", "m.ninfer", "--text", "t.txt", "--backend", "cuda"];
+        argv.extend_from_slice(extra);
+        crate::config::RunConfig::from_args(&crate::cli::Args::try_parse_from(argv).unwrap()).unwrap().spec_for_cuda()
+    };
+    let both = |reference, reproducible| RouteOptions { reference, reproducible };
+    // --reference implies --lossless: the FP32 route, with the codec applied exactly.
+    let s = spec(&["--reference", "--kv-dtype", "int8"]);
+    assert_eq!(cuda_route(&s).unwrap(), (Route::Fp32, both(true, false)));
+    assert_eq!(s.kv_format, crate::kv::KvFormat::Int8);
+    assert_eq!(cuda_route(&spec(&["--reproducible"])).unwrap(), (Route::Bf16TensorCore, both(false, true)));
+    assert_eq!(cuda_route(&spec(&["--reference", "--reproducible"])).unwrap(), (Route::Fp32, both(true, true)));
+    assert_eq!(cuda_route(&spec(&["--lossless", "--reproducible"])).unwrap(), (Route::Fp32, both(false, true)));
+    assert_eq!(cuda_route(&spec(&[])).unwrap(), (Route::Bf16TensorCore, both(false, false)));
+    // A spec built by hand that asks for --reference on bf16 inputs, or two precisions, is refused.
+    let mut bad = spec(&["--reference"]);
+    (bad.matmul_inputs, bad.lm_head_inputs) = (Precision::Bf16, Precision::Bf16);
+    let e = cuda_route(&bad).unwrap_err().to_string();
+    assert!(e.contains("--reference") && e.contains("bf16"), "{e}");
+    let mut bad = spec(&[]);
+    bad.lm_head_inputs = Precision::F32;
+    assert!(cuda_route(&bad).unwrap_err().to_string().contains("LM-head inputs f32"));
+}

@@ -13,6 +13,13 @@
 //!   same bf16 operands either way); the KV cache is bf16.
 //! - `Fp32` (`--lossless`): f32 matmul inputs, f32 FFMA accumulation, f32 KV.
 //!
+//! Beside the route, [`RouteOptions`]: `--reference` runs the FP32 route with
+//! an f32 cache whose every K/V row is the CPU backend's decode(encode(row))
+//! through the format's codec (`kv_roundtrip_<codec>`, bit-identical; V as fp16
+//! under bf16), read by kernel v1; `--reproducible` pins the device to one GEMM
+//! kernel for every M (`CudaDevice::pin_one_gemm_kernel`), so no row's bits
+//! depend on the pass (tests/gpu_e2e.rs checks batched and chunked passes).
+//!
 //! `--kv-dtype` sets the KV cache type apart from the route (bf16 KV on the
 //! FP32 route, f32 KV on the default route), to measure what each costs. The
 //! quantized formats (src/kv's rows: codes and their scales per position and
@@ -163,6 +170,20 @@ enum KvLayers {
     Bf16(Vec<[DeviceBuffer<bf16>; 2]>),
     F32(Vec<[DeviceBuffer<f32>; 2]>),
     Coded(Vec<[DeviceBuffer<u8>; 2]>),
+    /// `--reference`: f32 rows holding decode(encode(row)) through the K and V
+    /// codecs ([`CudaBackend::reference_codecs`]), as the CPU backend's cache.
+    Decoded(Vec<[DeviceBuffer<f32>; 2]>),
+}
+
+/// The route settings beside [`Route`] and the KV format (`ExecutionSpec`'s
+/// `reference` and `reproducible`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RouteOptions {
+    /// `--reference`: the FP32 route with the KV codec applied exactly (the CPU's
+    /// definition: every stored K/V row is decode(encode(row)), V as fp16 under bf16).
+    pub reference: bool,
+    /// `--reproducible`: deterministic kernels, one GEMM kernel for every M.
+    pub reproducible: bool,
 }
 
 /// The KV cache of the windows of one pass on the device.
@@ -191,6 +212,7 @@ pub struct CudaBackend {
     dev: CudaDevice,
     route: Route,
     kv_dtype: KvFormat,
+    opts: RouteOptions,
     /// q, k, v in one GEMM where it applies (off by default; [`CudaBackend::set_fused_qkv`]).
     fuse_qkv: bool,
     /// Positions 0..len as i32 (RoPE reads a sub-range), grown on demand.
@@ -277,6 +299,18 @@ impl CudaBackend {
     /// Opens GPU `index` (driver probe first: no driver is an error, not a
     /// panic) and loads every kernel.
     pub fn open(index: usize, route: Route, kv_dtype: KvFormat) -> Result<Self> {
+        Self::open_with(index, route, kv_dtype, RouteOptions::default())
+    }
+
+    /// [`CudaBackend::open`] with the `--reference` / `--reproducible` settings
+    /// ([`RouteOptions`]): `reference` needs the FP32 route; `reproducible` pins
+    /// the device to one GEMM kernel (`CudaDevice::pin_one_gemm_kernel`).
+    pub fn open_with(index: usize, route: Route, kv_dtype: KvFormat, opts: RouteOptions) -> Result<Self> {
+        ensure!(
+            !opts.reference || route == Route::Fp32,
+            "--reference on CUDA runs the FP32 route (it implies --lossless); the {} route was asked for",
+            route.name()
+        );
         ensure!(
             ops::kv_format_has_kernels(kv_dtype),
             "--kv-dtype {kv_dtype}: this KV format is not implemented on the CUDA backend yet (there: {}; \
@@ -284,15 +318,19 @@ impl CudaBackend {
             KvFormat::ALL.iter().filter(|f| ops::kv_format_has_kernels(**f)).map(|f| f.name()).collect::<Vec<_>>().join(", ")
         );
         ensure!(
-            !(kv_dtype.is_quantized() && route == Route::Fp32),
+            !(kv_dtype.is_quantized() && route == Route::Fp32 && !opts.reference),
             "--kv-dtype {kv_dtype} on the CUDA FP32 route: its attention kernel (v1) reads bf16 or f32 caches; \
              the quantized formats run on the default (bf16 tensor-core) route"
         );
-        let dev = CudaDevice::open(index)?;
+        let mut dev = CudaDevice::open(index)?;
+        if opts.reproducible {
+            dev.pin_one_gemm_kernel();
+        }
         Ok(Self {
             dev,
             route,
             kv_dtype,
+            opts,
             fuse_qkv: false,
             positions: RefCell::new(None),
             rope_tables: RefCell::new(Vec::new()),
@@ -314,6 +352,20 @@ impl CudaBackend {
 
     pub fn route(&self) -> Route {
         self.route
+    }
+
+    pub fn route_options(&self) -> RouteOptions {
+        self.opts
+    }
+
+    /// The codecs of the `--reference` cache's K and V rows: the format's
+    /// (`ExecutionSpec::kv_k` / `kv_v`: V as fp16 under bf16); `None` off that route.
+    fn reference_codecs(&self) -> Option<(crate::kv::RowCodec, crate::kv::RowCodec)> {
+        if !self.opts.reference {
+            return None;
+        }
+        let spec = crate::backend::ExecutionSpec { kv_format: self.kv_dtype, reference: true, ..crate::backend::ExecutionSpec::lossless(1) };
+        Some((spec.kv_k(), spec.kv_v()))
     }
 
     pub(super) fn new_act(&self, n_rows: usize, n_cols: usize) -> Result<CudaAct> {
@@ -423,6 +475,38 @@ impl CudaBackend {
         ops::attention_coded::<O>(&self.dev, f, q.f32("attention")?.view(), kc.view(), vc.view(), shape, out.view_mut(), p, book)
     }
 
+    /// `--reference`: K and V rows stored as decode(encode(row)) through their codecs
+    /// (`ops::kv_roundtrip`, bit for bit the CPU backend's store; f32 rows as they are)
+    /// into the f32 cache, non-finite counts into `n_bad`, then the FP32 route's
+    /// attention (kernel v1) on that cache, as on `--lossless`.
+    #[allow(clippy::too_many_arguments)]
+    fn kv_roundtrip_and_attend<O: ops::OutElem>(
+        &self,
+        kv: &mut [DeviceBuffer<f32>; 2],
+        n_bad: &mut DeviceBuffer<u64>,
+        book: Option<&ops::VqBook>,
+        shape: ops::KvShape,
+        q: &CudaAct,
+        k: &CudaAct,
+        v: &CudaAct,
+        out: &mut DeviceBuffer<O>,
+        p: &ops::AttnParams,
+    ) -> Result<()> {
+        let (kcodec, vcodec) = self.reference_codecs().context("attention: a decoded cache off the --reference route")?;
+        let [kc, vc] = kv;
+        let (n_seqs, n) = (p.n_seqs, p.n_tokens);
+        for (codec, src, cache, what) in [(kcodec, k, &mut *kc, "K"), (vcodec, v, &mut *vc, "V")] {
+            let src_f32 = src.f32("attention")?.view();
+            if codec.elem == crate::kv::ElemCodec::F32 {
+                ops::kv_store(&self.dev, src_f32, n_seqs, n, src.n_cols, cache.view_mut(), shape, p.pos0)
+            } else {
+                ops::kv_roundtrip(&self.dev, codec, src_f32, n_seqs, n, src.n_cols, cache.view_mut(), shape, p.pos0, n_bad.view_mut(), book)
+            }
+            .with_context(|| format!("attention: store {what} ({}, --reference)", codec.name()))?;
+        }
+        ops::attention::<f32, O>(&self.dev, self.attention_kernel(), q.f32("attention")?.view(), kc.view(), vc.view(), shape, out.view_mut(), p)
+    }
+
     /// Stores k and v in `layer`'s cache and attends q into `out` (f32 or bf16).
     #[allow(clippy::too_many_arguments)]
     fn store_and_attend<O: ops::OutElem>(
@@ -440,13 +524,15 @@ impl CudaBackend {
             KvLayers::Bf16(l) => self.kv_store_and_attend(&mut l[layer], shape, q, k, v, out, p),
             KvLayers::F32(l) => self.kv_store_and_attend(&mut l[layer], shape, q, k, v, out, p),
             KvLayers::Coded(l) => self.kv_encode_and_attend(&mut l[layer], &mut cache.n_bad, cache.book.as_ref(), shape, q, k, v, out, p),
+            KvLayers::Decoded(l) => self.kv_roundtrip_and_attend(&mut l[layer], &mut cache.n_bad, cache.book.as_ref(), shape, q, k, v, out, p),
         }
     }
 
     /// The prefill attention kernel of this backend's route and KV type: the
     /// tensor-core kernel (v2) on the default route with a bf16 or quantized cache
-    /// (the quantized formats only run there, `open` refuses the rest); the f32
-    /// CUDA-core kernel (v1) on the FP32 route (its exact path) and for an f32 cache.
+    /// (the quantized formats only run there, `open` refuses the rest but for
+    /// `--reference`); the f32 CUDA-core kernel (v1) on the FP32 route (its exact
+    /// path, and `--reference`'s on its f32 cache) and for an f32 cache.
     pub fn attention_kernel(&self) -> ops::AttnKernel {
         match self.route {
             Route::Bf16TensorCore if self.kv_dtype != KvFormat::F32 => ops::AttnKernel::V2,
@@ -477,6 +563,18 @@ impl CudaBackend {
     /// The kernels that store and read the KV cache, for the report.
     fn kv_cache_kernels(&self) -> String {
         let f = self.kv_dtype;
+        if let Some((k, v)) = self.reference_codecs() {
+            let store = |c: crate::kv::RowCodec| ops::kv_roundtrip_kernel(c.elem).unwrap_or("kv_store_f32");
+            return format!(
+                "--reference: an f32 cache; K ({}) stored by {}, V ({}) stored by {} (kernels/kv_codec.cu: each row \
+                 decode(encode(row)) through src/kv's codec, inverse rotation included, bit-identical to the CPU backend's \
+                 stored row); read by attn_prefill_d<D>_f32 (kernel v1, as --lossless)",
+                k.name(),
+                store(k),
+                v.name(),
+                store(v)
+            );
+        }
         let v3 = self.v3_head_dims();
         let reader = match self.attention_kernel() {
             ops::AttnKernel::V1 => format!("attn_prefill_d<D>_{f}"),
@@ -519,7 +617,14 @@ impl Backend for CudaBackend {
     type Recurrent = super::delta_net::CudaRecurrent;
 
     fn describe(&self) -> String {
-        format!("cuda {} (route {}, KV {})", self.dev.info(), self.route.name(), self.kv_dtype.name())
+        let mut extra = String::new();
+        if self.opts.reference {
+            extra.push_str(", --reference");
+        }
+        if self.opts.reproducible {
+            extra.push_str(", --reproducible");
+        }
+        format!("cuda {} (route {}, KV {}{extra})", self.dev.info(), self.route.name(), self.kv_dtype.name())
     }
 
     fn load_matrix(&self, view: &TensorView) -> Result<CudaMatrix> {
@@ -554,6 +659,13 @@ impl Backend for CudaBackend {
         );
         let shape = ops::KvShape { n_seqs: g.n_seqs, n_kv_heads: g.n_kv_heads, n_ctx: g.max_pos, d_head: g.d_head };
         let layers = match self.kv_dtype {
+            f if self.opts.reference => {
+                let (kc, vc) = self.reference_codecs().context("kv cache on CUDA: --reference codecs")?;
+                kc.check_len(g.d_head).context("kv cache on CUDA (--reference): K rows")?;
+                vc.check_len(g.d_head_v).context("kv cache on CUDA (--reference): V rows")?;
+                ensure!(ops::kv_format_has_kernels(f), "kv cache on CUDA: format {f} is not implemented");
+                KvLayers::Decoded(self.kv_buffers(g.n_layers, shape.len())?)
+            }
             KvFormat::Bf16 => KvLayers::Bf16(self.kv_buffers(g.n_layers, shape.len())?),
             KvFormat::F32 => KvLayers::F32(self.kv_buffers(g.n_layers, shape.len())?),
             f if f.is_quantized() && ops::kv_format_has_kernels(f) => {
@@ -1001,6 +1113,9 @@ impl Backend for CudaBackend {
                 "nvcc_version": info.kernels.nvcc_version,
                 "kernel_sources_sha256": info.kernels.sources_sha256,
                 "matmul": match self.route {
+                    Route::Bf16TensorCore if self.dev.one_gemm_kernel() => "bf16 inputs (weights dequantized to bf16 in shared memory), \
+                         mma.sync 64x64x32 for every M (--reproducible: one GEMM kernel, no switch to wgmma at M >= 128), f32 accumulation"
+                        .to_string(),
                     Route::Bf16TensorCore if self.dev.has_function(ops::GEMM_WGMMA_KERNEL) => format!(
                         "bf16 inputs, f32 accumulation; M >= {} and N >= {}: the weight dequantized to a bf16 scratch per matmul \
                          (stored BF16 read as is), then wgmma 128x256x64 with a TMA 4-stage pipeline (sm_90a); smaller products: \
@@ -1013,6 +1128,12 @@ impl Backend for CudaBackend {
                     Route::Fp32 => "f32 inputs, weights dequantized to f32 in shared memory, FFMA, f32 accumulation".to_string(),
                 },
                 "fusions": match self.route {
+                    Route::Bf16TensorCore if self.dev.one_gemm_kernel() => "numbers unchanged (the route rounds every matmul input to \
+                         bf16 anyway): RMSNorm writes f32 and its bf16 rounding in one pass (rmsnorm_dual); attention and the gated \
+                         product are written in bf16; --reproducible: gate and up as two mma.sync matmuls then gated_<act>_bf16 (no \
+                         wgmma GEMM, so no fused gated epilogue or fused q/k/v); the residual add folded into the next RMSNorm \
+                         (add_rmsnorm_dual); RoPE's (cos, sin) from one table per base and scale (rope_table_f32)"
+                        .to_string(),
                     Route::Bf16TensorCore => format!(
                         "numbers unchanged (the route rounds every matmul input to bf16 anyway): RMSNorm writes f32 and its bf16 \
                          rounding in one pass (rmsnorm_dual); attention and the gated product are written in bf16 (matmul inputs only); \
@@ -1036,6 +1157,24 @@ impl Backend for CudaBackend {
                     Route::Fp32 => "none (f32 everywhere)".to_string(),
                 },
                 "moe_experts": super::moe::MoeKernel::describe_for(&self.dev, self.route),
+                "reference": if self.opts.reference {
+                    "the FP32 route with the KV codec applied exactly: every stored K/V row is the CPU backend's \
+                     decode(encode(row)) (V as fp16 under bf16), in an f32 cache"
+                } else {
+                    "off"
+                },
+                "reproducible": if self.opts.reproducible {
+                    match self.route {
+                        Route::Bf16TensorCore => "one GEMM kernel for every M (mma.sync; the gated FFN as two of them then the \
+                             activation, the LM head's tiles too); every other kernel already sums in a fixed order that does not \
+                             depend on the pass (no split reductions, no atomics in any sum; attention's key tiles at fixed \
+                             positions; MoE slots in ascending expert order, f64 combine)",
+                        Route::Fp32 => "the FP32 route's kernels sum in a fixed order that does not depend on the pass \
+                             (FFMA in K order, no split reductions, attention v1's key tiles at fixed positions)",
+                    }
+                } else {
+                    "off"
+                },
                 "attention_kernel": self.attention_kernel().name(),
                 "attention": self.attention_description(),
                 "kv_cache": self.kv_cache_kernels(),
@@ -1061,10 +1200,9 @@ impl Backend for CudaBackend {
     }
 
     fn check_memory(&self, kv: KvGeometry, n_pass_tokens: usize, n_pass_cols: usize, n_vocab: usize) -> Result<()> {
-        let kv_bytes = kv.n_seqs
-            * kv.n_layers
-            * kv.max_pos
-            * self.kv_dtype.bytes_per_position_per_layer(kv.n_kv_heads, kv.d_head, kv.d_head_v);
+        // The --reference cache holds f32 rows whatever the codec.
+        let stored = if self.opts.reference { KvFormat::F32 } else { self.kv_dtype };
+        let kv_bytes = kv.n_seqs * kv.n_layers * kv.max_pos * stored.bytes_per_position_per_layer(kv.n_kv_heads, kv.d_head, kv.d_head_v);
         // Live activations of one pass: the residual stream, a normed copy, q/k/v,
         // attention out, gate/up/product (widest row), a bf16 copy of a matmul input.
         let act_bytes = 12 * n_pass_tokens * n_pass_cols * 4;

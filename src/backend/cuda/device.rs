@@ -124,6 +124,9 @@ pub struct CudaDevice {
     stream: Arc<CudaStream>,
     functions: HashMap<String, CudaFunction>,
     info: DeviceInfo,
+    /// `--reproducible`: every bf16 matmul on one kernel whatever its M
+    /// (`ops::bf16_kernel_for`), so a row's bits do not depend on the pass.
+    one_gemm_kernel: bool,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -210,11 +213,22 @@ impl CudaDevice {
                 functions.insert(entry.to_string(), f);
             }
         }
-        Ok(Self { ctx, stream, functions, info })
+        Ok(Self { ctx, stream, functions, info, one_gemm_kernel: false })
     }
 
     pub fn info(&self) -> &DeviceInfo {
         &self.info
+    }
+
+    /// `--reproducible`: from now on `ops::bf16_kernel_for` picks mma.sync for
+    /// every product, whatever its M (no switch to wgmma at M >= 128).
+    pub fn pin_one_gemm_kernel(&mut self) {
+        self.one_gemm_kernel = true;
+    }
+
+    /// Whether [`CudaDevice::pin_one_gemm_kernel`] was called.
+    pub fn one_gemm_kernel(&self) -> bool {
+        self.one_gemm_kernel
     }
 
     pub fn stream(&self) -> &Arc<CudaStream> {

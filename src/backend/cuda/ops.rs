@@ -632,9 +632,12 @@ pub fn gemm_gated_kernel(act: Activation) -> &'static str {
     }
 }
 
-/// The kernel `matmul::<bf16>` uses for an (m, n) product on this device.
+/// The kernel `matmul::<bf16>` uses for an (m, n) product on this device:
+/// always mma.sync on a device pinned to one GEMM kernel (`--reproducible`,
+/// `CudaDevice::pin_one_gemm_kernel`: the two kernels sum a row's products in
+/// different orders, so a row's bits would depend on the pass's M).
 pub fn bf16_kernel_for(dev: &CudaDevice, m: usize, n: usize) -> MatmulKernel {
-    if dev.has_function(GEMM_WGMMA_KERNEL) && m >= GEMM_WGMMA_MIN_M && n >= GEMM_WGMMA_MIN_N {
+    if !dev.one_gemm_kernel() && dev.has_function(GEMM_WGMMA_KERNEL) && m >= GEMM_WGMMA_MIN_M && n >= GEMM_WGMMA_MIN_N {
         MatmulKernel::Wgmma
     } else {
         MatmulKernel::MmaSync
@@ -1121,7 +1124,9 @@ fn book_ptr(e: ElemCodec, book: Option<&VqBook>, op: &str) -> Result<u64> {
     Ok(b.ptr())
 }
 
-/// Parameters of `kv_encode_<codec>`, mirrored by `struct KvEncodeArgs` in kernels/common.cuh.
+/// Parameters of `kv_encode_<codec>` and `kv_roundtrip_<codec>` (there `cache` is the f32
+/// cache and `row_bytes` the encoded row of the shared scratch), mirrored by `struct
+/// KvEncodeArgs` in kernels/common.cuh.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct KvEncodeArgs {
@@ -1164,45 +1169,115 @@ pub fn kv_encode(
     n_bad: DevViewMut<u64>,
     book: Option<&VqBook>,
 ) -> Result<()> {
-    let d = shape.d_head;
     let name = kv_encode_kernel(codec.elem)?;
-    codec.check_len(d).with_context(|| name.to_string())?;
-    ensure!(d <= KV_ENCODE_MAX_D, "{name}: rows of {d} elements, at most {KV_ENCODE_MAX_D}");
-    ensure!(n_seqs <= shape.n_seqs, "{name}: {n_seqs} windows, the cache has {} slots", shape.n_seqs);
-    Rows { n_rows: n_seqs * n_tokens, n_cols: shape.n_kv_heads * d, stride: src_stride }.check(src.len(), name, "src")?;
     let need = shape.coded_bytes(codec);
     ensure!(cache.len() == need, "{name}: cache has {} bytes, shape {shape:?} needs {need}", cache.len());
-    ensure!(cache.ptr() % 16 == 0, "{name}: the cache is not 16-byte aligned");
-    ensure!(n_bad.len() == 1 && n_bad.ptr() % 8 == 0, "{name}: the counter must be one aligned u64");
-    ensure!(pos0 + n_tokens <= shape.n_ctx, "{name}: positions {pos0}..{} past the cache's {} slots", pos0 + n_tokens, shape.n_ctx);
-    let book = book_ptr(codec.elem, book, name)?;
-    if n_tokens == 0 || n_seqs == 0 {
-        return Ok(());
+    let rows = KvRowsLaunch { name, codec, src, n_seqs, n_tokens, src_stride, shape, pos0 };
+    // Shared memory: the row and its scales.
+    rows.launch(dev, cache.ptr(), n_bad, book, (shape.d_head + shape.d_head / 16) * 4)
+}
+
+/// The `--reference` route's store kernel of a row codec (kernels/kv_codec.cu
+/// `kv_roundtrip_<codec>`: decode(encode(row)) into an f32 cache); f32 rows have
+/// none (`kv_store_f32` stores them as they are).
+pub fn kv_roundtrip_kernel(e: ElemCodec) -> Result<&'static str> {
+    Ok(match e {
+        ElemCodec::Int8 => "kv_roundtrip_int8",
+        ElemCodec::Fp8 => "kv_roundtrip_fp8",
+        ElemCodec::Nvfp4 => "kv_roundtrip_nvfp4",
+        ElemCodec::Int4G32 => "kv_roundtrip_int4g32",
+        ElemCodec::Int2G32 => "kv_roundtrip_int2g32",
+        ElemCodec::Vq2 => "kv_roundtrip_vq2",
+        ElemCodec::Bf16 => "kv_roundtrip_bf16",
+        ElemCodec::Fp16 => "kv_roundtrip_fp16",
+        ElemCodec::F32 => bail!("kv_roundtrip: f32 rows are stored as they are (kv_store_f32)"),
+    })
+}
+
+/// Stores rows into an f32 cache as the CPU backend stores them under any codec
+/// (`CpuBackend::kv_store`: `decode(encode(row))`, bit for bit; kernels/kv_codec.cu
+/// `kv_roundtrip_<codec>`): cache[s, h, pos0 + t, :] = decode(encode(src[s *
+/// n_tokens + t, h*d_head ..])) for the first `n_seqs` slots, the codec's
+/// non-finite count added to `n_bad[0]`. src: (n_seqs * n_tokens, src_stride) f32;
+/// cache: `shape.len()` f32; `book`: the codebook, for vq2.
+#[allow(clippy::too_many_arguments)]
+pub fn kv_roundtrip(
+    dev: &CudaDevice,
+    codec: RowCodec,
+    src: DevView<f32>,
+    n_seqs: usize,
+    n_tokens: usize,
+    src_stride: usize,
+    cache: DevViewMut<f32>,
+    shape: KvShape,
+    pos0: usize,
+    n_bad: DevViewMut<u64>,
+    book: Option<&VqBook>,
+) -> Result<()> {
+    let name = kv_roundtrip_kernel(codec.elem)?;
+    ensure!(cache.len() == shape.len(), "{name}: cache has {} f32, shape {shape:?} needs {}", cache.len(), shape.len());
+    let rows = KvRowsLaunch { name, codec, src, n_seqs, n_tokens, src_stride, shape, pos0 };
+    // Shared memory: the row, its scales, then the encoded row (scaled codecs only).
+    let d = shape.d_head;
+    let smem = if codec.elem.is_scaled() { (d + d / 16) * 4 + codec.row_bytes(d) } else { 0 };
+    rows.launch(dev, cache.ptr(), n_bad, book, smem)
+}
+
+/// One launch of a kv_codec.cu row kernel (`kv_encode_*`, `kv_roundtrip_*`): the
+/// rows (s, t, h) of `src` into cache slots `(s, h, pos0 + t)`, one warp per row.
+struct KvRowsLaunch<'a> {
+    name: &'static str,
+    codec: RowCodec,
+    src: DevView<'a, f32>,
+    n_seqs: usize,
+    n_tokens: usize,
+    src_stride: usize,
+    shape: KvShape,
+    pos0: usize,
+}
+
+impl KvRowsLaunch<'_> {
+    /// Checks the rows, the cache pointer (its size the caller checked), the
+    /// counter and the codebook, then launches with `smem` bytes of shared memory.
+    fn launch(&self, dev: &CudaDevice, cache_ptr: u64, n_bad: DevViewMut<u64>, book: Option<&VqBook>, smem: usize) -> Result<()> {
+        let Self { name, codec, n_seqs, n_tokens, src_stride, shape, pos0, .. } = *self;
+        let d = shape.d_head;
+        codec.check_len(d).with_context(|| name.to_string())?;
+        ensure!(d <= KV_ENCODE_MAX_D, "{name}: rows of {d} elements, at most {KV_ENCODE_MAX_D}");
+        ensure!(n_seqs <= shape.n_seqs, "{name}: {n_seqs} windows, the cache has {} slots", shape.n_seqs);
+        Rows { n_rows: n_seqs * n_tokens, n_cols: shape.n_kv_heads * d, stride: src_stride }.check(self.src.len(), name, "src")?;
+        ensure!(cache_ptr % 16 == 0, "{name}: the cache is not 16-byte aligned");
+        ensure!(n_bad.len() == 1 && n_bad.ptr() % 8 == 0, "{name}: the counter must be one aligned u64");
+        ensure!(pos0 + n_tokens <= shape.n_ctx, "{name}: positions {pos0}..{} past the cache's {} slots", pos0 + n_tokens, shape.n_ctx);
+        let book = book_ptr(codec.elem, book, name)?;
+        if n_tokens == 0 || n_seqs == 0 {
+            return Ok(());
+        }
+        ensure!(shape.n_kv_heads <= 65535 && n_seqs <= 65535, "{name}: {} KV heads x {n_seqs} windows exceed the grid", shape.n_kv_heads);
+        let args = KvEncodeArgs {
+            src: self.src.ptr(),
+            cache: cache_ptr,
+            n_bad: n_bad.ptr(),
+            src_stride: src_stride as i64,
+            d: i32_of(d, "d_head")?,
+            n_kv_heads: i32_of(shape.n_kv_heads, "n_kv_heads")?,
+            n_ctx: i32_of(shape.n_ctx, "n_ctx")?,
+            pos0: i32_of(pos0, "pos0")?,
+            row_bytes: i32_of(codec.row_bytes(d), "row_bytes")?,
+            rotate: i32::from(codec.rotate),
+            book,
+        };
+        let f = func(dev, name)?;
+        let mut b = dev.stream().launch_builder(f);
+        b.arg(&args);
+        // SAFETY: the one KvEncodeArgs of the row kernels in kernels/kv_codec.cu; src rows, the
+        // cache (its size checked by the caller for the kernel's element type, 16-byte aligned),
+        // the counter, d % 32 == 0 for the scaled codecs, the codebook (vq2) and the shared
+        // memory the caller sized for the kernel checked above.
+        let grid = (u32::try_from(n_tokens)?, shape.n_kv_heads as u32, n_seqs as u32);
+        unsafe { b.launch(cfg(grid, 32, u32::try_from(smem)?)) }.map_err(|e| launch_err(name, e))?;
+        Ok(())
     }
-    ensure!(shape.n_kv_heads <= 65535 && n_seqs <= 65535, "{name}: {} KV heads x {n_seqs} windows exceed the grid", shape.n_kv_heads);
-    let args = KvEncodeArgs {
-        src: src.ptr(),
-        cache: cache.ptr(),
-        n_bad: n_bad.ptr(),
-        src_stride: src_stride as i64,
-        d: i32_of(d, "d_head")?,
-        n_kv_heads: i32_of(shape.n_kv_heads, "n_kv_heads")?,
-        n_ctx: i32_of(shape.n_ctx, "n_ctx")?,
-        pos0: i32_of(pos0, "pos0")?,
-        row_bytes: i32_of(codec.row_bytes(d), "row_bytes")?,
-        rotate: i32::from(codec.rotate),
-        book,
-    };
-    let f = func(dev, name)?;
-    let mut b = dev.stream().launch_builder(f);
-    b.arg(&args);
-    // SAFETY: the one KvEncodeArgs of `kv_encode_<codec>` in kernels/kv_codec.cu; src rows, the
-    // cache's bytes (rows of the codec's row_bytes, 16-byte aligned), the counter, d % 32 == 0,
-    // the codebook (vq2) and the (d + d/16) f32 of shared memory checked above.
-    let grid = (u32::try_from(n_tokens)?, shape.n_kv_heads as u32, n_seqs as u32);
-    let smem = ((d + d / 16) * 4) as u32;
-    unsafe { b.launch(cfg(grid, 32, smem)) }.map_err(|e| launch_err(name, e))?;
-    Ok(())
 }
 
 /// Parameters of one prefill attention call.
