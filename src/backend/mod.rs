@@ -483,7 +483,8 @@ pub trait Backend {
     /// The routed experts of one layer: for each row of `x` `(n, d_model)`,
     /// with its router logits `(n, n_experts)`, routes as [`MoeRouting`]
     /// says and returns the weighted sum of the selected experts' outputs
-    /// `(n, d_model)`. Adds to `counts[e]` the rows routed to expert `e`.
+    /// `(n, d_model)`. Adds to `counts` (its entry `e`) the rows routed to
+    /// expert `e` (on CUDA on the device: the call does not wait to count).
     /// Rows never mix, so batching changes no number. The default refuses:
     /// only the CPU reference implements it so far.
     fn moe_ffn(

@@ -441,9 +441,13 @@ unsafe impl cudarc::driver::DeviceRepr for MoeTilesArgs {}
 /// The most tiles of at most `slots_per_tile` slots that `n_pairs` slots over
 /// `n_experts` experts can need: `Σ ceil(c_e / T) <= Σ (c_e + T - 1) / T` over
 /// the at most `min(n_experts, n_pairs)` experts with rows. The device tile
-/// table has this many rows plus one sentinel.
+/// table has this many rows plus one sentinel. 0 for tiles of 0 slots (which
+/// [`DevicePlan`] refuses).
 pub fn max_tiles(n_pairs: usize, n_experts: usize, slots_per_tile: usize) -> usize {
-    (n_pairs + n_experts.min(n_pairs) * (slots_per_tile - 1)) / slots_per_tile
+    match slots_per_tile {
+        0 => 0,
+        t => (n_pairs + n_experts.min(n_pairs) * (t - 1)) / t,
+    }
 }
 
 /// The sink of one layer call's per-expert counts on the device: the layer's
