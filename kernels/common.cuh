@@ -698,3 +698,25 @@ struct MoePlanArgs {
 };
 static_assert(sizeof(MoePlanArgs) == 40, "MoePlanArgs layout differs from moe::MoePlanArgs");
 // --- end moe4 ---
+
+// --- moe5 ---
+// Parameters of moe_plan_tiles (kernels/moe.cu), mirrored by `moe::MoeTilesArgs`:
+// from counts (n_experts) i32, the rows routed to each expert in this layer call,
+// writes seg (n_experts + 1) i32 slot offsets and the tile table tiles
+// (n_table_rows, 3) i32 (expert, first slot, end slot; at most slots_per_tile
+// slots a tile, experts ascending), its rows past the real tiles sentinels (-1,
+// n_real, n_real); usage (n_experts) u64 += counts (or null); banks (n_banks,
+// n_experts) u64 pointer tables whose entries of experts without rows are set to 0.
+struct MoeTilesArgs {
+    const int* counts;
+    int* seg;
+    int* tiles;
+    unsigned long long* usage;
+    unsigned long long* banks;
+    int n_experts;
+    int slots_per_tile;
+    int n_table_rows;
+    int n_banks;
+};
+static_assert(sizeof(MoeTilesArgs) == 56, "MoeTilesArgs layout differs from moe::MoeTilesArgs");
+// --- end moe5 ---

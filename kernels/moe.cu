@@ -1,12 +1,17 @@
 // moe.cu: the routed experts of a mixture-of-experts layer, grouped by expert.
 //
-// The host (src/backend/cuda/moe.rs) routes every row exactly as the CPU oracle
-// does (the (n_rows, n_experts) router logits are brought to the host and
-// routed by src/backend/cpu/moe.rs::route itself: f64 softmax, top-k with the
-// lower expert index winning ties, norm_topk_prob), then lays the (row, expert)
-// pairs out as slots, expert-major with rows ascending inside an expert (expert
-// e owns slots seg[e]..seg[e+1]), and cuts each expert's slots into tiles of
-// 64. Three launches follow, each covering every expert at once:
+// Routing (bottom of this file): moe_route routes every row exactly as the CPU
+// oracle does (src/backend/cpu/moe.rs::route: f64 softmax, top-k with the lower
+// expert index winning ties, norm_topk_prob), moe_count counts the rows of each
+// expert, moe_plan_tiles turns the counts into the slot layout (expert-major,
+// rows ascending inside an expert: expert e owns slots seg[e]..seg[e+1]) and the
+// tile table (each expert's slots cut into tiles of 64 here, 128 for
+// moe_sm90a.cu, rows past the real tiles sentinels (-1, n_real, n_real)), adds
+// the counts to the layer's device-resident expert-usage counters and clears the
+// bank pointers of experts without rows; moe_plan_slots places every (row,
+// expert) pair. Nothing comes to the host (src/backend/cuda/moe.rs can also
+// route on the host and upload the same tables). Three launches follow, each
+// covering every expert at once:
 //
 // moe_gemm_gated_{silu,gelu}_<fmt>: h[s] = bf16(act(x[row(s)] · Wg[e]ᵀ) * (x[row(s)] · Wu[e]ᵀ))
 //   for every slot s of expert e: both products of one tile in one block, the
@@ -17,8 +22,9 @@
 //   matmul_bf16_<fmt> (matmul.cu): block tile 64 slots x 64 outputs x 32 K, 4
 //   warps in 2 x 2 (32 x 32 each), shared rows padded to 40 bf16, the next K
 //   tile fetched into registers while the tensor cores work. Grid (ceil(N / 64),
-//   n_tiles), block 128: block (bx, t) reads tile t = (expert, first slot, end
-//   slot) from a device table, the expert's weight through a device table of
+//   table rows), block 128: block (bx, t) reads tile t = (expert, first slot, end
+//   slot) from the device table (a sentinel row: the block returns), the
+//   expert's weight through a device table of
 //   base pointers (expert e's (N, K) rows, one contiguous byte range of its
 //   expert-major bank, in its stored block format, dequantized by dequant8 in the
 //   loader), and the rows of x through the slot -> row list (a gather in the
@@ -79,6 +85,7 @@ __device__ void moe_gemm_impl(const MoeGemmArgs& a) {
     __shared__ __align__(16) bf16 sw[NW][MOE_BN * MOE_LDS];
     const int* tile = a.tiles + 3 * blockIdx.y;
     const int e = tile[0], s0 = tile[1], s1 = tile[2];
+    if (e < 0) return;  // a sentinel row: past the layer call's real tiles
     const int n0 = blockIdx.x * MOE_BN;
     const int N = a.n, K = a.k;
     const uint8_t* w[NW];
@@ -195,7 +202,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const MoeCombineAr
 
 // moe_dequant_bank_<fmt>: the wgmma route's (kernels/moe_sm90a.cu) bf16 operand of
 // one bank: out[e] = bf16(dequant(W[e])) for every expert, expert-major
-// (n_experts, n_rows, K), each expert read through the base-pointer table; the
+// (n_experts, n_rows, K), each expert read through the base-pointer table (a null
+// entry, an expert that took no rows, is skipped: its part of out stays unwritten); the
 // same dequant8 + pack_bf16x8 rounding as moe_fetch above and dequant_bf16_<fmt>
 // (matmul.cu), so every kernel multiplies identical operands. One thread per
 // group of 8 elements: grid (ceil(n_rows * K / 8 / 256), n_experts), block 256.
@@ -207,6 +215,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const MoeCombineAr
         const long long row = i / a.groups_per_row;                                                  \
         const int g = (int)(i - row * a.groups_per_row);                                             \
         const uint8_t* w = reinterpret_cast<const uint8_t*>(a.w[blockIdx.y]);                        \
+        if (w == nullptr) return;                                                                    \
         float v[8];                                                                                  \
         dequant8<id>(w + row * a.row_bytes, g, v);                                                   \
         reinterpret_cast<uint4*>(a.out)[blockIdx.y * per_expert + i] = pack_bf16x8(v);               \
@@ -380,5 +389,55 @@ extern "C" __global__ void __launch_bounds__(256) moe_plan_slots(const MoePlanAr
         }
         done += chunk;
         __syncthreads();
+    }
+}
+
+// moe_plan_tiles: one layer call's slot layout and tile table from its per-expert
+// counts, on the device (MoeTilesArgs of common.cuh says what it writes); the host
+// twin is tiles_of in src/backend/cuda/moe.rs (the same rows, in the same order).
+// Thread 0 takes the two prefix sums (slots, then tiles: ceil(count /
+// slots_per_tile) per expert) in expert order into shared memory; then the block
+// writes each expert's tiles at its tile offset, the sentinel rows after the
+// last real tile, usage += counts and the cleared bank pointers. The table's
+// n_table_rows (the host's worst case + 1) bounds every write: a table too short
+// would lose tiles, never write past its end. One block of 256 threads, dynamic
+// shared memory 2 * (n_experts + 1) i32.
+extern "C" __global__ void __launch_bounds__(256) moe_plan_tiles(const MoeTilesArgs a) {
+    extern __shared__ int moe_plan_sh[];
+    const int n_e = a.n_experts, per = a.slots_per_tile;
+    int* seg = moe_plan_sh;              // (n_e + 1)
+    int* tile_off = moe_plan_sh + n_e + 1;  // (n_e + 1)
+    if (threadIdx.x == 0) {
+        int s = 0, t = 0;
+        for (int e = 0; e < n_e; ++e) {
+            seg[e] = s;
+            tile_off[e] = t;
+            const int c = a.counts[e];
+            s += c;
+            t += (c + per - 1) / per;
+        }
+        seg[n_e] = s;
+        tile_off[n_e] = t;
+    }
+    __syncthreads();
+    const int n_real = min(tile_off[n_e], a.n_table_rows - 1);
+    for (int e = threadIdx.x; e <= n_e; e += blockDim.x) a.seg[e] = seg[e];
+    for (int e = threadIdx.x; e < n_e; e += blockDim.x) {
+        const int s0 = seg[e], s1 = seg[e + 1];
+        for (int j = 0; s0 + j * per < s1; ++j) {
+            const int row = tile_off[e] + j;
+            if (row >= n_real) break;
+            a.tiles[3 * row] = e;
+            a.tiles[3 * row + 1] = s0 + j * per;
+            a.tiles[3 * row + 2] = min(s0 + (j + 1) * per, s1);
+        }
+        if (a.usage) a.usage[e] += (unsigned long long)(s1 - s0);
+        if (s1 == s0)
+            for (int b = 0; b < a.n_banks; ++b) a.banks[(long long)b * n_e + e] = 0ull;
+    }
+    for (int row = n_real + threadIdx.x; row < a.n_table_rows; row += blockDim.x) {
+        a.tiles[3 * row] = -1;
+        a.tiles[3 * row + 1] = n_real;
+        a.tiles[3 * row + 2] = n_real;
     }
 }

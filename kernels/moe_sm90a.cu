@@ -4,11 +4,15 @@
 // Inputs (src/backend/cuda/moe.rs lays them out): the slots, expert-major with
 // rows ascending inside an expert (expert e owns slots seg[e]..seg[e+1]), cut
 // into tiles of at most 128 slots, each (expert, first slot, end slot) in a
-// device table; A = the slot-ordered rows, one (n_slots, K) bf16 matrix (x
+// device table sized for the worst case (moe_plan_tiles of moe.cu writes it on
+// the device; its last row is a sentinel (-1, n_real, n_real) that gives the
+// real count, so the persistent loop stops there); A = the slot-ordered rows, one (n_slots, K) bf16 matrix (x
 // gathered by moe_gather_bf16 for gate/up, h itself for down); B = an expert
 // bank dequantized to bf16 once per layer call by moe_dequant_bank_<fmt>
 // (moe.cu), expert-major (n_experts * N, K), so expert e's weight is rows
-// e*N..e*N+N of one TMA-loadable matrix.
+// e*N..e*N+N of one TMA-loadable matrix (the parts of experts without rows are
+// left unwritten: no tile names them, and where a B tile runs past its expert's
+// N into such a part, those columns are computed and not stored).
 //
 // moe_wgmma_gated_{silu,gelu}: h[s] = bf16(act(x[row(s)] · Wg[e]ᵀ) * (x[row(s)] · Wu[e]ᵀ));
 // moe_wgmma_plain: y[s] = h[s] · Wd[e]ᵀ, f32.
@@ -97,7 +101,11 @@ __device__ __forceinline__ void moe_wgmma_items(const MoeWgmmaParams& p) {
             }
         }
     };
-    wgmma_pipeline(moe_smem_raw, p.n_tiles * n_col_tiles, k_tiles, load, epilogue);
+    // The table's last row is a sentinel (-1, n_real, n_real) when the table was
+    // sized for the worst case (moe_plan_tiles); items past the real tiles do not exist.
+    const int* last = p.tiles + 3 * (p.n_tiles - 1);
+    const int n_real = last[0] < 0 ? last[1] : p.n_tiles;
+    wgmma_pipeline(moe_smem_raw, n_real * n_col_tiles, k_tiles, load, epilogue);
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_WG_THREADS, 1) moe_wgmma_plain(const __grid_constant__ MoeWgmmaParams p) {

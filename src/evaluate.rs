@@ -323,7 +323,7 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
     let scoring_seconds = t_score.elapsed().as_secs_f64();
     // Before the noise-floor rescoring, which would count its windows again.
     // --resume: the passes read back count too.
-    let usages: Vec<_> = std::iter::once(&scorer).chain(scorers.iter()).map(|s| s.expert_usage()).collect();
+    let usages = std::iter::once(&scorer).chain(scorers.iter()).map(|s| s.expert_usage()).collect::<Result<Vec<_>>>().context("expert usage")?;
     let resumed = checkpoints.as_ref().and_then(Checkpoints::resumed_usage);
     report.results.expert_usage = ExpertUsage::sum(usages.iter().map(Option::as_ref).chain([resumed]))?;
     if let Some(n) = cfg.verify_invariance {
@@ -780,7 +780,7 @@ fn score_streams(
                 .map(|((w, t), e)| WindowInput { tokens: t, first_target: w.first_target - w.begin, extra_ids: e })
                 .collect();
             // --resume: the pass's expert counts (mixture-of-experts models) go with its checkpoints.
-            let usage_before = if checkpoints.is_some() { scorer.expert_usage() } else { None };
+            let usage_before = if checkpoints.is_some() { scorer.expert_usage().context("expert usage before a pass")? } else { None };
             let t = Instant::now();
             let batch_scores = scorer.score_windows(&inputs, &opts).with_context(|| match batch {
                 [w] => at(w),
@@ -800,7 +800,7 @@ fn score_streams(
             }
             if let Some(c) = checkpoints {
                 let usage = match &usage_before {
-                    Some(before) => Some(scorer.expert_usage().context("expert usage after a pass")?.since(before)?),
+                    Some(before) => Some(scorer.expert_usage()?.context("expert usage after a pass")?.since(before)?),
                     None => None,
                 };
                 c.save_pass(si, &s.name, &results[n_before..], usage)?;

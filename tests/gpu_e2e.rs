@@ -497,10 +497,10 @@ fn tiny_qwen3moe_on_cuda_matches_the_cpu_and_its_expert_usage() {
         let emulation = CpuBackend { bf16_matmul_inputs: route == Route::Bf16TensorCore, ..CpuBackend::with_kv(kv) };
         let mut cpu = load_tiny(emulation, &t);
         let want = cpu.score_window(&tokens, first, &ScoreOptions { top_k: 0, prefill_chunk: None }, &[]).expect("cpu");
-        let want_usage = cpu.expert_usage().expect("a MoE model reports expert usage");
+        let want_usage = cpu.expert_usage().expect("expert usage read back").expect("a MoE model reports expert usage");
         let mut gpu = load_tiny(CudaBackend::open(device_index(), route, kv).expect("open GPU"), &t);
         let got = gpu.score_window(&tokens, first, &ScoreOptions { top_k: 0, prefill_chunk: Some(16) }, &[]).expect("gpu");
-        let got_usage = gpu.expert_usage().expect("a MoE model reports expert usage");
+        let got_usage = gpu.expert_usage().expect("expert usage read back").expect("a MoE model reports expert usage");
         let (d_nll, _) = max_diffs(&got, &want);
         let d_mean = mean_nll_diff(&got, &want);
         let setting = format!("qwen3moe {} banks route {} kv {}", banks.name(), route.name(), kv.name());
@@ -559,12 +559,12 @@ fn tiny_qwen3next_on_cuda_matches_the_cpu_over_passes() {
         let emulation = CpuBackend { bf16_matmul_inputs: route == Route::Bf16TensorCore, ..CpuBackend::with_kv(kv) };
         let mut cpu = load_tiny(emulation, &t);
         let want = cpu.score_windows(&inputs, &one_pass).expect("cpu emulation");
-        let want_usage = cpu.expert_usage().expect("a MoE model reports expert usage");
+        let want_usage = cpu.expert_usage().expect("expert usage read back").expect("a MoE model reports expert usage");
         for chunk in [None, Some(16), Some(7)] {
             let opts = ScoreOptions { top_k: 0, prefill_chunk: chunk };
             let mut gpu = load_tiny(CudaBackend::open(device_index(), route, kv).expect("open GPU"), &t);
             let got = gpu.score_windows(&inputs, &opts).expect("gpu");
-            let got_usage = gpu.expert_usage().expect("a MoE model reports expert usage");
+            let got_usage = gpu.expert_usage().expect("expert usage read back").expect("a MoE model reports expert usage");
             let setting = format!("qwen3next route {} kv {} passes of {}", route.name(), kv.name(), chunk.map_or("48".into(), |c| c.to_string()));
             let mean = |v: &[TargetScore]| v.iter().map(|s| s.nll).sum::<f64>() / v.len() as f64;
             let (mut d_max, mut d_mean, mut d_window, mut d_exact) = (0f64, 0f64, 0f64, 0f64);

@@ -2043,9 +2043,9 @@ fn moe_ffn_grouped_by_expert_against_the_cpu_backend() {
             let lt = b.load_matrix(&l).unwrap();
             let xa = b.embed(&xt, ids, 1.0).unwrap();
             let la = b.embed(&lt, ids, 1.0).unwrap();
-            let mut counts = vec![0u64; p.n_experts];
+            let mut counts = b.new_expert_counts(p.n_experts).unwrap();
             let y = b.moe_ffn(&xa, &la, experts, p, &mut counts).unwrap();
-            (y, counts)
+            (y, b.read_expert_counts(&counts).unwrap())
         }
         fn experts<B: Backend>(b: &B, format: TensorFormat, g: &[Vec<u8>], u: &[Vec<u8>], dn: &[Vec<u8>], d: usize, f: usize) -> Vec<Expert<B::Matrix>> {
             let load = |name: String, bytes: &[u8], n_out: usize, n_in: usize| {
@@ -2083,22 +2083,26 @@ fn moe_ffn_grouped_by_expert_against_the_cpu_backend() {
     }
 }
 
-/// moe_route, moe_count and moe_plan_slots (kernels/moe.cu, `moe::DevicePlan::route`)
-/// against the CPU oracle's `cpu::moe::route` through the host plan
-/// (`moe::MoePlan::new`): the same per-expert counts, the same slot layout and
-/// the same weights bit for bit, over random logits, tie-heavy ones (integers in
-/// -2..=2: many exact ties, the lower index must win) and rows whose
-/// probabilities fall into the subnormals or to zero (exp's subnormal step, ties
-/// at 0), from 8 experts top 3 to 512 top 10 and 40 top 32 (the device's most).
+/// moe_route, moe_count, moe_plan_tiles and moe_plan_slots (kernels/moe.cu,
+/// `moe::DevicePlan::route`) against the CPU oracle's `cpu::moe::route` through
+/// the host plan (`moe::MoePlan::new`, `moe::tiles_of`): the same per-expert
+/// counts, the same slot layout, the same weights bit for bit and the same tile
+/// table (tiles of 64 and of 128 slots, then sentinel rows up to the worst-case
+/// size), over random logits, tie-heavy ones (integers in -2..=2: many exact
+/// ties, the lower index must win) and rows whose probabilities fall into the
+/// subnormals or to zero (exp's subnormal step, ties at 0; most experts take no
+/// row), from 8 experts top 3 to 512 top 10 and 40 top 32 (the device's most).
+/// The counts are added to usage counters that start non-zero, and the bank
+/// pointers of exactly the experts without rows are cleared.
 #[test]
 fn moe_routing_on_the_device_is_the_oracles_bit_for_bit() {
     use infernix_perplexity::artifact::meta::Activation as Act;
-    use infernix_perplexity::backend::cuda::moe::{DevicePlan, MoePlan};
+    use infernix_perplexity::backend::cuda::moe::{max_tiles, DevicePlan, MoePlan, PlanSinks};
     use infernix_perplexity::backend::MoeRouting;
     let Some(dev) = device() else { return };
     let mut rng = rng_for("moe_route");
     for (n_rows, n_e, top_k, norm) in [(300usize, 128usize, 8usize, true), (257, 32, 4, false), (64, 512, 10, true), (100, 8, 3, true), (40, 40, 32, false)] {
-        for kind in ["random", "ties", "underflow"] {
+        for (kind, per) in [("random", 64usize), ("ties", 128), ("underflow", 64), ("underflow", 128)] {
             let mut logits = randn(&mut rng, n_rows * n_e, 2.0);
             match kind {
                 "ties" => logits.iter_mut().for_each(|v| *v = v.round().clamp(-2.0, 2.0)),
@@ -2109,16 +2113,32 @@ fn moe_routing_on_the_device_is_the_oracles_bit_for_bit() {
             let p = MoeRouting { n_experts: n_e, top_k, norm_topk_prob: norm, activation: Act::Silu };
             let want = MoePlan::new(&logits, &p).unwrap();
             let lg = dev.upload(&logits).unwrap();
-            let got = DevicePlan::route(dev, lg.view(), &p).unwrap();
-            let what = format!("moe_route {kind} ({n_rows} rows, {n_e} experts, top {top_k}, norm {norm})");
-            assert_eq!(got.seg, want.seg, "{what}: per-expert counts");
+            let usage0: Vec<u64> = (0..n_e as u64).map(|e| 1000 + e).collect();
+            let banks0: Vec<u64> = (0..2 * n_e as u64).map(|i| 0x1000 + 16 * i).collect();
+            let (mut usage, mut banks) = (dev.upload(&usage0).unwrap(), dev.upload(&banks0).unwrap());
+            let got = DevicePlan::route(dev, lg.view(), &p, per, PlanSinks { usage: Some(usage.view_mut()), banks: Some(banks.view_mut()) }).unwrap();
+            let what = format!("moe_route {kind} ({n_rows} rows, {n_e} experts, top {top_k}, norm {norm}, tiles of {per})");
+            assert_eq!(got.seg_host(dev).unwrap(), want.seg, "{what}: per-expert counts");
             assert_eq!(dev.download(&got.slot_rows).unwrap(), want.slot_rows, "{what}: slot rows");
             assert_eq!(dev.download(&got.combine_slots).unwrap(), want.combine_slots, "{what}: slots per row");
             let gw = dev.download(&got.combine_weights).unwrap();
             let first_bad = gw.iter().zip(&want.combine_weights).position(|(a, b)| a.to_bits() != b.to_bits());
             assert!(first_bad.is_none(), "{what}: weight {first_bad:?} differs in its bits: {:?}", first_bad.map(|i| (gw[i], want.combine_weights[i])));
+            // The tile table: the host twin's rows, then sentinels up to the worst case.
+            let host_tiles = want.tiles_of(per).unwrap();
+            let n_real = host_tiles.len() / 3 - 1;
+            let gt = dev.download(&got.tiles).unwrap();
+            assert_eq!(gt.len(), 3 * (max_tiles(n_rows * top_k, n_e, per) + 1), "{what}: tile table rows");
+            assert_eq!(&gt[..3 * n_real], &host_tiles[..3 * n_real], "{what}: tiles");
+            let n_i32 = n_real as i32;
+            assert!(gt[3 * n_real..].chunks(3).all(|r| r == [-1, n_i32, n_i32]), "{what}: sentinel rows");
+            let want_usage: Vec<u64> = (0..n_e).map(|e| usage0[e] + want.rows_of(e) as u64).collect();
+            assert_eq!(dev.download(&usage).unwrap(), want_usage, "{what}: usage counters");
+            let want_banks: Vec<u64> = (0..2 * n_e).map(|i| if want.rows_of(i % n_e) == 0 { 0 } else { banks0[i] }).collect();
+            assert_eq!(dev.download(&banks).unwrap(), want_banks, "{what}: bank pointers of experts without rows");
             let zeros = want.combine_weights.iter().filter(|w| **w == 0.0).count();
-            println!("MOE_ROUTE {what}: counts, slots and weights identical to the CPU's ({zeros} zero weights)");
+            let dead = (0..n_e).filter(|&e| want.rows_of(e) == 0).count();
+            println!("MOE_ROUTE {what}: counts, slots, weights and {n_real} tiles identical to the CPU's ({zeros} zero weights, {dead} experts without rows)");
         }
     }
 }

@@ -147,7 +147,7 @@ fn synthetic_qwen3moe_with_gguf_twin_converts_back_and_scores() {
     assert_eq!(s.len(), 47);
     let mean = s.iter().map(|r| r.nll).sum::<f64>() / s.len() as f64;
     assert!(mean.is_finite() && mean > 1.0 && mean < 40.0, "mean NLL {mean}");
-    let usage = m.expert_usage().expect("a MoE model reports expert usage");
+    let usage = m.expert_usage().expect("expert usage read back").expect("a MoE model reports expert usage");
     assert_eq!(usage.layers.len(), 2);
     assert_eq!(usage.rows, 48);
     for l in &usage.layers {
@@ -195,7 +195,7 @@ fn synthetic_qwen3moe_routing_stays_spread_through_48_layers() {
     let mut m = load_model(&a, BackendKind::Cpu(Default::default()), 1.0).unwrap();
     let tokens: Vec<u32> = (0..128u32).map(|i| i * 701 % 49152).collect();
     m.score_window(&tokens, 1, &ScoreOptions::default(), &[]).unwrap();
-    let usage = m.expert_usage().unwrap();
+    let usage = m.expert_usage().unwrap().unwrap();
     let worst = usage.layers.iter().map(|l| *l.routed.iter().max().unwrap()).max().unwrap();
     let spread: Vec<usize> = usage.layers.iter().map(|l| l.routed.iter().filter(|&&c| c > 0).count()).collect();
     eprintln!("experts used per layer: {spread:?}");

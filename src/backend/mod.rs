@@ -370,6 +370,10 @@ pub trait Backend {
     /// next for every window of the pass ([`RecurrentState`] each), kept
     /// where the backend computes (device memory on CUDA).
     type Recurrent;
+    /// One MoE layer's expert-usage counters (rows routed to each expert so
+    /// far), kept where the backend routes (device memory on CUDA, so that
+    /// a layer never waits to count); read by [`read_expert_counts`](Self::read_expert_counts).
+    type ExpertCounts;
 
     /// A short description for logs and reports (`cpu (2 threads)`).
     fn describe(&self) -> String;
@@ -470,10 +474,17 @@ pub trait Backend {
         self.rms_norm(x, w, eps)
     }
 
+    /// Zero expert-usage counters for a layer of `n_experts` experts.
+    fn new_expert_counts(&self, n_experts: usize) -> Result<Self::ExpertCounts>;
+
+    /// The counts of `c`, on the host (one wait for the device on CUDA).
+    fn read_expert_counts(&self, c: &Self::ExpertCounts) -> Result<Vec<u64>>;
+
     /// The routed experts of one layer: for each row of `x` `(n, d_model)`,
     /// with its router logits `(n, n_experts)`, routes as [`MoeRouting`]
     /// says and returns the weighted sum of the selected experts' outputs
-    /// `(n, d_model)`. Adds to `counts[e]` the rows routed to expert `e`.
+    /// `(n, d_model)`. Adds to `counts` (its entry `e`) the rows routed to
+    /// expert `e` (on CUDA on the device: the call does not wait to count).
     /// Rows never mix, so batching changes no number. The default refuses:
     /// only the CPU reference implements it so far.
     fn moe_ffn(
@@ -482,7 +493,7 @@ pub trait Backend {
         _router_logits: &Self::Act,
         _experts: &[Expert<Self::Matrix>],
         p: &MoeRouting,
-        _counts: &mut [u64],
+        _counts: &mut Self::ExpertCounts,
     ) -> Result<Self::Act> {
         bail!(
             "{}: the routed mixture-of-experts FFN ({} experts, top {}) is not supported on this backend: use --backend cpu",

@@ -149,8 +149,9 @@ pub struct Transformer<B: Backend> {
     layers: Vec<Layer<B>>,
     cache: Option<B::KvCache>,
     cache_geometry: Option<KvGeometry>,
-    /// Per MoE layer, rows routed to each expert so far (empty for dense models).
-    expert_counts: Vec<Vec<u64>>,
+    /// Per layer of a MoE model, rows routed to each expert so far, kept where
+    /// the backend routes (empty for dense models).
+    expert_counts: Vec<B::ExpertCounts>,
     /// Per DeltaNet layer (by slot), the states of the pass's windows
     /// (`None` before the first pass).
     recurrent: Vec<Option<B::Recurrent>>,
@@ -310,7 +311,7 @@ impl<B: Backend> Transformer<B> {
             });
         }
         let expert_counts = match &hp.moe {
-            Some(m) => vec![vec![0; m.n_experts]; hp.n_layers],
+            Some(m) => (0..hp.n_layers).map(|_| backend.new_expert_counts(m.n_experts)).collect::<Result<Vec<_>>>().context("expert-usage counters")?,
             None => Vec::new(),
         };
         let recurrent = (0..n_linear).map(|_| None).collect();
@@ -365,9 +366,15 @@ impl<B: Backend> Transformer<B> {
         &self.backend
     }
 
-    /// Expert-usage counts so far (`None` for a dense model).
-    pub fn expert_usage(&self) -> Option<ExpertUsage> {
-        self.hp.moe.as_ref().map(|m| ExpertUsage::from_counts(m, &self.expert_counts))
+    /// Expert-usage counts so far (`None` for a dense model); reads the
+    /// backend's counters (on CUDA one download per layer, so once per pass or
+    /// at the end, never inside one).
+    pub fn expert_usage(&self) -> Result<Option<ExpertUsage>> {
+        let Some(m) = &self.hp.moe else {
+            return Ok(None);
+        };
+        let counts = self.expert_counts.iter().map(|c| self.backend.read_expert_counts(c)).collect::<Result<Vec<_>>>()?;
+        Ok(Some(ExpertUsage::from_counts(m, &counts)))
     }
 
     /// Scores several windows of the same length together: every prefill
@@ -632,7 +639,7 @@ pub trait WindowScorer: Send {
     /// See [`Transformer::prepare`].
     fn prepare(&mut self, n_max_window: usize, prefill_chunk: usize, max_seqs: usize) -> Result<usize>;
     /// See [`Transformer::expert_usage`].
-    fn expert_usage(&self) -> Option<ExpertUsage>;
+    fn expert_usage(&self) -> Result<Option<ExpertUsage>>;
     /// The backend's device memory so far ([`Backend::device_memory`]).
     fn device_memory(&self) -> Result<Option<DeviceMemory>>;
 }
@@ -656,7 +663,7 @@ where
     fn prepare(&mut self, n_max_window: usize, prefill_chunk: usize, max_seqs: usize) -> Result<usize> {
         Transformer::prepare(self, n_max_window, prefill_chunk, max_seqs)
     }
-    fn expert_usage(&self) -> Option<ExpertUsage> {
+    fn expert_usage(&self) -> Result<Option<ExpertUsage>> {
         Transformer::expert_usage(self)
     }
     fn device_memory(&self) -> Result<Option<DeviceMemory>> {

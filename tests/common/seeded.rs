@@ -243,6 +243,6 @@ pub fn score_moe(golden: &Value, source: &Path, out: &Path, chunk: Option<usize>
     let toks = golden_tokens(golden);
     let mut m = load_model(&artifact, BackendKind::Cpu(Default::default()), 1.0).unwrap();
     let s = m.score_window(&toks, 1, &ScoreOptions { top_k: 0, prefill_chunk: chunk }, &[]).unwrap();
-    let usage = m.expert_usage().expect("a MoE model reports expert usage");
+    let usage = m.expert_usage().expect("expert usage read back").expect("a MoE model reports expert usage");
     (artifact, s, usage.layers.iter().map(|l| l.routed.clone()).collect())
 }

@@ -220,6 +220,7 @@ impl Backend for CpuBackend {
     type Vector = Vec<f32>;
     type KvCache = CpuKvCache;
     type Recurrent = Vec<RecurrentState>;
+    type ExpertCounts = Vec<u64>;
 
     fn describe(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
@@ -410,13 +411,21 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn new_expert_counts(&self, n_experts: usize) -> Result<Vec<u64>> {
+        Ok(vec![0; n_experts])
+    }
+
+    fn read_expert_counts(&self, c: &Vec<u64>) -> Result<Vec<u64>> {
+        Ok(c.clone())
+    }
+
     fn moe_ffn(
         &self,
         x: &CpuTensor,
         router_logits: &CpuTensor,
         experts: &[Expert<CpuMatrix>],
         p: &MoeRouting,
-        counts: &mut [u64],
+        counts: &mut Vec<u64>,
     ) -> Result<CpuTensor> {
         self.moe_ffn_cpu(x, router_logits, experts, p, counts)
     }

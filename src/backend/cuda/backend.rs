@@ -225,6 +225,8 @@ pub struct CudaBackend {
     head_scratch: RefCell<Option<DeviceBuffer<f32>>>,
     /// GPU time per op family (`INFERNIX_CUDA_PROFILE=1`), logged when the backend is dropped.
     pub(super) prof: OpProfile,
+    /// The MoE layers' bf16 banks under `INFERNIX_MOE_BANKS=resident` (empty otherwise).
+    pub(super) moe_banks: super::moe::ResidentBanks,
 }
 
 impl Drop for CudaBackend {
@@ -336,6 +338,7 @@ impl CudaBackend {
             rope_tables: RefCell::new(Vec::new()),
             head_scratch: RefCell::new(None),
             prof: OpProfile::from_env(),
+            moe_banks: Default::default(),
         })
     }
 
@@ -615,6 +618,7 @@ impl Backend for CudaBackend {
     type Vector = DeviceBuffer<f32>;
     type KvCache = CudaKvCache;
     type Recurrent = super::delta_net::CudaRecurrent;
+    type ExpertCounts = DeviceBuffer<u64>;
 
     fn describe(&self) -> String {
         let mut extra = String::new();
@@ -940,7 +944,15 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
-    fn moe_ffn(&self, x: &CudaAct, router_logits: &CudaAct, experts: &[Expert<CudaMatrix>], p: &MoeRouting, counts: &mut [u64]) -> Result<CudaAct> {
+    fn new_expert_counts(&self, n_experts: usize) -> Result<DeviceBuffer<u64>> {
+        self.dev.alloc_zeros(n_experts)
+    }
+
+    fn read_expert_counts(&self, c: &DeviceBuffer<u64>) -> Result<Vec<u64>> {
+        self.dev.download(c).context("expert-usage counts to the host")
+    }
+
+    fn moe_ffn(&self, x: &CudaAct, router_logits: &CudaAct, experts: &[Expert<CudaMatrix>], p: &MoeRouting, counts: &mut DeviceBuffer<u64>) -> Result<CudaAct> {
         // Timed inside, per part (moe_route, moe_gate_up, ...).
         self.moe_ffn_cuda(x, router_logits, experts, p, counts)
     }

@@ -8,17 +8,22 @@
 //! `INFERNIX_MOE_ROUTING=host` on the host (the logits downloaded, routed by
 //! [`cpu::moe::route`] itself, the plan uploaded); both lay the (row, expert)
 //! pairs out as slots, expert-major and rows ascending inside an expert
-//! ([`MoePlan`] is the host layout). The one synchronizing download per MoE
-//! layer and pass left is the per-expert counts (n_experts i32), which give the
-//! tile table and the expert-usage counts. On the default route the expert
+//! ([`MoePlan`] is the host layout). From the per-expert counts `moe_plan_tiles`
+//! makes the slot segments and the tile table on the device (sized for the
+//! worst case, [`max_tiles`], the real count in a sentinel row where the kernels
+//! stop), adds the counts to the layer's expert-usage counters, which stay on the
+//! device ([`Backend::ExpertCounts`], read once by the model's `expert_usage`),
+//! and clears the bank pointers of experts without rows: on the default route a
+//! MoE layer enqueues without the host waiting for the device. On the default route the expert
 //! products run on wgmma where the sm_90a module is loaded ([`MoeKernel::Wgmma`]:
-//! the banks of the experts that took rows dequantized to bf16 scratches, the
-//! rows gathered into slot order, `moe_wgmma_gated_<act>` then
+//! the banks of the experts that took rows dequantized to bf16 scratches indexed by expert, the
+//! rows gathered into slot order (with `INFERNIX_MOE_BANKS=resident` each layer's
+//! banks are dequantized once, every expert, and kept: [`MoeBankSite`]), `moe_wgmma_gated_<act>` then
 //! `moe_wgmma_plain`), else on mma.sync (`moe_gemm_gated_<act>_<fmt>`,
 //! `moe_gemm_<fmt>`, weights dequantized in the loader), both covering every
 //! expert through a tile table, then the weighted sum in ascending expert order
 //! in f64 (`moe_combine`), which makes the result independent of scheduling. On
-//! the FP32 route (`--lossless`) each expert's rows are gathered and run through
+//! the FP32 route (`--lossless`; it downloads the segments, one wait a layer) each expert's rows are gathered and run through
 //! the route's f32 matmuls and gated kernel (one product per expert for all its
 //! rows), then the same `moe_combine`. With `INFERNIX_CUDA_PROFILE=1` the parts
 //! are timed apart (`moe_route`, `moe_dequant_gather`, `moe_gate_up`,
@@ -28,8 +33,13 @@
 //! routing rule (`backend::cpu::moe`).
 //!
 //! [`Backend::moe_ffn`]: crate::backend::Backend::moe_ffn
+//! [`Backend::ExpertCounts`]: crate::backend::Backend::ExpertCounts
 //! [`cpu::moe::route`]: crate::backend::cpu::moe::route
 //! [`cpu::moe::exp_f64`]: crate::backend::cpu::moe::exp_f64
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::Arc;
 
 use anyhow::{ensure, Context, Result};
 use cudarc::driver::PushKernelArg;
@@ -191,10 +201,14 @@ impl MoeKernel {
                 let k = Self::for_shape(dev, 8, 8);
                 let rest = if k == Self::Wgmma { "; widths not multiples of 8: mma.sync" } else { "" };
                 let site = match MoeRouteSite::for_top_k(1) {
-                    MoeRouteSite::Device => "routing on the device (moe_route: the CPU oracle's rule bit for bit; the per-expert counts downloaded per layer)",
+                    MoeRouteSite::Device => "routing on the device (moe_route: the CPU oracle's rule bit for bit; slot layout, tile table and expert-usage counts on the device, no wait per layer)",
                     MoeRouteSite::Host => "routing on the host by the CPU oracle's rule (INFERNIX_MOE_ROUTING=host)",
                 };
-                format!("{site}; {}{rest}; f64 combine in ascending expert order", k.describe())
+                let banks = match (k, MoeBankSite::from_env()) {
+                    (Self::Wgmma, MoeBankSite::Resident) => "; bf16 banks resident (every expert dequantized once per layer, INFERNIX_MOE_BANKS=resident)",
+                    _ => "",
+                };
+                format!("{site}; {}{rest}{banks}; f64 combine in ascending expert order", k.describe())
             }
         }
     }
@@ -219,8 +233,6 @@ pub struct MoePlan {
     pub seg: Vec<usize>,
     /// (n_slots): the row each slot reads.
     pub slot_rows: Vec<i32>,
-    /// (n_tiles, 3): expert, first slot, end slot; at most [`MOE_TILE_SLOTS`] slots each.
-    pub tiles: Vec<i32>,
     /// (n_rows, top_k): per row its experts' slots, in ascending expert index.
     pub combine_slots: Vec<i32>,
     /// (n_rows, top_k): the matching routing weights.
@@ -260,22 +272,12 @@ impl MoePlan {
                 combine_weights.push(w);
             }
         }
-        let mut plan = Self { seg, slot_rows, tiles: Vec::new(), combine_slots, combine_weights };
-        plan.tiles = plan.tiles_of(MOE_TILE_SLOTS, false)?;
-        Ok(plan)
+        Ok(Self { seg, slot_rows, combine_slots, combine_weights })
     }
 
-    /// The tile table `(n_tiles, 3)`: expert, first slot, end slot, at most
-    /// `slots_per_tile` slots a tile, experts ascending. `compact`: the expert
-    /// field is its index among [`Self::live_experts`] (the wgmma route's banks
-    /// hold those experts only) instead of its own.
-    pub fn tiles_of(&self, slots_per_tile: usize, compact: bool) -> Result<Vec<i32>> {
-        tiles_of(&self.seg, slots_per_tile, compact)
-    }
-
-    /// The experts that took at least one row, ascending.
-    pub fn live_experts(&self) -> Vec<usize> {
-        live_experts(&self.seg)
+    /// The tile table: [`tiles_of`] of the segments.
+    pub fn tiles_of(&self, slots_per_tile: usize) -> Result<Vec<i32>> {
+        tiles_of(&self.seg, slots_per_tile)
     }
 
     pub fn n_slots(&self) -> usize {
@@ -335,8 +337,8 @@ pub const MOE_ROUTING_ENV: &str = "INFERNIX_MOE_ROUTING";
 /// Where a layer's rows are routed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MoeRouteSite {
-    /// `moe_route`, `moe_count`, `moe_plan_slots` (kernels/moe.cu); only the
-    /// per-expert counts (n_experts i32) come to the host.
+    /// `moe_route`, `moe_count`, `moe_plan_tiles`, `moe_plan_slots`
+    /// (kernels/moe.cu); nothing comes to the host.
     Device,
     /// The router logits downloaded and routed by [`route`], the plan uploaded.
     Host,
@@ -353,11 +355,119 @@ impl MoeRouteSite {
     }
 }
 
+/// `resident` here keeps every MoE layer's bf16 banks (all its experts, gate,
+/// up and down, `3 n_experts d_ffn_expert d_model` bf16 a layer: 1.125 GiB on
+/// the 30B-A3B shape) in device memory from the layer's first call to the end
+/// of the run, dequantized once instead of once per layer call (the wgmma route
+/// only). The same operands, so the same numbers; it costs that memory, and a
+/// layer whose banks do not fit (with [`MOE_RESIDENT_SPARE_BYTES`] left free)
+/// is an error naming the variable.
+pub const MOE_BANKS_ENV: &str = "INFERNIX_MOE_BANKS";
+/// Device memory left free after a layer's resident banks are allocated.
+pub const MOE_RESIDENT_SPARE_BYTES: usize = 4 << 30;
+
+/// Where the wgmma route's bf16 banks live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoeBankSite {
+    /// Dequantized per layer call, the experts that took rows only (the default).
+    PerCall,
+    /// Dequantized once per layer and kept ([`MOE_BANKS_ENV`] `resident`).
+    Resident,
+}
+
+impl MoeBankSite {
+    pub fn from_env() -> Self {
+        if std::env::var(MOE_BANKS_ENV).is_ok_and(|v| v == "resident") {
+            Self::Resident
+        } else {
+            Self::PerCall
+        }
+    }
+}
+
+/// One layer's banks as bf16, expert-major `(n_experts, rows, cols)` each.
+pub struct Bf16Banks {
+    gate: DeviceBuffer<bf16>,
+    up: DeviceBuffer<bf16>,
+    down: DeviceBuffer<bf16>,
+}
+
+/// The resident banks of [`MoeBankSite::Resident`], per layer: keyed by the
+/// device address of the layer's first gate matrix, kept with the addresses of
+/// every matrix they were made from (a call with other matrices makes them
+/// again). A model's backend lives as long as its matrices.
+#[derive(Default)]
+pub struct ResidentBanks {
+    layers: RefCell<HashMap<u64, (Vec<u64>, Arc<Bf16Banks>)>>,
+}
+
+/// The three banks of the experts whose pointers `tables` `(3, n_experts)`
+/// holds (gate, up, down; a null entry is skipped), dequantized to bf16.
+fn dequant_banks(dev: &CudaDevice, tables: &DeviceBuffer<u64>, likes: [&QuantMatrix; 3]) -> Result<Bf16Banks> {
+    let n_e = tables.len() / 3;
+    let mut out = Vec::with_capacity(3);
+    for (i, like) in likes.into_iter().enumerate() {
+        let mut bank = dev.alloc_uninit::<bf16>(n_e * like.n_rows * like.n_cols)?;
+        moe_dequant_bank(dev, like, tables.slice(i * n_e..(i + 1) * n_e)?, bank.view_mut())?;
+        out.push(bank);
+    }
+    let [gate, up, down]: [DeviceBuffer<bf16>; 3] = out.try_into().map_err(|_| anyhow::anyhow!("moe_ffn: three banks"))?;
+    Ok(Bf16Banks { gate, up, down })
+}
+
+/// `MoeTilesArgs` of kernels/common.cuh (moe_plan_tiles's one parameter).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MoeTilesArgs {
+    /// (n_experts) i32: rows routed to each expert in this layer call.
+    counts: u64,
+    /// (n_experts + 1) i32, written.
+    seg: u64,
+    /// (n_table_rows, 3) i32, written: the tiles, then sentinel rows.
+    tiles: u64,
+    /// (n_experts) u64 += counts, or 0.
+    usage: u64,
+    /// (n_banks, n_experts) u64 pointer tables: entries of experts without rows cleared, or 0.
+    banks: u64,
+    n_experts: i32,
+    slots_per_tile: i32,
+    n_table_rows: i32,
+    n_banks: i32,
+}
+const _: () = assert!(size_of::<MoeTilesArgs>() == 56);
+// SAFETY: plain data with the layout of the CUDA struct (size asserted on both sides); passed by value.
+unsafe impl cudarc::driver::DeviceRepr for MoeTilesArgs {}
+
+/// The most tiles of at most `slots_per_tile` slots that `n_pairs` slots over
+/// `n_experts` experts can need: `Σ ceil(c_e / T) <= Σ (c_e + T - 1) / T` over
+/// the at most `min(n_experts, n_pairs)` experts with rows. The device tile
+/// table has this many rows plus one sentinel. 0 for tiles of 0 slots (which
+/// [`DevicePlan`] refuses).
+pub fn max_tiles(n_pairs: usize, n_experts: usize, slots_per_tile: usize) -> usize {
+    match slots_per_tile {
+        0 => 0,
+        t => (n_pairs + n_experts.min(n_pairs) * (t - 1)) / t,
+    }
+}
+
+/// The sink of one layer call's per-expert counts on the device: the layer's
+/// expert-usage counters (`(n_experts)` u64, added to) and the bank pointer
+/// tables to clear for experts without rows (`(n_banks, n_experts)` u64).
+pub struct PlanSinks<'a> {
+    pub usage: Option<DevViewMut<'a, u64>>,
+    pub banks: Option<DevViewMut<'a, u64>>,
+}
+
 /// One layer call's routing on the device: the slot layout of [`MoePlan`]
-/// (expert-major, rows ascending inside an expert), its tables on the device.
+/// (expert-major, rows ascending inside an expert) and its tile table, all in
+/// device memory; making it never waits for the device.
 pub struct DevicePlan {
-    /// (n_experts + 1), on the host: expert e owns slots `seg[e]..seg[e + 1]`.
-    pub seg: Vec<usize>,
+    /// (n_experts + 1) i32: expert e owns slots `seg[e]..seg[e + 1]`.
+    pub seg: DeviceBuffer<i32>,
+    /// (n_table_rows, 3) i32: expert, first slot, end slot of each tile (at most
+    /// `slots_per_tile` slots), experts ascending, then sentinel rows (-1, n_real,
+    /// n_real); n_table_rows = [`max_tiles`] + 1.
+    pub tiles: DeviceBuffer<i32>,
     /// (n_slots) i32: the row each slot reads.
     pub slot_rows: DeviceBuffer<i32>,
     /// (n_rows, top_k) i32: per row its experts' slots, ascending expert.
@@ -369,10 +479,17 @@ pub struct DevicePlan {
 }
 
 impl DevicePlan {
-    /// [`MoePlan`] of the host, uploaded.
-    pub fn upload(dev: &CudaDevice, plan: &MoePlan) -> Result<Self> {
+    /// [`MoePlan`] of the host, uploaded; its counts go through `moe_plan_tiles`
+    /// like the device route's, so the tile table and the sinks are the same.
+    pub fn upload(dev: &CudaDevice, plan: &MoePlan, slots_per_tile: usize, sinks: PlanSinks) -> Result<Self> {
+        let counts = (0..plan.seg.len() - 1).map(|e| i32_of(plan.rows_of(e), "count")).collect::<Result<Vec<i32>>>()?;
+        let counts = dev.upload(&counts)?;
+        let n_rows = plan.combine_slots.len();
+        let (seg, tiles) = plan_tiles(dev, counts.view(), plan.n_slots(), slots_per_tile, sinks)?;
+        ensure!(n_rows == plan.combine_weights.len(), "moe_ffn: {n_rows} slots per row but {} weights", plan.combine_weights.len());
         Ok(Self {
-            seg: plan.seg.clone(),
+            seg,
+            tiles,
             slot_rows: dev.upload(&plan.slot_rows)?,
             combine_slots: dev.upload(&plan.combine_slots)?,
             combine_weights: dev.upload(&plan.combine_weights)?,
@@ -381,9 +498,10 @@ impl DevicePlan {
     }
 
     /// Routes the `(n_rows, n_experts)` logits on the device, bit for bit as
-    /// [`route`] does, and lays the slots out as [`MoePlan::new`] does; one
-    /// synchronizing download of the per-expert counts.
-    pub fn route(dev: &CudaDevice, logits: DevView<f32>, p: &MoeRouting) -> Result<Self> {
+    /// [`route`] does, and lays the slots out as [`MoePlan::new`] does, with
+    /// tiles of at most `slots_per_tile` slots; the counts go to `sinks`.
+    /// Nothing comes to the host.
+    pub fn route(dev: &CudaDevice, logits: DevView<f32>, p: &MoeRouting, slots_per_tile: usize, sinks: PlanSinks) -> Result<Self> {
         let (n_e, top_k) = (p.n_experts, p.top_k);
         ensure!(n_e > 0 && logits.len() % n_e == 0, "moe_route: {} router logits for {n_e} experts", logits.len());
         ensure!((1..=MOE_MAX_TOP_K.min(n_e)).contains(&top_k), "moe_route: top_k {top_k} for {n_e} experts (at most {MOE_MAX_TOP_K} on the device)");
@@ -394,96 +512,130 @@ impl DevicePlan {
         let mut counts = dev.alloc_zeros::<i32>(n_e)?;
         let mut slot_rows = dev.alloc_uninit::<i32>(n_pairs)?;
         let mut combine_slots = dev.alloc_uninit::<i32>(n_pairs)?;
-        if n_rows == 0 {
-            return Ok(Self { seg: vec![0; n_e + 1], slot_rows, combine_slots, combine_weights: weights, experts: Some(experts) });
+        if n_rows > 0 {
+            let args = MoeRouteArgs {
+                logits: logits.ptr(),
+                experts: experts.view_mut().ptr(),
+                weights: weights.view_mut().ptr(),
+                n_experts: i32_of(n_e, "experts")?,
+                top_k: i32_of(top_k, "top_k")?,
+                norm_topk_prob: i32::from(p.norm_topk_prob),
+                pad_: 0,
+            };
+            let smem = u32::try_from(n_e * 8).context("moe_route: shared memory")?;
+            ensure!(smem <= 48 * 1024, "moe_route: {n_e} experts need {smem} bytes of shared memory (at most 48 KiB)");
+            let f = func(dev, "moe_route")?;
+            let mut b = dev.stream().launch_builder(f);
+            b.arg(&args);
+            let gx = u32::try_from(n_rows).context("moe_route: rows")?;
+            // SAFETY: `args` mirrors MoeRouteArgs of kernels/common.cuh (size asserted); logits hold
+            // (n_rows, n_e) f32, experts and weights (n_rows, top_k) (allocated above), top_k <=
+            // MOE_MAX_TOP_K and <= n_e (checked), n_e doubles of dynamic shared memory.
+            unsafe { b.launch(cfg((gx, 1, 1), 32, smem)) }.map_err(|e| launch_err("moe_route", e))?;
+            let f = func(dev, "moe_count")?;
+            let (ep, cp, ni) = (experts.view().ptr(), counts.view_mut().ptr(), i32_of(n_pairs, "pairs")?);
+            let mut b = dev.stream().launch_builder(f);
+            b.arg(&ep).arg(&cp).arg(&ni);
+            // SAFETY: arguments match moe_count in kernels/moe.cu; experts holds n_pairs ids below
+            // n_e (moe_route), counts n_e i32.
+            unsafe { b.launch(cfg((grid_1d(n_pairs, 256)?, 1, 1), 256, 0)) }.map_err(|e| launch_err("moe_count", e))?;
         }
-        let args = MoeRouteArgs {
-            logits: logits.ptr(),
-            experts: experts.view_mut().ptr(),
-            weights: weights.view_mut().ptr(),
-            n_experts: i32_of(n_e, "experts")?,
-            top_k: i32_of(top_k, "top_k")?,
-            norm_topk_prob: i32::from(p.norm_topk_prob),
-            pad_: 0,
-        };
-        let smem = u32::try_from(n_e * 8).context("moe_route: shared memory")?;
-        ensure!(smem <= 48 * 1024, "moe_route: {n_e} experts need {smem} bytes of shared memory (at most 48 KiB)");
-        let f = func(dev, "moe_route")?;
-        let mut b = dev.stream().launch_builder(f);
-        b.arg(&args);
-        let gx = u32::try_from(n_rows).context("moe_route: rows")?;
-        // SAFETY: `args` mirrors MoeRouteArgs of kernels/common.cuh (size asserted); logits hold
-        // (n_rows, n_e) f32, experts and weights (n_rows, top_k) (allocated above), top_k <=
-        // MOE_MAX_TOP_K and <= n_e (checked), n_e doubles of dynamic shared memory.
-        unsafe { b.launch(cfg((gx, 1, 1), 32, smem)) }.map_err(|e| launch_err("moe_route", e))?;
-        let f = func(dev, "moe_count")?;
-        let (ep, cp, ni) = (experts.view().ptr(), counts.view_mut().ptr(), i32_of(n_pairs, "pairs")?);
-        let mut b = dev.stream().launch_builder(f);
-        b.arg(&ep).arg(&cp).arg(&ni);
-        // SAFETY: arguments match moe_count in kernels/moe.cu; experts holds n_pairs ids below
-        // n_e (moe_route), counts n_e i32.
-        unsafe { b.launch(cfg((grid_1d(n_pairs, 256)?, 1, 1), 256, 0)) }.map_err(|e| launch_err("moe_count", e))?;
-        let counts = dev.download(&counts).context("moe_route: expert counts to the host")?;
-        let mut seg = vec![0usize; n_e + 1];
-        for e in 0..n_e {
-            seg[e + 1] = seg[e] + usize::try_from(counts[e]).context("moe_route: a negative count")?;
+        let (seg, tiles) = plan_tiles(dev, counts.view(), n_pairs, slots_per_tile, sinks)?;
+        if n_rows > 0 {
+            let args = MoePlanArgs {
+                experts: experts.view().ptr(),
+                seg: seg.view().ptr(),
+                slot_rows: slot_rows.view_mut().ptr(),
+                combine_slots: combine_slots.view_mut().ptr(),
+                n_rows: i32_of(n_rows, "rows")?,
+                top_k: i32_of(top_k, "top_k")?,
+            };
+            let f = func(dev, "moe_plan_slots")?;
+            let mut b = dev.stream().launch_builder(f);
+            b.arg(&args);
+            // SAFETY: `args` mirrors MoePlanArgs of kernels/common.cuh (size asserted); seg holds
+            // n_e + 1 offsets summing the counts of `experts` (moe_plan_tiles from moe_count), so
+            // every slot written is below n_pairs = the length of slot_rows; combine_slots holds
+            // (n_rows, top_k).
+            unsafe { b.launch(cfg((u32::try_from(n_e).context("experts")?, 1, 1), 256, 0)) }.map_err(|e| launch_err("moe_plan_slots", e))?;
         }
-        ensure!(seg[n_e] == n_pairs, "moe_route: {} slots for {n_rows} rows x top {top_k}", seg[n_e]);
-        let seg_i32 = seg.iter().map(|&s| i32_of(s, "slot")).collect::<Result<Vec<i32>>>()?;
-        let seg_dev = dev.upload(&seg_i32)?;
-        let args = MoePlanArgs {
-            experts: experts.view().ptr(),
-            seg: seg_dev.view().ptr(),
-            slot_rows: slot_rows.view_mut().ptr(),
-            combine_slots: combine_slots.view_mut().ptr(),
-            n_rows: i32_of(n_rows, "rows")?,
-            top_k: args.top_k,
-        };
-        let f = func(dev, "moe_plan_slots")?;
-        let mut b = dev.stream().launch_builder(f);
-        b.arg(&args);
-        // SAFETY: `args` mirrors MoePlanArgs of kernels/common.cuh (size asserted); seg holds
-        // n_e + 1 offsets summing the counts of `experts`, so every slot written is below
-        // n_pairs = the length of slot_rows; combine_slots holds (n_rows, top_k).
-        unsafe { b.launch(cfg((u32::try_from(n_e).context("experts")?, 1, 1), 256, 0)) }.map_err(|e| launch_err("moe_plan_slots", e))?;
-        drop(seg_dev); // freed in stream order after the launch
-        Ok(Self { seg, slot_rows, combine_slots, combine_weights: weights, experts: Some(experts) })
+        Ok(Self { seg, tiles, slot_rows, combine_slots, combine_weights: weights, experts: Some(experts) })
     }
 
     pub fn n_slots(&self) -> usize {
         self.slot_rows.len()
     }
 
-    pub fn rows_of(&self, e: usize) -> usize {
-        self.seg[e + 1] - self.seg[e]
+    /// The slot segments on the host (one synchronizing download; the FP32
+    /// route's per-expert loop and the tests need them).
+    pub fn seg_host(&self, dev: &CudaDevice) -> Result<Vec<usize>> {
+        let seg = dev.download(&self.seg).context("moe_ffn: slot segments to the host")?;
+        seg.iter().map(|&s| usize::try_from(s).context("moe_ffn: a negative slot offset")).collect()
     }
 }
 
-/// The tile table `(n_tiles, 3)` of the slot segments `seg` `(n_experts + 1)`:
-/// expert, first slot, end slot, at most `slots_per_tile` slots a tile, experts
-/// ascending; `compact`: the expert field is its index among [`live_experts`].
-pub fn tiles_of(seg: &[usize], slots_per_tile: usize, compact: bool) -> Result<Vec<i32>> {
+/// `moe_plan_tiles` (kernels/moe.cu) over the per-expert `counts` `(n_experts)`
+/// of `n_pairs` slots: -> the slot segments `(n_experts + 1)` and the tile table
+/// `(max_tiles + 1, 3)` (tiles of at most `slots_per_tile` slots, then sentinels),
+/// the counts added to `sinks.usage` and the bank pointers of experts without
+/// rows cleared in `sinks.banks`. Enqueued only: nothing waits.
+fn plan_tiles(dev: &CudaDevice, counts: DevView<i32>, n_pairs: usize, slots_per_tile: usize, sinks: PlanSinks) -> Result<(DeviceBuffer<i32>, DeviceBuffer<i32>)> {
+    let n_e = counts.len();
+    ensure!(n_e > 0 && slots_per_tile > 0, "moe_plan_tiles: {n_e} experts, tiles of {slots_per_tile} slots");
+    let n_table_rows = max_tiles(n_pairs, n_e, slots_per_tile) + 1;
+    let mut seg = dev.alloc_uninit::<i32>(n_e + 1)?;
+    let mut tiles = dev.alloc_uninit::<i32>(n_table_rows * 3)?;
+    if let Some(u) = &sinks.usage {
+        ensure!(u.len() == n_e, "moe_plan_tiles: {} usage counters for {n_e} experts", u.len());
+    }
+    let n_banks = match &sinks.banks {
+        Some(b) => {
+            ensure!(b.len() % n_e == 0, "moe_plan_tiles: a pointer table of {} entries for {n_e} experts", b.len());
+            b.len() / n_e
+        }
+        None => 0,
+    };
+    let smem = u32::try_from(2 * (n_e + 1) * 4).context("moe_plan_tiles: shared memory")?;
+    ensure!(smem <= 48 * 1024, "moe_plan_tiles: {n_e} experts need {smem} bytes of shared memory (at most 48 KiB)");
+    let args = MoeTilesArgs {
+        counts: counts.ptr(),
+        seg: seg.view_mut().ptr(),
+        tiles: tiles.view_mut().ptr(),
+        usage: sinks.usage.as_ref().map_or(0, |u| u.ptr()),
+        banks: sinks.banks.as_ref().map_or(0, |b| b.ptr()),
+        n_experts: i32_of(n_e, "experts")?,
+        slots_per_tile: i32_of(slots_per_tile, "slots per tile")?,
+        n_table_rows: i32_of(n_table_rows, "tile table rows")?,
+        n_banks: i32_of(n_banks, "banks")?,
+    };
+    let f = func(dev, "moe_plan_tiles")?;
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(&args);
+    // SAFETY: `args` mirrors MoeTilesArgs of kernels/common.cuh (size asserted); counts holds
+    // n_e i32 summing to n_pairs (moe_count, or the host plan), seg n_e + 1 and tiles
+    // n_table_rows rows (allocated above; the kernel bounds its writes by n_table_rows), usage
+    // n_e u64 and banks n_banks * n_e u64 (checked) or null; 2 (n_e + 1) i32 of shared memory.
+    unsafe { b.launch(cfg((1, 1, 1), 256, smem)) }.map_err(|e| launch_err("moe_plan_tiles", e))?;
+    Ok((seg, tiles))
+}
+
+/// The tile table `(n_tiles + 1, 3)` of the slot segments `seg` `(n_experts +
+/// 1)`: expert, first slot, end slot, at most `slots_per_tile` slots a tile,
+/// experts ascending, then one sentinel row (-1, n_tiles, n_tiles): the host
+/// twin of `moe_plan_tiles` (whose table has the same rows, then more sentinels).
+pub fn tiles_of(seg: &[usize], slots_per_tile: usize) -> Result<Vec<i32>> {
     ensure!(slots_per_tile > 0 && !seg.is_empty(), "moe_ffn: tiles of {slots_per_tile} slots over {} segments", seg.len());
     let mut tiles = Vec::new();
-    let mut live = 0usize;
     for e in 0..seg.len() - 1 {
         let (a, b) = (seg[e], seg[e + 1]);
-        if a == b {
-            continue;
-        }
-        let id = if compact { live } else { e };
         for s0 in (a..b).step_by(slots_per_tile) {
             let s1 = (s0 + slots_per_tile).min(b);
-            tiles.extend([i32_of(id, "expert")?, i32_of(s0, "slot")?, i32_of(s1, "slot")?]);
+            tiles.extend([i32_of(e, "expert")?, i32_of(s0, "slot")?, i32_of(s1, "slot")?]);
         }
-        live += 1;
     }
+    let n = i32_of(tiles.len() / 3, "tiles")?;
+    tiles.extend([-1, n, n]);
     Ok(tiles)
-}
-
-/// The experts of the slot segments `seg` that took at least one row, ascending.
-pub fn live_experts(seg: &[usize]) -> Vec<usize> {
-    (0..seg.len().saturating_sub(1)).filter(|&e| seg[e + 1] > seg[e]).collect()
 }
 
 /// The name of the grouped GEMM for a weight format: the plain product, or
@@ -517,13 +669,8 @@ fn same_bank<'a>(experts: &'a [Expert<CudaMatrix>], what: &str, pick: impl Fn(&'
     Ok(first)
 }
 
-/// Device base pointers of every expert's `pick(e)` matrix: (n_experts) u64.
-fn pointer_table<'a>(dev: &CudaDevice, experts: &'a [Expert<CudaMatrix>], pick: impl Fn(&'a Expert<CudaMatrix>) -> &'a CudaMatrix) -> Result<DeviceBuffer<u64>> {
-    let ptrs: Vec<u64> = experts.iter().map(|e| pick(e).q.data.view().ptr()).collect();
-    dev.upload(&ptrs)
-}
-
-/// The grouped GEMM over every tile of `tiles` `(n_tiles, 3)`: `y[s] = x[row(s)] ·
+/// The grouped GEMM over every real tile of `tiles` `(n_table_rows, 3)` (sentinel
+/// rows, expert -1, are skipped): `y[s] = x[row(s)] ·
 /// W[e]ᵀ` (f32, `gate_act` None) or `y[s] = bf16(act(x[row(s)] · Wg[e]ᵀ) *
 /// (x[row(s)] · Wu[e]ᵀ))`. `x` `(n_x_rows, k)` bf16; `x_rows` the row of each
 /// slot (None: slot s reads row s, then `n_x_rows` >= n_slots); `w`, `w_up`:
@@ -578,8 +725,8 @@ pub fn moe_gemm<Y: ops::OutElem>(
     let mut b = dev.stream().launch_builder(f);
     b.arg(&args);
     // SAFETY: `args` mirrors MoeGemmArgs of kernels/common.cuh (size asserted); x holds rows of K
-    // bf16 for every row id (the caller's ids are rows of x), every tile's slots lie in
-    // 0..n_slots (MoePlan), the pointer tables hold one (n, k) matrix of `like`'s layout per
+    // bf16 for every row id (the caller's ids are rows of x), every real tile's slots lie in
+    // 0..n_slots and sentinel rows are skipped (DevicePlan::tiles), the pointer tables hold one (n, k) matrix of `like`'s layout per
     // expert (same_bank), y holds (n_slots, n) of the kernel's output type (checked).
     unsafe { b.launch(cfg((grid_1d(n, MOE_TILE_COLS as u32)?, gy, 1), 128, 0)) }.map_err(|e| launch_err(&name, e))?;
     Ok(())
@@ -644,11 +791,13 @@ fn moe_wgmma_kernel(act: Option<Activation>) -> &'static str {
     }
 }
 
-/// The grouped wgmma product over every tile of `tiles` `(n_tiles, 3)` (expert
-/// index into the banks, first slot, end slot, at most [`MOE_WGMMA_TILE_SLOTS`]):
+/// The grouped wgmma product over every real tile of `tiles` `(n_table_rows, 3)`
+/// (expert index into the banks, first slot, end slot, at most
+/// [`MOE_WGMMA_TILE_SLOTS`]; the last row a sentinel, as [`DevicePlan::tiles`]):
 /// `y[s] = a[s] · B[e]ᵀ` (f32, `gate_act` None) or `y[s] = bf16(act(a[s] · G[e]ᵀ) *
 /// (a[s] · U[e]ᵀ))`. `a` `(n_slots, k)` bf16; `bank` (and `bank_up`) `(n_live, n,
-/// k)` bf16; `y` `(n_slots, n)`.
+/// k)` bf16 (`n_live`: the experts the tiles name, every expert of the layer
+/// here); `y` `(n_slots, n)`.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_wgmma<Y: ops::OutElem>(
     dev: &CudaDevice,
@@ -700,9 +849,10 @@ pub fn moe_wgmma<Y: ops::OutElem>(
     let mut lb = dev.stream().launch_builder(f);
     lb.arg(&params);
     // SAFETY: `params` mirrors MoeWgmmaParams of kernels/common.cuh (size asserted); the tensor
-    // maps cover a (n_slots, k) and the banks (n_live * n, k); every tile's slots lie in
-    // 0..n_slots and its expert below n_live (MoePlan::tiles_of over the live experts); y holds
-    // (n_slots, n) of the kernel's output type, 8-byte aligned with n even (checked).
+    // maps cover a (n_slots, k) and the banks (n_experts * n, k); every real tile's slots lie in
+    // 0..n_slots and its expert below n_experts, and the table's last row is a sentinel giving
+    // the real count (moe_plan_tiles, tiles_of); y holds (n_slots, n) of the kernel's output
+    // type, 8-byte aligned with n even (checked).
     unsafe { lb.launch(cfg((grid, 1, 1), ops::GEMM_THREADS, ops::GEMM_SMEM_BYTES as u32)) }.map_err(|e| launch_err(name, e))?;
     Ok(())
 }
@@ -761,7 +911,7 @@ impl CudaBackend {
         router_logits: &CudaAct,
         experts: &[Expert<CudaMatrix>],
         p: &MoeRouting,
-        counts: &mut [u64],
+        counts: &mut DeviceBuffer<u64>,
     ) -> Result<CudaAct> {
         let dev = self.device();
         let (n, d) = (x.n_rows, x.n_cols);
@@ -786,27 +936,32 @@ impl CudaBackend {
         if n == 0 {
             return Ok(out);
         }
-        // The routing (on the device, or on the host by the oracle itself) and the plan's tables.
+        let n_e = experts.len();
+        let act = ops_activation(p.activation);
+        let kernel = MoeKernel::for_shape(dev, d, f);
+        let wgmma = self.route() == Route::Bf16TensorCore && kernel == MoeKernel::Wgmma;
+        // The routing (on the device, or on the host by the oracle itself), the plan's
+        // tables and the tile table, made on the device; the counts are added to the
+        // layer's device counters. (3, n_e) u64: every expert's gate, up and down base;
+        // on the wgmma route those of experts without rows are cleared (not dequantized).
         let route_scope = self.prof.scope(dev, "moe_route")?;
+        let picks: [fn(&Expert<CudaMatrix>) -> &CudaMatrix; 3] = [|e| &e.gate, |e| &e.up, |e| &e.down];
+        let ptr_list: Vec<u64> = picks.iter().flat_map(|pick| experts.iter().map(|e| pick(e).q.data.view().ptr())).collect();
+        let mut ptrs = dev.upload(&ptr_list)?;
+        let per = if wgmma { MOE_WGMMA_TILE_SLOTS } else { MOE_TILE_SLOTS };
+        let resident = wgmma && MoeBankSite::from_env() == MoeBankSite::Resident;
+        let sinks = PlanSinks { usage: Some(counts.view_mut()), banks: (wgmma && !resident).then(|| ptrs.view_mut()) };
         let plan = match MoeRouteSite::for_top_k(p.top_k) {
-            MoeRouteSite::Device => DevicePlan::route(dev, router_logits.f32("moe_ffn")?.view(), p)?,
+            MoeRouteSite::Device => DevicePlan::route(dev, router_logits.f32("moe_ffn")?.view(), p, per, sinks)?,
             MoeRouteSite::Host => {
                 let logits = dev.download(router_logits.f32("moe_ffn")?).context("moe_ffn: router logits to the host")?;
-                DevicePlan::upload(dev, &MoePlan::new(&logits, p)?)?
+                DevicePlan::upload(dev, &MoePlan::new(&logits, p)?, per, sinks)?
             }
         };
-        for (e, c) in counts.iter_mut().enumerate() {
-            *c += plan.rows_of(e) as u64;
-        }
-        let n_slots = plan.n_slots();
-        let act = ops_activation(p.activation);
-        let (rows, slots, weights) = (&plan.slot_rows, &plan.combine_slots, &plan.combine_weights);
-        let kernel = MoeKernel::for_shape(dev, d, f);
-        let tiles = match (self.route(), kernel) {
-            (Route::Bf16TensorCore, MoeKernel::Wgmma) => dev.upload(&tiles_of(&plan.seg, MOE_WGMMA_TILE_SLOTS, true)?)?,
-            _ => dev.upload(&tiles_of(&plan.seg, MOE_TILE_SLOTS, false)?)?,
-        };
         drop(route_scope);
+        let n_slots = plan.n_slots();
+        let (rows, slots, weights, tiles) = (&plan.slot_rows, &plan.combine_slots, &plan.combine_weights, &plan.tiles);
+        let (wg, wu, wd) = (ptrs.slice(0..n_e)?, ptrs.slice(n_e..2 * n_e)?, ptrs.slice(2 * n_e..3 * n_e)?);
         // (n_slots, d): each slot's expert output.
         let mut y = dev.alloc_uninit::<f32>(n_slots * d)?;
         match (self.route(), kernel) {
@@ -814,16 +969,33 @@ impl CudaBackend {
                 let prep = self.prof.scope(dev, "moe_dequant_gather")?;
                 let mut tmp = None;
                 let xb = self.bf16_input(x, &mut tmp)?;
-                // Each bank of the live experts as bf16, expert-major: (n_live, rows, cols).
-                let live = live_experts(&plan.seg);
-                let bank = |pick: fn(&Expert<CudaMatrix>) -> &CudaMatrix, like: &QuantMatrix| -> Result<DeviceBuffer<bf16>> {
-                    let ptrs: Vec<u64> = live.iter().map(|&e| pick(&experts[e]).q.data.view().ptr()).collect();
-                    let table = dev.upload(&ptrs)?;
-                    let mut out = dev.alloc_uninit::<bf16>(live.len() * like.n_rows * like.n_cols)?;
-                    moe_dequant_bank(dev, like, table.view(), out.view_mut())?;
-                    Ok(out)
+                // Each bank as bf16, expert-major: (n_e, rows, cols): per call only the experts
+                // with rows written, or every expert once per layer (resident).
+                let banks = if resident {
+                    let key = ptr_list[0];
+                    let kept = self.moe_banks.layers.borrow().get(&key).filter(|(made_from, _)| *made_from == ptr_list).map(|(_, b)| Arc::clone(b));
+                    match kept {
+                        Some(b) => b,
+                        None => {
+                            let bytes = 3 * n_e * f * d * 2;
+                            let (free, _) = dev.mem_info()?;
+                            ensure!(
+                                free >= bytes + MOE_RESIDENT_SPARE_BYTES,
+                                "{MOE_BANKS_ENV}=resident: a layer's bf16 expert banks take {:.2} GiB and {:.2} GiB of device memory are free \
+                                 ({:.0} GiB must stay free): unset {MOE_BANKS_ENV} to dequantize per layer call",
+                                bytes as f64 / (1u64 << 30) as f64,
+                                free as f64 / (1u64 << 30) as f64,
+                                (MOE_RESIDENT_SPARE_BYTES >> 30) as f64
+                            );
+                            let b = Arc::new(dequant_banks(dev, &ptrs, [gate, up, down])?);
+                            self.moe_banks.layers.borrow_mut().insert(key, (ptr_list.clone(), Arc::clone(&b)));
+                            b
+                        }
+                    }
+                } else {
+                    Arc::new(dequant_banks(dev, &ptrs, [gate, up, down])?)
                 };
-                let (bg, bu, bd) = (bank(|e| &e.gate, gate)?, bank(|e| &e.up, up)?, bank(|e| &e.down, down)?);
+                let (bg, bu, bd) = (&banks.gate, &banks.up, &banks.down);
                 // (n_slots, d) bf16: the rows of x in slot order.
                 let mut xg = dev.alloc_uninit::<bf16>(n_slots * d)?;
                 moe_gather_bf16(dev, xb, d, rows.view(), xg.view_mut())?;
@@ -842,28 +1014,24 @@ impl CudaBackend {
             (Route::Bf16TensorCore, MoeKernel::MmaSync) => {
                 let mut tmp = None;
                 let xb = self.bf16_input(x, &mut tmp)?;
-                let (wg, wu, wd) = (
-                    pointer_table(dev, experts, |e| &e.gate)?,
-                    pointer_table(dev, experts, |e| &e.up)?,
-                    pointer_table(dev, experts, |e| &e.down)?,
-                );
                 // (n_slots, f) bf16: act(gate) * up of each slot's expert.
                 let mut h = dev.alloc_uninit::<bf16>(n_slots * f)?;
                 {
                     let _s = self.prof.scope(dev, "moe_gate_up")?;
-                    moe_gemm(dev, Some(act), xb, Some(rows.view()), gate, wg.view(), Some(wu.view()), tiles.view(), n_slots, h.view_mut())
+                    moe_gemm(dev, Some(act), xb, Some(rows.view()), gate, wg, Some(wu), tiles.view(), n_slots, h.view_mut())
                         .context("moe_ffn: gate and up")?;
                 }
                 let _s = self.prof.scope(dev, "moe_down")?;
-                moe_gemm::<f32>(dev, None, h.view(), None, down, wd.view(), None, tiles.view(), n_slots, y.view_mut())
-                    .context("moe_ffn: down")?;
-                // The uploads and h are freed in stream order after the launches.
+                moe_gemm::<f32>(dev, None, h.view(), None, down, wd, None, tiles.view(), n_slots, y.view_mut()).context("moe_ffn: down")?;
+                // h is freed in stream order after the launches.
             }
             (Route::Fp32, _) => {
                 let _s = self.prof.scope(dev, "moe_experts_fp32")?;
+                // The per-expert loop runs on the host: one download of the segments.
+                let seg = plan.seg_host(dev)?;
                 let xf = x.f32("moe_ffn")?;
                 for (e, ex) in experts.iter().enumerate() {
-                    let (s0, s1) = (plan.seg[e], plan.seg[e + 1]);
+                    let (s0, s1) = (seg[e], seg[e + 1]);
                     if s0 == s1 {
                         continue;
                     }
@@ -899,7 +1067,7 @@ mod tests {
         let plan = MoePlan::new(&logits, &p).unwrap();
         assert_eq!(plan.seg, vec![0, 1, 4, 5, 6]);
         assert_eq!(plan.slot_rows, vec![2, 0, 1, 2, 1, 0]);
-        assert_eq!(plan.tiles, vec![0, 0, 1, 1, 1, 4, 2, 4, 5, 3, 5, 6]);
+        assert_eq!(plan.tiles_of(MOE_TILE_SLOTS).unwrap(), vec![0, 0, 1, 1, 1, 4, 2, 4, 5, 3, 5, 6, -1, 4, 4]);
         // Per row, ascending expert: row 0 -> slots of (1, row 0) = 1 and (3, row 0) = 5.
         assert_eq!(plan.combine_slots, vec![1, 5, 2, 4, 0, 3]);
         for (r, l) in logits.chunks(4).enumerate() {
@@ -910,16 +1078,44 @@ mod tests {
         let many: Vec<f32> = (0..150).flat_map(|_| [1.0f32, 0.0]).collect();
         let p1 = MoeRouting { n_experts: 2, top_k: 1, ..p };
         let plan = MoePlan::new(&many, &p1).unwrap();
-        assert_eq!(plan.tiles, vec![0, 0, 64, 0, 64, 128, 0, 128, 150]);
+        assert_eq!(plan.tiles_of(MOE_TILE_SLOTS).unwrap(), vec![0, 0, 64, 0, 64, 128, 0, 128, 150, -1, 3, 3]);
         assert_eq!(plan.rows_of(1), 0);
         assert!(MoePlan::new(&logits[..7], &p).is_err());
-        // The wgmma route's tables: 128-slot tiles, experts numbered among the live ones.
+        // The wgmma route's tables: 128-slot tiles, an expert without rows has none.
         let p3 = MoeRouting { n_experts: 3, top_k: 1, ..p };
         let three: Vec<f32> = (0..200).flat_map(|r| if r < 130 { [0.0f32, 0.0, 1.0] } else { [1.0, 0.0, 0.0] }).collect();
         let plan = MoePlan::new(&three, &p3).unwrap();
-        assert_eq!(plan.live_experts(), vec![0, 2]);
-        assert_eq!(plan.tiles_of(128, true).unwrap(), vec![0, 0, 70, 1, 70, 198, 1, 198, 200]);
-        assert_eq!(plan.tiles_of(128, false).unwrap(), vec![0, 0, 70, 2, 70, 198, 2, 198, 200]);
-        assert!(plan.tiles_of(0, false).is_err());
+        assert_eq!(plan.tiles_of(128).unwrap(), vec![0, 0, 70, 2, 70, 198, 2, 198, 200, -1, 3, 3]);
+        assert!(plan.tiles_of(0).is_err());
+    }
+
+    /// `max_tiles` bounds the tiles of every way to spread the slots over the
+    /// experts, and some spreads reach it (it is the least such bound).
+    #[test]
+    fn max_tiles_is_the_worst_case_of_the_tile_table() {
+        for (n_pairs, n_e, per) in [(0usize, 4usize, 64usize), (1, 4, 64), (5, 8, 2), (64, 128, 64), (300, 7, 128), (65536, 128, 128), (65536, 128, 64), (100, 1, 3)] {
+            let bound = max_tiles(n_pairs, n_e, per);
+            let tiles = |counts: &[usize]| counts.iter().map(|c| c.div_ceil(per)).sum::<usize>();
+            // Worst spread: every expert that can take one slot takes one (a tile each), the
+            // rest goes to expert 0 (a tile per whole `per` more: its count stays 1 mod per).
+            let live = n_e.min(n_pairs);
+            let mut worst: Vec<usize> = (0..n_e).map(|e| usize::from(e < live)).collect();
+            worst[0] += n_pairs - live;
+            assert_eq!(worst.iter().sum::<usize>(), n_pairs);
+            assert_eq!(tiles(&worst), bound, "({n_pairs}, {n_e}, {per}): the worst spread {worst:?}");
+            // Pseudo-random spreads never exceed it.
+            let mut state = (n_pairs * 31 + n_e * 7 + per) as u64 | 1;
+            for _ in 0..200 {
+                let mut counts = vec![0usize; n_e];
+                for _ in 0..n_pairs.min(5000) {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    counts[(state % n_e as u64) as usize] += 1;
+                }
+                counts[0] += n_pairs - n_pairs.min(5000);
+                assert!(tiles(&counts) <= bound, "({n_pairs}, {n_e}, {per}): {counts:?}");
+            }
+        }
     }
 }
