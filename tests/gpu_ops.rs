@@ -1521,7 +1521,7 @@ fn kv_encode_every_codec_bit_exact_random_and_adversarial() {
 /// (`CpuBackend::with_kv(format)`: encode, decode, f32 attention), through `check`
 /// with [`tol_attn_coded`]; and, tighter, against the CPU attention on exactly the
 /// operands the kernel multiplies ([`V2Operands`]; v3 never folds a row scale) with
-/// TOL_ATTN_BF16_TC (what is left: P's bf16 rounding and the f32 accumulation
+/// [`TOL_ATTN_OWN_OPERANDS`] (what is left: P's bf16 rounding and the f32 accumulation
 /// order). Kernel v3 where `ops::attention_coded` routes the call to it: the routed
 /// call gives the same bits.
 fn attention_coded_case<O: Elem + Poison + ops::OutElem>(dev: &CudaDevice, rng: &mut ChaCha8Rng, kernel: AttnKernel, format: KvFormat, c: &AttnCase, book: &ops::VqBook) {
@@ -1592,7 +1592,7 @@ fn attention_coded_case<O: Elem + Poison + ops::OutElem>(dev: &CudaDevice, rng: 
 
         ops_ref.store(&k, &v, kv_stride, n_tokens, pos0);
         let reference = ops_ref.attend(&q, n_tokens, pos0, scale);
-        check(&format!("  {} {format} vs its own operands", kernel.name()), &gpu, &reference, TOL_ATTN_BF16_TC);
+        check(&format!("  {} {format} vs its own operands", kernel.name()), &gpu, &reference, TOL_ATTN_OWN_OPERANDS);
         pos0 += n_tokens;
     }
     assert_eq!(dev.download(&n_bad).unwrap()[0], 0, "random rows are finite");
@@ -1703,6 +1703,18 @@ impl<'a> V2Operands<'a> {
         out
     }
 }
+
+/// What is left between a kernel on a quantized cache and the CPU attention on its own
+/// operands ([`V2Operands`]): P's bf16 rounding and the f32 accumulation order, as in
+/// TOL_ATTN_BF16_TC, but with atol 3e-2 * rms instead of 2e-2. atol is relative to the
+/// rms of the whole output, and the first rows of a long causal pass (a few keys each)
+/// have outputs many times that rms and P's rounding error in proportion: on the H200
+/// (attnq5, 2026-12-01 23:13 UTC) v3's fp8 case of 3 windows x 1024 rows at d 64 with a
+/// bf16 output had one element of 1,179,648 at 116 % of the 2e-2 budget (token 2 of a
+/// window; every other coded case at most 69 %), and a CPU simulation of P's rounding
+/// alone (keys and values N(0, 1), d 64, 108 rows per token, rms 0.123 as in that case)
+/// reached 103-114 % of it at tokens 1-4, with and without the Hadamard rotation of V.
+const TOL_ATTN_OWN_OPERANDS: Tol = Tol { atol_rel: 3e-2, rtol: 1e-2, nmse: 1e-5 };
 
 /// Kernel v2 on a quantized cache against the CPU backend's op with the same
 /// format. Besides P's bf16 rounding (TOL_ATTN_BF16_TC's budget, atol 2e-2 * rms),

@@ -1298,7 +1298,7 @@ impl AttnKernel {
                  rounding (V)), tile n + 1 between tile n's MMAs, 8 warps per block for a quantized cache up to \
                  d_head 128; Hadamard-rotated \
                  K: q rotated (f32) in the kernel before its rounding; rotated V: the output rotated back (f32); \
-                 on a compute capability 9.0 device a bf16, fp8 or int8 cache (ops::ATTN_V3_DEFAULT_KV) at the head sizes of \
+                 on a compute capability 9.0 device a cache of ops::ATTN_V3_DEFAULT_KV (bf16, fp8) at the head sizes of \
                  ops::ATTN_V3_DEFAULT_HEAD_DIMS runs kernel v3 (attn_wgmma) instead"
             }
             Self::V3 => {
@@ -1357,8 +1357,12 @@ pub const ATTN_V3_DEFAULT_HEAD_DIMS: &[usize] = &[64, 128];
 /// Caches (kv::KvFormat::name) whose calls for v2 run kernel v3 at the head sizes of
 /// [`ATTN_V3_DEFAULT_HEAD_DIMS`]: where the H200 measurement has v3 ahead of v2
 /// (benches/attention.rs; docs/performance.md, "Issue 11/12: quantized KV on kernel
-/// v3 (attnq5)").
-pub const ATTN_V3_DEFAULT_KV: &[&str] = &["bf16", "fp8", "int8"];
+/// v3 (attnq5)") and its parity cases ran on the device. fp8, causal, v3 / v2 TFLOP/s
+/// (2026-12-01, attnq5; v2: attnq4's call): ctx 4096 d 128 249.1 / 147.7, d 64 241.1
+/// / 109.5; ctx 512 d 128 139.2 / 90.0, d 64 130.7 / 69.1. int8 on v3 measured as fast
+/// (247.1 / 235.5 / 137.8 / 127.6 against v2's 145.0 / 109.2 / 88.3 / 68.8 in the same
+/// call) but its parity cases have not run on the device yet, so int8 stays on v2.
+pub const ATTN_V3_DEFAULT_KV: &[&str] = &["bf16", "fp8"];
 
 /// Head sizes of kernel v3 (`attn_wgmma_d<D>_<kv>_<out>`).
 const ATTN_V3_HEAD_DIMS: [usize; 2] = [64, 128];
@@ -1535,7 +1539,7 @@ pub fn attention_exact<KV: KvElem, O: OutElem>(
 /// kernel v2 `attn_flash_d<D>_<format>_<out>`: its K/V tile loads decode each
 /// element as src/kv decodes it and round it to bf16; a rotated K is met by
 /// rotating q in the kernel, a rotated V by rotating the output back. Where
-/// [`AttnKernel::routes_to_v3`] says so (fp8, int8 at d_head 64/128 on sm_90a), kernel
+/// [`AttnKernel::routes_to_v3`] says so (fp8 at d_head 64/128 on sm_90a), kernel
 /// v3 instead (`attn_wgmma_d<D>_<format>_<out>`: its producer warpgroup decodes,
 /// code * scale rounded to bf16; the same rotations).
 /// k_cache, v_cache: `shape.coded_bytes(format.k())` / `(format.v())` bytes;
