@@ -8,12 +8,12 @@
 //! in ../shared/research/speed-and-kv-facts.md). Also the two real models'
 //! attention shapes (SmolLM2: 9/3 heads of 64; Gemma-3-270M: 4/1 heads of 256,
 //! sliding window 512). Kernel v3 (wgmma, kernels/attention_sm90a.cu) first, on
-//! the shapes it covers (bf16, d_head 64/128), then kernel v2 on bf16 (exactly
-//! v2: `ops::attention_exact`) and on a cache of each quantized format
-//! (src/kv's rows, encoded by `kv_encode` from the same kind of random values;
-//! its tile loads decode and round to bf16, rotated formats rotate q and the
-//! output in the kernel) on the same shapes, for the quantized formats' target
-//! (within 20 % of bf16). Prints one `BENCH` line per row.
+//! the shapes and caches it covers (bf16, fp8, int8; d_head 64/128), then kernel v2
+//! (exactly v2: `ops::attention_exact`, `ops::attention_coded_exact`) on bf16 and on a
+//! cache of each quantized format (src/kv's rows, encoded by `kv_encode` from the
+//! same kind of random values; its tile loads decode and round to bf16, rotated
+//! formats rotate q and the output in the kernel) on the same shapes, for the
+//! quantized formats' target (within 20 % of bf16). Prints one `BENCH` line per row.
 //!
 //!   cargo bench --bench attention --no-run   (here; carry the executable)
 //!   ./attention                             (on the GPU machine)
@@ -62,7 +62,7 @@ fn time_ms(dev: &CudaDevice, reps: usize, mut launch: impl FnMut() -> Result<()>
     Ok(times[reps / 2])
 }
 
-/// One row: `format` bf16 (either kernel) or a quantized format (kernel v2).
+/// One row: `format` bf16 or a quantized format, on exactly `kernel`.
 fn bench(dev: &CudaDevice, s: &Shape, kernel: AttnKernel, format: KvFormat, book: &ops::VqBook, rng: &mut ChaCha8Rng) -> Result<()> {
     let kv = KvShape { n_seqs: s.n_seqs, n_kv_heads: s.n_kv_heads, n_ctx: s.n_tokens, d_head: s.d_head };
     let width = s.n_heads * s.d_head;
@@ -101,7 +101,7 @@ fn bench(dev: &CudaDevice, s: &Shape, kernel: AttnKernel, format: KvFormat, book
     };
     let reps = if kernel == AttnKernel::V1 { 5 } else { 20 };
     let ms = if quantized {
-        time_ms(dev, reps, || ops::attention_coded::<f32>(dev, format, qd.view(), kcq.view(), vcq.view(), kv, out.view_mut(), &p, Some(book)))?
+        time_ms(dev, reps, || ops::attention_coded_exact::<f32>(dev, kernel, format, qd.view(), kcq.view(), vcq.view(), kv, out.view_mut(), &p, Some(book)))?
     } else {
         time_ms(dev, reps, || ops::attention_exact::<bf16, f32>(dev, kernel, qd.view(), kc.view(), vc.view(), kv, out.view_mut(), &p))?
     };
@@ -154,10 +154,12 @@ fn main() -> Result<()> {
         Shape { name: "Gemma-3 4/1 d256 ctx4096 b8 global", n_seqs: 8, n_tokens: 4096, n_heads: 4, n_kv_heads: 1, d_head: 256, window: 0, targets: None },
     ];
     let book = ops::VqBook::upload(&dev)?;
-    // Kernel v3 (wgmma, sm_90a) on a bf16 cache where it covers the shape.
-    for s in &shapes {
-        if AttnKernel::covers(&dev, "bf16", s.d_head) {
-            bench(&dev, s, AttnKernel::V3, KvFormat::Bf16, &book, &mut rng)?;
+    // Kernel v3 (wgmma, sm_90a) where it covers the shape and the cache.
+    for format in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Int8] {
+        for s in &shapes {
+            if AttnKernel::covers(&dev, format.name(), s.d_head) {
+                bench(&dev, s, AttnKernel::V3, format, &book, &mut rng)?;
+            }
         }
     }
     for format in KvFormat::ALL.into_iter().filter(|f| *f == KvFormat::Bf16 || f.is_quantized()) {

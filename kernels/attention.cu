@@ -36,8 +36,6 @@
 // D = 256 with an f32 cache: the launcher raises the function's limit).
 #include "common.cuh"
 
-#include <cuda_fp8.h>
-
 #define ATT_BQ 16
 #define ATT_BK 32
 
@@ -239,7 +237,7 @@ ATTN_D(256)
 // a rotated K is met by staging q as (H q) / n (f32, the exact power-of-two 1/n,
 // then the bf16 rounding), so q·k = ((H q) / n)·y; a rotated V by rotating the
 // output back, O = (H O') / n with O' = Σ p y / l (f32). For a coded cache up to
-// d_head 128 both rotations run in registers on the mma fragments (flash::hadamard_frag: a quad holds
+// d_head 128 both rotations run in registers on the mma fragments (hadamard_frag, common.cuh: a quad holds
 // a row whole; shuffles for two of the index bits, no shared memory, no barrier); at
 // d_head 256 through hadamard_rows_d over an f32 scratch in the K and V stages (before
 // the first tile, after the last). Both compute the same butterflies in the same order
@@ -309,39 +307,8 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// The rotation (kv::hadamard: blocks of n = D & -D, butterflies (a + b, a - b) over
-// index bit 0, then 1, 2, ...: hadamard_rows_impl's pairs in its stage order) of one
-// row held in mma fragment order across a quad: v[j] (N = D / 4 values) is column
-// (j & 1) | (lane & 3) << 1 | (j >> 1) << 3, the layout of a thread's Q A-fragment
-// values of one row (j = 4 kk + 2 hi + e) and of its O accumulators of one row
-// (j = 2 dt + e). Column bits 1 and 2 pair lanes (shuffles), the others registers;
-// the same additions in the same order as the shared-memory version, so the same bits,
-// with no shared memory and no barrier.
-template <int D>
-__device__ __forceinline__ void hadamard_frag(float (&v)[D / 4], int lane) {
-    constexpr int LOGN = __builtin_ctz(D & -D);
-#pragma unroll
-    for (int b = 0; b < LOGN; ++b) {
-        if (b == 1 || b == 2) {
-            const int m = 1 << (b - 1);
-            const bool hi = (lane & m) != 0;
-#pragma unroll
-            for (int j = 0; j < D / 4; ++j) {
-                const float o = __shfl_xor_sync(0xffffffffu, v[j], m);
-                v[j] = hi ? __fsub_rn(o, v[j]) : __fadd_rn(v[j], o);
-            }
-        } else {
-            const int m = b == 0 ? 1 : 1 << (b - 2);
-#pragma unroll
-            for (int j = 0; j < D / 4; ++j) {
-                if (j & m) continue;
-                const float x = v[j], y = v[j | m];
-                v[j] = __fadd_rn(x, y);
-                v[j | m] = __fsub_rn(x, y);
-            }
-        }
-    }
-}
+// hadamard_frag (the rotation on mma fragments), CodeE4m3 and CodeInt8 (one-byte
+// codes to f32): common.cuh, block "attnq5" (shared with attention_sm90a.cu).
 
 // K/V row decoders of the tile loads, one per src/kv codec: `load8(row, c, book)`
 // gives elements 8c .. 8c+7 of one encoded cache row as eight bf16: each element
@@ -354,29 +321,6 @@ __device__ __forceinline__ void hadamard_frag(float (&v)[D / 4], int lane) {
 struct DecBf16 {
     static constexpr bool RAW = true;
     static constexpr bool FOLD = false;
-};
-// One-byte codes, four per 32-bit word (low byte first), to their exact f32 values.
-// E4M3: cvt.rn.f16x2.e4m3x2 (sm_89+, two codes per instruction): every E4M3 value is
-// an f16, so the conversion is exact and equals e4m3_value (0x7F / 0xFF give NaN).
-struct CodeE4m3 {
-    static __device__ __forceinline__ void cvt4(uint32_t w, float v[4]) {
-        const __half2 lo(__nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xFFFFu), __NV_E4M3));
-        const __half2 hi(__nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> 16), __NV_E4M3));
-        const float2 a = __half22float2(lo), b = __half22float2(hi);
-        v[0] = a.x;
-        v[1] = a.y;
-        v[2] = b.x;
-        v[3] = b.y;
-    }
-};
-// int8: byte b ^ 0x80 as the low mantissa bits of 2^23 is the float 2^23 + 128 + b
-// exactly; subtracting 2^23 + 128 (exact) leaves b (a byte permute and an add, no I2F).
-struct CodeInt8 {
-    static __device__ __forceinline__ void cvt4(uint32_t w, float v[4]) {
-        const uint32_t u = w ^ 0x80808080u;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) v[j] = __fsub_rn(__uint_as_float(__byte_perm(u, 0x4B000000u, 0x7440u + j)), 8388736.0f);
-    }
 };
 // One-byte codes with their row scale folded out of the tile (FOLD; fp8, int8, up to
 // d_head 128): load8 gives the eight code values themselves as bf16 (every E4M3

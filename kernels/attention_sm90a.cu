@@ -1,7 +1,12 @@
 // attention_sm90a.cu: causal prefill attention on Hopper's wgmma tensor cores
-// (kernel v3, sm_90a only), FlashAttention-3's design for a bf16 cache.
+// (kernel v3, sm_90a only), FlashAttention-3's design, for a bf16 cache and for
+// the caches of one byte per element and one f32 scale per row (fp8, int8).
 //
-// attn_wgmma_d<D>_bf16_<out>(AttnWgmmaArgs), D = 64 or 128: the contract of
+// attn_wgmma_d<D>_bf16_<out>(AttnWgmmaArgs), D = 64 or 128, and
+// attn_wgmma_d<D>_<fmt>_<out>(AttnWgmmaCodedArgs), fmt = fp8 (out f32, bf16) or
+// int8 (out f32), K and V rows of src/kv's layout (D codes, the f32 row scale at
+// byte D, zeros to coded_row_bytes(D) = 80 / 144 bytes), Hadamard-rotated or not
+// as AttnWgmmaCodedArgs::rot says: the contract of
 // attn_flash_* (kernels/attention.cu): query t of window s (position pos0 + t)
 // of head h attends to the cached keys kp of KV head h / (n_heads / n_kv_heads)
 // with kp <= pos0 + t and, when window > 0, pos0 + t - kp < window; the cache
@@ -62,15 +67,44 @@
 // instructions unmasked and 570 masked (plus about 100 for the rescale of O and
 // the packing of P), and the no-instruction stalls are gone (0.04 cycles, tensor
 // pipe 50 % busy at d 128; docs/performance.md, "Prefill attention kernels", attn4).
-// Not covered here (the launcher sends them to v2): quantized caches, d_head 96
-// and 256, misaligned q / out.
+// A coded cache (fp8, int8): the producer warpgroup is 128 decoding threads
+// (setmaxnreg 40 for them, 232 for the consumers, against 24 / 240 for a bf16
+// cache). Thread 0 brings tile g's stored K rows and V rows, as stored, by TMA (a
+// 3-D byte map over the rows, box (row bytes, BN, 1), no swizzle, rows past kv_len
+// zero-filled) into one raw stage for K and one for V (raw_k / raw_v mbarriers);
+// all 128 threads then wait for bf16 stage g % ST to be released (empty_k), decode
+// it (decode_tile: each element code value * row scale in f32, __fmul_rn, rounded
+// to bf16 nearest even: src/kv's decode, then the rounding a bf16 cache gets;
+// written in the same 128-byte swizzle the TMA gives a bf16 tile, so the consumers
+// read it unchanged), issue fence.proxy.async.shared::cta (their st.shared made
+// visible to wgmma's async proxy) and arrive on full_k (count 128); after a named
+// barrier among the 128 (the raw stage read) thread 0 fetches tile g + 1's rows
+// into it; the same for V. No dequantized copy of the cache exists; a poisoned
+// row (NaN scale, or a NaN code) decodes to NaN as on the CPU. Unlike v2, v3 does
+// not fold the row scale into S's or P's columns: folding would add per-key factor
+// loads and multiplies to the consumers' softmax (the critical path), while the
+// decode's multiply runs on producer warps that otherwise wait (a folding variant
+// of v3 was not built or measured). Rotated
+// rows stay in the rotated basis, as in v2: a rotated K is met by staging q as
+// (H q) / n (n = D; the f32 butterflies of hadamard_frag in its order: column
+// bits 0-2 in a thread's 8-element chunk, the higher ones across the lanes of a
+// row by shuffles; times the exact 1/n, then the bf16 rounding), a rotated V by
+// rotating the output back, O = (H O') / n with O' = Σ p y / l in f32
+// (hadamard_frag on the accumulator layout, v2's code).
+// Not covered here (the launcher sends them to v2): the other quantized formats
+// (nvfp4, k8v4, k4v2, vq2), d_head 96 and 256, misaligned q / out.
 // Launch: grid (min(n_items, n_SMs), 1, 1), n_items = ceil(n_tokens / 128) *
 // n_heads * n_seqs; block 384, dynamic
 // shared memory 1024 (alignment slack) + 128 * D * 2 (Q) + 2 * ST * 128 * D * 2
-// (K, V) + 4 * ST * 8 (barriers): d 128 164928 bytes, d 64 148608.
+// (K, V) + 4 * ST * 8 (barriers): d 128 164928 bytes, d 64 148608; a coded
+// cache adds 2 * 128 * coded_row_bytes(D) (raw K, V) + 16 (their barriers): fp8 /
+// int8 d 128 201808 bytes, d 64 169104.
 // The launcher (ops::attention_v3) mirrors BM, BN and stages(D).
 // CPU twin: backend::cpu::attention::attention on the same bf16-rounded q, k, v
-// (tests/gpu_ops.rs attention_case).
+// (tests/gpu_ops.rs attention_case); a coded cache: the CPU backend's attention op
+// with the same format, and the CPU attention on v3's own operands (decoded
+// elements rounded to bf16, (H q) / n rounded; tests/gpu_ops.rs
+// attention_coded_case, V2Operands with v2 = false).
 #include "sm90a.cuh"
 
 namespace attn3 {
@@ -170,6 +204,59 @@ __device__ __forceinline__ void st_shared_v4(uint32_t addr, uint4 v) {
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
+__device__ __forceinline__ uint2 ld_shared_v2(uint32_t addr) {
+    uint2 v;
+    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
+    return v;
+}
+__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+    return v;
+}
+
+// The cache's element type: a bf16 cache (TMA straight into the swizzled stages), or
+// rows of one-byte codes with an f32 row scale at byte D (fp8: CodeE4m3, int8:
+// CodeInt8; src/kv/codec.rs), decoded by the producer warpgroup.
+struct CacheBf16 {
+    static constexpr bool CODED = false;
+};
+template <typename CODE>
+struct CacheBytes {
+    static constexpr bool CODED = true;
+    using Code = CODE;
+};
+// Bytes of one coded row (src/kv: D codes, the f32 scale, zeros to a multiple of 16).
+__host__ __device__ constexpr int coded_row_bytes(int d) { return (d + 4 + 15) / 16 * 16; }
+
+// One tile of BN coded rows (raw stage at `raw`, rows of coded_row_bytes(D), as the TMA
+// box lands them) into the bf16 stage at `dst` in the layout the consumers read (the
+// 128-byte swizzle of a TMA box: box c / 8 of BN rows x 128 bytes, 16-byte chunk c % 8
+// of row r at ((c % 8) ^ (r % 8)) * 16). Element: code value * row scale (one f32
+// multiply, __fmul_rn), rounded to bf16 nearest even: src/kv's decode, then the
+// rounding a bf16 cache gets. 128 threads; thread tid takes chunks tid + 128 k (8
+// elements each, consecutive threads along a row, so a half-warp reads 128
+// contiguous bytes at d 128). Rows past the cached positions arrive as zeros (TMA's
+// fill; scale 0): they decode to 0, never NaN.
+template <int D, typename CODE>
+__device__ __forceinline__ void decode_tile(uint32_t raw, uint32_t dst, int tid) {
+    constexpr int CH = D / 8, RB = coded_row_bytes(D), IT = BN * CH / 128;
+#pragma unroll 4
+    for (int k = 0; k < IT; ++k) {
+        const int i = tid + 128 * k;
+        const int r = i / CH, c = i % CH;
+        const uint32_t row = raw + r * RB;
+        const uint2 q = ld_shared_v2(row + 8 * c);
+        const float s = ld_shared_f32(row + D);
+        float v[8];
+        CODE::cvt4(q.x, v);
+        CODE::cvt4(q.y, v + 4);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(v[j], s);
+        st_shared_v4(dst + (c / 8) * (BN * 128) + r * 128 + (((c % 8) ^ (r & 7)) * 16), pack_bf16x8(v));
+    }
+}
+
 // K/V stages: 4 at d_head 64, 2 at 128 (shared memory: Q 32 KiB plus four 32 KiB
 // stages at d 128 fill the 227 KiB a block may have).
 __host__ __device__ constexpr int stages(int d) { return d <= 64 ? 4 : 2; }
@@ -191,8 +278,9 @@ __device__ __forceinline__ Item item_of(int w, int n_qt, int n_heads, int n_seqs
     return Item{n_qt - 1 - w / per_qt, r % n_heads, r / n_heads};
 }
 
-template <int D, typename OUT>
-__device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a) {
+template <int D, typename OUT, typename CACHE>
+__device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const int rot) {
+    constexpr bool CODED = CACHE::CODED;
     static_assert(D % BOX == 0 && (D == 64 || D == 128), "attn_wgmma: d_head 64 or 128");
     constexpr int ST = stages(D);
     constexpr int NB = D / BOX;           // 64-column boxes per row
@@ -208,7 +296,12 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a) {
     const uint32_t sq = base;                 // (NB boxes, BM rows, 64) bf16, swizzled
     const uint32_t sk = sq + Q_BYTES;         // (ST, NB, BN, 64) bf16, swizzled
     const uint32_t sv = sk + ST * KV_BYTES;   // (ST, NB, BN, 64) bf16, swizzled
-    const uint32_t bars = sv + ST * KV_BYTES;  // full_k[ST], full_v[ST], empty_k[ST], empty_v[ST]
+    // A coded cache: one raw stage of K rows and one of V rows (the TMA boxes as stored).
+    constexpr uint32_t RAW_BYTES = CODED ? BN * coded_row_bytes(D) : 0;
+    const uint32_t rk = sv + ST * KV_BYTES, rv = rk + RAW_BYTES;
+    // full_k[ST], full_v[ST], empty_k[ST], empty_v[ST]; coded: raw_k, raw_v.
+    const uint32_t bars = rv + RAW_BYTES;
+    const uint32_t raw_full_k = bars + 8 * 4 * ST, raw_full_v = raw_full_k + 8;
     auto full_k = [&](int s) { return bars + 8 * s; };
     auto full_v = [&](int s) { return bars + 8 * (ST + s); };
     auto empty_k = [&](int s) { return bars + 8 * (2 * ST + s); };
@@ -232,16 +325,77 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a) {
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int s = 0; s < ST; ++s) {
-            mbar_init(full_k(s), 1);  // the producer's expect_tx
-            mbar_init(full_v(s), 1);
+            // bf16: the producer thread's expect_tx; coded: each of the 128 decoding threads.
+            mbar_init(full_k(s), CODED ? 128 : 1);
+            mbar_init(full_v(s), CODED ? 128 : 1);
             mbar_init(empty_k(s), 8);  // one arrival per consumer warp
             mbar_init(empty_v(s), 8);
+        }
+        if (CODED) {
+            mbar_init(raw_full_k, 1);
+            mbar_init(raw_full_v, 1);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
 
-    if (warpgroup == 0) {
+    if constexpr (CODED) {
+        if (warpgroup == 0) {
+            // Producer of a coded cache: thread 0 brings tile g's stored K rows and V rows by
+            // TMA (a 3-D box of the rows' bytes, zeros past kv_len) into the raw stages; all
+            // 128 threads decode them into bf16 stage g % ST once the consumers released it,
+            // make their st.shared visible to wgmma (fence.proxy.async) and arrive on full_k /
+            // full_v; after a named barrier (every thread done reading the raw stage) thread 0
+            // fetches tile g + 1's rows into it, so that copy runs while the consumers work.
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+            using CODE = typename CACHE::Code;
+            struct Cursor {
+                int w, i, first, n, slab;
+            };
+            auto seek = [&](Cursor& cur) {  // cur.w set: the first tile of item cur.w
+                cur.i = 0;
+                if (cur.w >= n_items) return;
+                const Item it = item_of(cur.w, n_qt, a.n_heads, a.n_seqs);
+                cur.slab = it.seq * a.n_kv_heads + it.h / group;
+                tiles_of(it, cur.first, cur.n);
+            };
+            auto fetch = [&](const Cursor& cur, const TmaDesc* map, uint32_t dst, uint32_t bar) {
+                mbar_arrive_expect_tx(bar, RAW_BYTES);
+                tma_load_3d(dst, map, bar, 0, (cur.first + cur.i) * BN, cur.slab);
+            };
+            Cursor cur{(int)blockIdx.x, 0, 0, 0, 0};
+            seek(cur);
+            if (tid == 0 && cur.w < n_items) {
+                fetch(cur, &a.k, rk, raw_full_k);
+                fetch(cur, &a.v, rv, raw_full_v);
+            }
+            for (int g = 0; cur.w < n_items; ++g) {
+                Cursor nx = cur;
+                if (++nx.i == nx.n) {
+                    nx.w += gridDim.x;
+                    seek(nx);
+                }
+                const int s = g % ST;
+                const uint32_t ph = ((g / ST) & 1) ^ 1, rph = g & 1;
+                mbar_wait(raw_full_k, rph);
+                mbar_wait(empty_k(s), ph);
+                decode_tile<D, CODE>(rk, sk + s * KV_BYTES, tid);
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                mbar_arrive(full_k(s));
+                asm volatile("bar.sync 3, 128;\n" ::: "memory");
+                if (tid == 0 && nx.w < n_items) fetch(nx, &a.k, rk, raw_full_k);
+                mbar_wait(raw_full_v, rph);
+                mbar_wait(empty_v(s), ph);
+                decode_tile<D, CODE>(rv, sv + s * KV_BYTES, tid);
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                mbar_arrive(full_v(s));
+                asm volatile("bar.sync 3, 128;\n" ::: "memory");
+                if (tid == 0 && nx.w < n_items) fetch(nx, &a.v, rv, raw_full_v);
+                cur = nx;
+            }
+            return;
+        }
+    } else if (warpgroup == 0) {
         // Producer: one thread issues every copy, item after item (the stage ring runs
         // on across items, so the next item's first tiles load during this one's end);
         // a K (V) stage is reused once all 8 consumer warps arrived on its empty_k (empty_v).
@@ -270,13 +424,19 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a) {
         return;
     }
 
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+    // 24 + 2 x 240 (bf16) or 40 + 2 x 232 (coded: the decoders' registers) per thread, x 128.
+    if constexpr (CODED) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    else asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
     const int c = warpgroup - 1;  // consumer: rows 64c .. 64c + 63 of each item's query tile
     const int warp = tid / 32, lane = tid % 32;
     const int g = lane >> 2, cq = 2 * (lane & 3);
     const float scale = a.scale, cap = a.softcap;
     const float scale_l2 = scale * LOG2E;
     const uint64_t dq = sw128_desc(sq + c * 64 * 128);
+    // Rotated rows (src/kv/hadamard.rs; coded caches only): K rotated -> q staged as
+    // (H q) / n; V rotated -> the output rotated back, (H O') / n. n = D (a power of two).
+    const bool rot_k = CODED && (rot & 1), rot_v = CODED && (rot & 2);
+    constexpr float inv_n = 1.0f / D;
 
     // The consumer's whole walk, compiled once without and once with the soft-cap (a
     // uniform branch per launch, so the tile loop holds no tanh path it does not take).
@@ -319,7 +479,32 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a) {
             for (int k = 0; k < QI; ++k) {
                 const int i = tid + 128 * k;
                 const int r = c * 64 + i / (D / 8), ch = i % (D / 8);
-                const float v[8] = {qv[k][0].x, qv[k][0].y, qv[k][0].z, qv[k][0].w, qv[k][1].x, qv[k][1].y, qv[k][1].z, qv[k][1].w};
+                float v[8] = {qv[k][0].x, qv[k][0].y, qv[k][0].z, qv[k][0].w, qv[k][1].x, qv[k][1].y, qv[k][1].z, qv[k][1].w};
+                if (rot_k) {
+                    // hadamard_frag's butterflies in its order (column bit 0 first), on
+                    // this layout: column bits 0-2 are the chunk's 8 registers, bits 3..
+                    // the chunk index = lane bits 0.. (ch = tid % (D / 8)), so shuffles.
+#pragma unroll
+                    for (int b = 0; b < 3; ++b)
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) {
+                            if (e & (1 << b)) continue;
+                            const float x = v[e], y = v[e | (1 << b)];
+                            v[e] = __fadd_rn(x, y);
+                            v[e | (1 << b)] = __fsub_rn(x, y);
+                        }
+#pragma unroll
+                    for (int m = 1; m < D / 8; m <<= 1) {
+                        const bool hi = (lane & m) != 0;
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) {
+                            const float o = __shfl_xor_sync(0xffffffffu, v[e], m);
+                            v[e] = hi ? __fsub_rn(o, v[e]) : __fadd_rn(v[e], o);
+                        }
+                    }
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) v[e] *= inv_n;
+                }
                 st_shared_v4(sq + (ch / 8) * (BM * 128) + r * 128 + (((ch % 8) ^ (r & 7)) * 16), pack_bf16x8(v));
             }
             // The generic-proxy writes made visible to wgmma (the async proxy), then the warpgroup's barrier.
@@ -504,6 +689,22 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a) {
                 l += __shfl_xor_sync(0xffffffffu, l, 2);
                 const float inv = 1.0f / l;
                 const int t = row_w + g + 8 * r;
+                if (rot_v) {
+                    // O = (H O') / n, O' = Σ p y / l in f32 (the accumulators' layout is
+                    // hadamard_frag's: columns 8j + cq + e of rows g and g + 8).
+                    float x[D / 4];
+#pragma unroll
+                    for (int j = 0; j < NO; ++j) {
+                        x[2 * j] = o[4 * j + 2 * r] * inv;
+                        x[2 * j + 1] = o[4 * j + 2 * r + 1] * inv;
+                    }
+                    hadamard_frag<D>(x, lane);
+                    if (t >= n_tokens) continue;
+                    OUT* orow = ob + (long long)t * a.out_stride + cq;
+#pragma unroll
+                    for (int j = 0; j < NO; ++j) store2<OUT>(orow + 8 * j, x[2 * j] * inv_n, x[2 * j + 1] * inv_n);
+                    continue;
+                }
                 if (t >= n_tokens) continue;
                 OUT* orow = ob + (long long)t * a.out_stride + cq;
 #pragma unroll
@@ -520,9 +721,23 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a) {
 #define ATTN_WGMMA(D, outn, OUT)                                                                                 \
     extern "C" __global__ void __launch_bounds__(attn3::THREADS, 1) attn_wgmma_d##D##_bf16_##outn(              \
         const __grid_constant__ AttnWgmmaArgs a) {                                                               \
-        attn3::attn_wgmma_impl<D, OUT>(a);                                                                       \
+        attn3::attn_wgmma_impl<D, OUT, attn3::CacheBf16>(a, 0);                                                  \
     }
 ATTN_WGMMA(64, f32, float)
 ATTN_WGMMA(64, bf16, bf16)
 ATTN_WGMMA(128, f32, float)
 ATTN_WGMMA(128, bf16, bf16)
+
+// attn_wgmma_d<D>_<fmt>_<out>: a cache of rows of one-byte codes and a row scale
+// (fmt = fp8 | int8, kv::KvFormat::name; K and V of the same codec).
+#define ATTN_WGMMA_CODED(D, fmt, CODE, outn, OUT)                                                                \
+    extern "C" __global__ void __launch_bounds__(attn3::THREADS, 1) attn_wgmma_d##D##_##fmt##_##outn(            \
+        const __grid_constant__ AttnWgmmaCodedArgs a) {                                                          \
+        attn3::attn_wgmma_impl<D, OUT, attn3::CacheBytes<CODE>>(a.a, a.rot);                                    \
+    }
+ATTN_WGMMA_CODED(64, fp8, CodeE4m3, f32, float)
+ATTN_WGMMA_CODED(64, fp8, CodeE4m3, bf16, bf16)
+ATTN_WGMMA_CODED(128, fp8, CodeE4m3, f32, float)
+ATTN_WGMMA_CODED(128, fp8, CodeE4m3, bf16, bf16)
+ATTN_WGMMA_CODED(64, int8, CodeInt8, f32, float)
+ATTN_WGMMA_CODED(128, int8, CodeInt8, f32, float)

@@ -720,3 +720,79 @@ struct MoeTilesArgs {
 };
 static_assert(sizeof(MoeTilesArgs) == 56, "MoeTilesArgs layout differs from moe::MoeTilesArgs");
 // --- end moe5 ---
+
+// --- attnq5 ---
+// Shared by the flash-attention kernels v2 (attention.cu) and v3 (attention_sm90a.cu) on a
+// quantized cache: the Hadamard rotation on mma / wgmma accumulator fragments, and the
+// one-byte codes of fp8 and int8 rows (src/kv/codec.rs) to their exact f32 values.
+
+// The rotation (kv::hadamard: blocks of n = D & -D, butterflies (a + b, a - b) over
+// index bit 0, then 1, 2, ...: hadamard_rows_impl's pairs in its stage order) of one
+// row held in mma fragment order across a quad: v[j] (N = D / 4 values) is column
+// (j & 1) | (lane & 3) << 1 | (j >> 1) << 3, the layout of a thread's Q A-fragment
+// values of one row (j = 4 kk + 2 hi + e) and of its O accumulators of one row
+// (j = 2 dt + e). Column bits 1 and 2 pair lanes (shuffles), the others registers;
+// the same additions in the same order as the shared-memory version, so the same bits,
+// with no shared memory and no barrier.
+template <int D>
+__device__ __forceinline__ void hadamard_frag(float (&v)[D / 4], int lane) {
+    constexpr int LOGN = __builtin_ctz(D & -D);
+#pragma unroll
+    for (int b = 0; b < LOGN; ++b) {
+        if (b == 1 || b == 2) {
+            const int m = 1 << (b - 1);
+            const bool hi = (lane & m) != 0;
+#pragma unroll
+            for (int j = 0; j < D / 4; ++j) {
+                const float o = __shfl_xor_sync(0xffffffffu, v[j], m);
+                v[j] = hi ? __fsub_rn(o, v[j]) : __fadd_rn(v[j], o);
+            }
+        } else {
+            const int m = b == 0 ? 1 : 1 << (b - 2);
+#pragma unroll
+            for (int j = 0; j < D / 4; ++j) {
+                if (j & m) continue;
+                const float x = v[j], y = v[j | m];
+                v[j] = __fadd_rn(x, y);
+                v[j | m] = __fsub_rn(x, y);
+            }
+        }
+    }
+}
+
+// One-byte codes, four per 32-bit word (low byte first), to their exact f32 values.
+// E4M3: cvt.rn.f16x2.e4m3x2 (sm_89+, two codes per instruction): every E4M3 value is
+// an f16, so the conversion is exact and equals e4m3_value (0x7F / 0xFF give NaN).
+struct CodeE4m3 {
+    static __device__ __forceinline__ void cvt4(uint32_t w, float v[4]) {
+        uint32_t lo, hi;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(lo) : "h"((unsigned short)(w & 0xFFFFu)));
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(hi) : "h"((unsigned short)(w >> 16)));
+        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo)), b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+        v[0] = a.x;
+        v[1] = a.y;
+        v[2] = b.x;
+        v[3] = b.y;
+    }
+};
+// int8: byte b ^ 0x80 as the low mantissa bits of 2^23 is the float 2^23 + 128 + b
+// exactly; subtracting 2^23 + 128 (exact) leaves b (a byte permute and an add, no I2F).
+struct CodeInt8 {
+    static __device__ __forceinline__ void cvt4(uint32_t w, float v[4]) {
+        const uint32_t u = w ^ 0x80808080u;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[j] = __fsub_rn(__uint_as_float(__byte_perm(u, 0x4B000000u, 0x7440u + j)), 8388736.0f);
+    }
+};
+// attn_wgmma_d<D>_<fmt>_<out>'s one parameter (fmt = fp8 | int8; attention_sm90a.cu),
+// mirrored by `ops::AttnWgmmaCodedArgs`: `a` as for a bf16 cache, except that its k and
+// v are 3-D tensor maps of bytes over the coded rows (src/kv's rows of
+// coded_row_bytes(d_head) = d_head codes, the f32 row scale, zeros to 16 bytes), seen
+// as (row bytes, kv_len, n_seqs * n_kv_heads), box (row bytes, 128, 1), no swizzle,
+// zeros outside; rot: bit 0 K rows Hadamard-rotated, bit 1 V rows (RowCodec::rotate).
+struct AttnWgmmaCodedArgs {
+    AttnWgmmaArgs a;
+    int rot;
+};
+static_assert(sizeof(AttnWgmmaCodedArgs) == 512, "AttnWgmmaCodedArgs layout (ops::AttnWgmmaCodedArgs)");
+// --- end attnq5 ---

@@ -1192,13 +1192,59 @@ fn attention_v3_wgmma_against_cpu_backend() {
     let mut o = dev.alloc_zeros::<f32>(96).unwrap();
     let p = AttnParams { n_seqs: 1, n_tokens: 1, n_heads: 1, pos0: 0, window: 0, scale: 1.0, softcap: 0.0, q_stride: 64, out_stride: 64 };
     let err = ops::attention_exact::<f32, f32>(dev, V3, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p).unwrap_err();
-    assert!(format!("{err:#}").contains("v3 reads a bf16 cache"), "{err:#}");
+    assert!(format!("{err:#}").contains("v3 reads a bf16, fp8 or int8 cache"), "{err:#}");
     let shape = KvShape { d_head: 96, ..shape };
     let kb = dev.alloc_zeros::<bf16>(shape.len()).unwrap();
     let p = AttnParams { q_stride: 96, out_stride: 96, ..p };
     let err = ops::attention_exact::<bf16, f32>(dev, V3, q.view(), kb.view(), kb.view(), shape, o.view_mut(), &p).unwrap_err();
     assert!(format!("{err:#}").contains("d_head 96"), "{err:#}");
-    assert!(!AttnKernel::covers(dev, "bf16", 96) && !AttnKernel::covers(dev, "fp8", 128) && AttnKernel::covers(dev, "bf16", 64));
+    assert!(!AttnKernel::covers(dev, "bf16", 96) && !AttnKernel::covers(dev, "nvfp4", 128) && AttnKernel::covers(dev, "bf16", 64));
+}
+
+/// Kernel v3 on the caches of one byte per element and one f32 scale per row (fp8,
+/// int8; kernels/attention_sm90a.cu's decoding producer warpgroup), d_head 64 and
+/// 128, through [`attention_coded_case`] (the CPU backend's op with the same format
+/// and the tolerance v2 has for it; v3's own operands; the routed call bit-equal):
+/// the quantized formats' cases at those head sizes, plus long rows over two passes
+/// (1024 then 70 tokens, 3 windows, d 64) and a 128-d window of 300 over passes of
+/// 700 and 333 (GQA 4/1), fp8 with both outputs. Formats v3 does not read, d_head 96
+/// and a missing module are errors.
+#[test]
+fn attention_v3_coded_against_cpu_backend() {
+    let Some(dev) = device() else { return };
+    let mut rng = rng_for("attention_v3_coded");
+    let book = ops::VqBook::upload(dev).unwrap();
+    use AttnKernel::V3;
+    if !AttnKernel::covers(dev, "fp8", 128) {
+        eprintln!("attention v3 coded: no sm_90a module on this device; nothing to check");
+        return;
+    }
+    let mut cases: Vec<AttnCase> = coded_attention_cases().into_iter().filter(|c| c.d_head == 64 || c.d_head == 128).collect();
+    cases.push(AttnCase { n_seqs: 3, n_heads: 6, n_kv_heads: 3, d_head: 64, n_ctx: 1100, passes: vec![1024, 70], window: 0, softcap: 0.0 });
+    cases.push(AttnCase { n_seqs: 2, n_heads: 4, n_kv_heads: 1, d_head: 128, n_ctx: 1100, passes: vec![700, 333], window: 300, softcap: 0.0 });
+    assert_eq!(cases.len(), 5);
+    for format in [KvFormat::Fp8, KvFormat::Int8] {
+        for (i, c) in cases.iter().enumerate() {
+            attention_coded_case::<f32>(dev, &mut rng, V3, format, c, &book);
+            if format == KvFormat::Fp8 && i % 2 == 1 {
+                attention_coded_case::<bf16>(dev, &mut rng, V3, format, c, &book);
+            }
+        }
+    }
+    // nvfp4 and d_head 96 name v3's limits.
+    let shape = KvShape { n_seqs: 1, n_kv_heads: 1, n_ctx: 8, d_head: 64 };
+    let nv = KvFormat::Nvfp4;
+    let kc = dev.alloc_zeros::<u8>(shape.coded_bytes(nv.k())).unwrap();
+    let q = dev.alloc_zeros::<f32>(96).unwrap();
+    let mut o = dev.alloc_zeros::<f32>(96).unwrap();
+    let p = AttnParams { n_seqs: 1, n_tokens: 1, n_heads: 1, pos0: 0, window: 0, scale: 1.0, softcap: 0.0, q_stride: 64, out_stride: 64 };
+    let err = ops::attention_coded_exact::<f32>(dev, V3, nv, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p, None).unwrap_err();
+    assert!(format!("{err:#}").contains("v3 reads a bf16, fp8 or int8 cache"), "{err:#}");
+    let shape = KvShape { d_head: 96, ..shape };
+    let kc = dev.alloc_zeros::<u8>(shape.coded_bytes(KvFormat::Fp8.k())).unwrap();
+    let p = AttnParams { q_stride: 96, out_stride: 96, ..p };
+    let err = ops::attention_coded_exact::<f32>(dev, V3, KvFormat::Fp8, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p, None).unwrap_err();
+    assert!(format!("{err:#}").contains("d_head 96"), "{err:#}");
 }
 
 // ---------------------------------------------------------------- LM head
@@ -1581,13 +1627,15 @@ fn kv_roundtrip_every_codec_bit_exact_random_and_adversarial() {
     assert!(format!("{err:#}").contains("80"), "{err:#}");
 }
 
-/// Kernel v2 reading a quantized cache, against the CPU backend's attention op
-/// with the same format (`CpuBackend::with_kv(format)`: encode, decode, f32
-/// attention), through `check` with [`tol_attn_coded`]; and, tighter, against
-/// the CPU attention on exactly the operands v2 multiplies
-/// ([`v2_coded_operands`]) with TOL_ATTN_BF16_TC (what is left: P's bf16
-/// rounding and the f32 accumulation order).
-fn attention_coded_case<O: Elem + Poison + ops::OutElem>(dev: &CudaDevice, rng: &mut ChaCha8Rng, format: KvFormat, c: &AttnCase, book: &ops::VqBook) {
+/// Kernel v2 or v3 (`kernel`, exactly: `ops::attention_coded_exact`) reading a
+/// quantized cache, against the CPU backend's attention op with the same format
+/// (`CpuBackend::with_kv(format)`: encode, decode, f32 attention), through `check`
+/// with [`tol_attn_coded`]; and, tighter, against the CPU attention on exactly the
+/// operands the kernel multiplies ([`V2Operands`]; v3 never folds a row scale) with
+/// [`TOL_ATTN_OWN_OPERANDS`] (what is left: P's bf16 rounding and the f32 accumulation
+/// order). Kernel v3 where `ops::attention_coded` routes the call to it: the routed
+/// call gives the same bits.
+fn attention_coded_case<O: Elem + Poison + ops::OutElem>(dev: &CudaDevice, rng: &mut ChaCha8Rng, kernel: AttnKernel, format: KvFormat, c: &AttnCase, book: &ops::VqBook) {
     use infernix_perplexity::backend::cpu::{CpuBackend, CpuTensor};
     use infernix_perplexity::backend::{Backend, KvGeometry, PassRows};
     let d = c.d_head;
@@ -1599,7 +1647,7 @@ fn attention_coded_case<O: Elem + Poison + ops::OutElem>(dev: &CudaDevice, rng: 
     let cpu = CpuBackend::with_kv(format);
     let g = KvGeometry { n_layers: 1, n_kv_heads: c.n_kv_heads, d_head: d, d_head_v: d, max_pos: c.n_ctx, n_seqs: c.n_seqs };
     let mut cpu_cache = cpu.new_kv_cache(g).unwrap();
-    let mut ops_ref = V2Operands::new(c, format);
+    let mut ops_ref = V2Operands::new(c, format, kernel == AttnKernel::V2);
     let scale = 1.0 / (d as f32).sqrt();
     let kv_w = c.n_kv_heads * d;
     let width = c.n_heads * d;
@@ -1615,8 +1663,14 @@ fn attention_coded_case<O: Elem + Poison + ops::OutElem>(dev: &CudaDevice, rng: 
         ops::kv_encode(dev, vcodec, vd.view(), c.n_seqs, n_tokens, kv_stride, vc.view_mut(), shape, pos0, n_bad.view_mut(), Some(book)).unwrap();
         let p = AttnParams { n_seqs: c.n_seqs, n_tokens, n_heads: c.n_heads, pos0, window: c.window, scale, softcap: c.softcap, q_stride: width, out_stride: width };
         let mut out = poisoned::<O>(dev, n_rows * width);
-        ops::attention_coded::<O>(dev, format, qd.view(), kc.view(), vc.view(), shape, out.view_mut(), &p, Some(book)).unwrap();
+        ops::attention_coded_exact::<O>(dev, kernel, format, qd.view(), kc.view(), vc.view(), shape, out.view_mut(), &p, Some(book)).unwrap();
         let gpu: Vec<f32> = dev.download(&out).unwrap().into_iter().map(Poison::as_f32).collect();
+        if kernel == AttnKernel::V3 && AttnKernel::routes_to_v3(dev, format.name(), d) {
+            let mut out2 = poisoned::<O>(dev, n_rows * width);
+            ops::attention_coded::<O>(dev, format, qd.view(), kc.view(), vc.view(), shape, out2.view_mut(), &p, Some(book)).unwrap();
+            let routed: Vec<f32> = dev.download(&out2).unwrap().into_iter().map(Poison::as_f32).collect();
+            assert_eq!(n_bits_differ(&gpu, &routed), 0, "{format} d{d}: ops::attention_coded's route to v3 differs from v3");
+        }
 
         // The CPU backend's op, same format. Its q: the one v2 multiplies where K is not
         // rotated (rounded to bf16); the f32 q where it is (v2 rounds H q / n instead).
@@ -1636,7 +1690,8 @@ fn attention_coded_case<O: Elem + Poison + ops::OutElem>(dev: &CudaDevice, rng: 
             )
             .unwrap();
         let what = format!(
-            "attention v2 d{d} {format}->{} {} windows h{}/{} pos0={pos0} n={n_tokens} win={} cap={}",
+            "attention {} d{d} {format}->{} {} windows h{}/{} pos0={pos0} n={n_tokens} win={} cap={}",
+            kernel.name(),
             O::NAME,
             c.n_seqs,
             c.n_heads,
@@ -1648,7 +1703,7 @@ fn attention_coded_case<O: Elem + Poison + ops::OutElem>(dev: &CudaDevice, rng: 
 
         ops_ref.store(&k, &v, kv_stride, n_tokens, pos0);
         let reference = ops_ref.attend(&q, n_tokens, pos0, scale);
-        check(&format!("  v2 {format} vs its own operands"), &gpu, &reference, TOL_ATTN_BF16_TC);
+        check(&format!("  {} {format} vs its own operands", kernel.name()), &gpu, &reference, TOL_ATTN_OWN_OPERANDS);
         pos0 += n_tokens;
     }
     assert_eq!(dev.download(&n_bad).unwrap()[0], 0, "random rows are finite");
@@ -1679,6 +1734,9 @@ fn cpu_attn_params(c: &AttnCase, scale: f32) -> infernix_perplexity::backend::At
 struct V2Operands<'a> {
     c: &'a AttnCase,
     format: KvFormat,
+    /// Kernel v2's operands (row scales folded where [`v2_folds_scale`]); false: kernel
+    /// v3's (every element code * scale rounded to bf16).
+    v2: bool,
     /// (n_seqs, n_kv_heads, n_ctx, d) in the GPU layout.
     k: Vec<f32>,
     v: Vec<f32>,
@@ -1692,9 +1750,9 @@ fn v2_folds_scale(codec: RowCodec, d: usize) -> bool {
 }
 
 impl<'a> V2Operands<'a> {
-    fn new(c: &'a AttnCase, format: KvFormat) -> Self {
+    fn new(c: &'a AttnCase, format: KvFormat, v2: bool) -> Self {
         let n = c.n_seqs * c.n_kv_heads * c.n_ctx * c.d_head;
-        Self { c, format, k: vec![f32::NAN; n], v: vec![f32::NAN; n] }
+        Self { c, format, v2, k: vec![f32::NAN; n], v: vec![f32::NAN; n] }
     }
 
     /// Stores rows (n_seqs * n_tokens, kv_stride) of k and v at pos0.
@@ -1711,7 +1769,7 @@ impl<'a> V2Operands<'a> {
                         codec.encode_row(&x[src..src + d], &mut row).unwrap();
                         stored_basis.decode_row(&row, &mut dec).unwrap();
                         let dst = ((s * c.n_kv_heads + h) * c.n_ctx + pos0 + t) * d;
-                        let folds = v2_folds_scale(codec, d);
+                        let folds = self.v2 && v2_folds_scale(codec, d);
                         for i in 0..d {
                             out[dst + i] = if folds { dec[i] } else { twin::round_bf16(dec[i]) };
                         }
@@ -1756,6 +1814,18 @@ impl<'a> V2Operands<'a> {
         out
     }
 }
+
+/// What is left between a kernel on a quantized cache and the CPU attention on its own
+/// operands ([`V2Operands`]): P's bf16 rounding and the f32 accumulation order, as in
+/// TOL_ATTN_BF16_TC, but with atol 3e-2 * rms instead of 2e-2. atol is relative to the
+/// rms of the whole output, and the first rows of a long causal pass (a few keys each)
+/// have outputs many times that rms and P's rounding error in proportion: on the H200
+/// (attnq5, 2026-12-01 23:13 UTC) v3's fp8 case of 3 windows x 1024 rows at d 64 with a
+/// bf16 output had one element of 1,179,648 at 116 % of the 2e-2 budget (token 2 of a
+/// window; every other coded case at most 69 %), and a CPU simulation of P's rounding
+/// alone (keys and values N(0, 1), d 64, 108 rows per token, rms 0.123 as in that case)
+/// reached 103-114 % of it at tokens 1-4, with and without the Hadamard rotation of V.
+const TOL_ATTN_OWN_OPERANDS: Tol = Tol { atol_rel: 3e-2, rtol: 1e-2, nmse: 1e-5 };
 
 /// Kernel v2 on a quantized cache against the CPU backend's op with the same
 /// format. Besides P's bf16 rounding (TOL_ATTN_BF16_TC's budget, atol 2e-2 * rms),
@@ -1820,7 +1890,7 @@ fn v2_operand_rounding_stays_within_its_budget() {
             let cpu = CpuBackend::with_kv(format);
             let g = KvGeometry { n_layers: 1, n_kv_heads: c.n_kv_heads, d_head: d, d_head_v: d, max_pos: c.n_ctx, n_seqs: c.n_seqs };
             let mut cache = cpu.new_kv_cache(g).unwrap();
-            let mut ops_ref = V2Operands::new(c, format);
+            let mut ops_ref = V2Operands::new(c, format, true);
             let (kv_w, width, scale) = (c.n_kv_heads * d, c.n_heads * d, 1.0 / (d as f32).sqrt());
             let mut pos0 = 0;
             for &n_tokens in &c.passes {
@@ -1849,9 +1919,9 @@ fn attention_v2_every_format_against_cpu_backend() {
     let book = ops::VqBook::upload(dev).unwrap();
     for format in quantized_formats() {
         for (i, c) in coded_attention_cases().iter().enumerate() {
-            attention_coded_case::<f32>(dev, &mut rng, format, c, &book);
+            attention_coded_case::<f32>(dev, &mut rng, AttnKernel::V2, format, c, &book);
             if format == KvFormat::Fp8 && i % 2 == 1 {
-                attention_coded_case::<bf16>(dev, &mut rng, format, c, &book);
+                attention_coded_case::<bf16>(dev, &mut rng, AttnKernel::V2, format, c, &book);
             }
         }
     }

@@ -544,7 +544,7 @@ impl CudaBackend {
     }
 
     /// The head sizes at which this backend's calls for kernel v2 run kernel v3 instead
-    /// (`ops::AttnKernel::routes_to_v3`: sm_90a, a bf16 cache, the head sizes of
+    /// (`ops::AttnKernel::routes_to_v3`: sm_90a, a cache of `ops::ATTN_V3_DEFAULT_KV`, the head sizes of
     /// `ops::ATTN_V3_DEFAULT_HEAD_DIMS`); empty on other routes, caches and devices.
     fn v3_head_dims(&self) -> Vec<usize> {
         if self.attention_kernel() != ops::AttnKernel::V2 {

@@ -936,6 +936,19 @@ pub(super) fn tensor_map_bf16(ptr: u64, rows: usize, k: usize, box_rows: u32) ->
 /// first, `strides` the bytes between consecutive indices of dims 1.. R - 1, `boxes`
 /// the box per dim; 128-byte swizzle, zeros outside the tensor, L2 promotion 256 B.
 fn encode_bf16_map<const R: usize, const S: usize>(ptr: u64, dims: [u64; R], strides: [u64; S], boxes: [u32; R]) -> Result<cudarc::driver::sys::CUtensorMap> {
+    use cudarc::driver::sys::{CUtensorMapDataType, CUtensorMapSwizzle};
+    encode_map(CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B, ptr, dims, strides, boxes)
+}
+
+/// [`encode_bf16_map`] for any element type and swizzle.
+fn encode_map<const R: usize, const S: usize>(
+    dtype: cudarc::driver::sys::CUtensorMapDataType,
+    swizzle: cudarc::driver::sys::CUtensorMapSwizzle,
+    ptr: u64,
+    dims: [u64; R],
+    strides: [u64; S],
+    boxes: [u32; R],
+) -> Result<cudarc::driver::sys::CUtensorMap> {
     use cudarc::driver::sys;
     const { assert!(S + 1 == R, "a tensor map of rank R has R - 1 strides") };
     let elem_strides = [1u32; R];
@@ -945,7 +958,7 @@ fn encode_bf16_map<const R: usize, const S: usize>(ptr: u64, dims: [u64; R], str
     let r = unsafe {
         sys::cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
-            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            dtype,
             R as u32,
             ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
@@ -953,7 +966,7 @@ fn encode_bf16_map<const R: usize, const S: usize>(ptr: u64, dims: [u64; R], str
             boxes.as_ptr(),
             elem_strides.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            swizzle,
             sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
@@ -1335,15 +1348,16 @@ impl AttnKernel {
         }
     }
     /// Whether kernel v3 runs this case: the sm_90a module is loaded (a compute
-    /// capability 9.0 device, nvcc present at build time), a bf16 cache, d_head 64
-    /// or 128.
+    /// capability 9.0 device, nvcc present at build time), a cache of one of
+    /// [`ATTN_V3_KV`] (bf16, fp8, int8), d_head 64 or 128.
     pub fn covers(dev: &CudaDevice, kv: &str, d_head: usize) -> bool {
-        kv == "bf16" && ATTN_V3_HEAD_DIMS.contains(&d_head) && dev.has_function(&attn_v3_name(d_head, "f32"))
+        ATTN_V3_KV.contains(&kv) && ATTN_V3_HEAD_DIMS.contains(&d_head) && dev.has_function(&attn_v3_name(d_head, kv, "f32"))
     }
-    /// Whether [`attention`] sends a call for v2 to v3: where v3 covers it, at the
-    /// head sizes of [`ATTN_V3_DEFAULT_HEAD_DIMS`].
+    /// Whether [`attention`] and [`attention_coded`] send a call for v2 to v3: where v3
+    /// covers it, at the head sizes of [`ATTN_V3_DEFAULT_HEAD_DIMS`], for the caches of
+    /// [`ATTN_V3_DEFAULT_KV`].
     pub fn routes_to_v3(dev: &CudaDevice, kv: &str, d_head: usize) -> bool {
-        ATTN_V3_DEFAULT_HEAD_DIMS.contains(&d_head) && Self::covers(dev, kv, d_head)
+        ATTN_V3_DEFAULT_HEAD_DIMS.contains(&d_head) && ATTN_V3_DEFAULT_KV.contains(&kv) && Self::covers(dev, kv, d_head)
     }
     /// One line for the report's execution info.
     pub fn describe(self) -> &'static str {
@@ -1359,7 +1373,7 @@ impl AttnKernel {
                  rounding (V)), tile n + 1 between tile n's MMAs, 8 warps per block for a quantized cache up to \
                  d_head 128; Hadamard-rotated \
                  K: q rotated (f32) in the kernel before its rounding; rotated V: the output rotated back (f32); \
-                 on a compute capability 9.0 device a bf16 cache at the head sizes of \
+                 on a compute capability 9.0 device a cache of ops::ATTN_V3_DEFAULT_KV (bf16, fp8) at the head sizes of \
                  ops::ATTN_V3_DEFAULT_HEAD_DIMS runs kernel v3 (attn_wgmma) instead"
             }
             Self::V3 => {
@@ -1367,7 +1381,10 @@ impl AttnKernel {
                  consumer warpgroups, S = Q·Kᵀ with Q and K from 128-byte-swizzled shared memory, P from \
                  registers for P·V, 128-key K/V stages filled by TMA from a producer warp through mbarriers, \
                  a persistent grid of one block per SM walking the query tiles longest first); v2's numerics \
-                 (q and P rounded to bf16, f32 scores, softmax and accumulation); bf16 cache, d_head 64/128"
+                 (q and P rounded to bf16, f32 scores, softmax and accumulation); a bf16 cache, or fp8 / int8 \
+                 rows brought raw by TMA and decoded by the producer warpgroup into the same bf16 stages \
+                 (src/kv's decode, code * scale, rounded to bf16; rotated K: q rotated (f32) before its \
+                 rounding; rotated V: the output rotated back (f32)); d_head 64/128"
             }
         }
     }
@@ -1412,8 +1429,22 @@ unsafe impl cudarc::driver::DeviceRepr for AttnArgs {}
 /// 193.3 / 150.0, d 64 155.8 / 139.0.
 pub const ATTN_V3_DEFAULT_HEAD_DIMS: &[usize] = &[64, 128];
 
-/// Head sizes of kernel v3 (`attn_wgmma_d<D>_bf16_<out>`).
+/// Caches (kv::KvFormat::name) whose calls for v2 run kernel v3 at the head sizes of
+/// [`ATTN_V3_DEFAULT_HEAD_DIMS`]: where the H200 measurement has v3 ahead of v2
+/// (benches/attention.rs; docs/performance.md, "Issue 11/12: quantized KV on kernel
+/// v3 (attnq5)") and its parity cases ran on the device. fp8, causal, v3 / v2 TFLOP/s
+/// (2026-12-01, attnq5; v2: attnq4's call): ctx 4096 d 128 249.1 / 147.7, d 64 241.1
+/// / 109.5; ctx 512 d 128 139.2 / 90.0, d 64 130.7 / 69.1. int8 on v3 measured as fast
+/// (247.1 / 235.5 / 137.8 / 127.6 against v2's 145.0 / 109.2 / 88.3 / 68.8 in the same
+/// call) but its parity cases have not run on the device yet, so int8 stays on v2.
+pub const ATTN_V3_DEFAULT_KV: &[&str] = &["bf16", "fp8"];
+
+/// Head sizes of kernel v3 (`attn_wgmma_d<D>_<kv>_<out>`).
 const ATTN_V3_HEAD_DIMS: [usize; 2] = [64, 128];
+/// Caches kernel v3 reads: bf16 (TMA into the swizzled stages) and the formats of one
+/// byte per element and one f32 scale per row, K and V alike (decoded by its producer
+/// warpgroup).
+pub const ATTN_V3_KV: &[&str] = &["bf16", "fp8", "int8"];
 /// Queries per block and keys per K/V stage of kernel v3 (BM, BN in kernels/attention_sm90a.cu).
 const ATTN_V3_BM: usize = 128;
 const ATTN_V3_BN: usize = 128;
@@ -1424,15 +1455,18 @@ fn attn_v3_stages(d_head: usize) -> usize {
 /// Threads per block of kernel v3 (a producer and two consumer warpgroups).
 const ATTN_V3_THREADS: u32 = 384;
 
-fn attn_v3_name(d_head: usize, out: &str) -> String {
-    format!("attn_wgmma_d{d_head}_bf16_{out}")
+fn attn_v3_name(d_head: usize, kv: &str, out: &str) -> String {
+    format!("attn_wgmma_d{d_head}_{kv}_{out}")
 }
 
 /// Dynamic shared memory of kernel v3: 1 KiB alignment slack, Q (BM x d_head bf16),
-/// the stages of K and of V (BN x d_head bf16 each), 4 mbarriers per stage.
-fn attn_v3_smem_bytes(d_head: usize) -> usize {
+/// the stages of K and of V (BN x d_head bf16 each), 4 mbarriers per stage; a coded
+/// cache (`raw_row_bytes` = the stored row's bytes, K's and V's alike) adds one raw
+/// stage of BN stored rows for K and one for V and their two mbarriers.
+fn attn_v3_smem_bytes(d_head: usize, raw_row_bytes: Option<usize>) -> usize {
     let st = attn_v3_stages(d_head);
-    1024 + ATTN_V3_BM * d_head * 2 + 2 * st * ATTN_V3_BN * d_head * 2 + 4 * st * 8
+    let raw = raw_row_bytes.map_or(0, |rb| 2 * ATTN_V3_BN * rb + 2 * 8);
+    1024 + ATTN_V3_BM * d_head * 2 + 2 * st * ATTN_V3_BN * d_head * 2 + 4 * st * 8 + raw
 }
 
 /// `AttnWgmmaArgs` of kernels/common.cuh (attn_wgmma_*'s one `__grid_constant__` parameter).
@@ -1461,6 +1495,19 @@ const _: () = assert!(size_of::<AttnWgmmaArgs>() == 384 && align_of::<AttnWgmmaA
 // SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
 unsafe impl cudarc::driver::DeviceRepr for AttnWgmmaArgs {}
 
+/// `AttnWgmmaCodedArgs` of kernels/common.cuh (attn_wgmma_d<D>_<fmt>_<out>'s parameter):
+/// `a.k` / `a.v` are byte maps over the coded rows ([`tensor_map_kv_coded`]).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AttnWgmmaCodedArgs {
+    a: AttnWgmmaArgs,
+    /// Bit 0: K rows Hadamard-rotated; bit 1: V rows.
+    rot: i32,
+}
+const _: () = assert!(size_of::<AttnWgmmaCodedArgs>() == 512);
+// SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
+unsafe impl cudarc::driver::DeviceRepr for AttnWgmmaCodedArgs {}
+
 /// A 3-D bf16 tensor map over one layer's cache (n_slabs, n_ctx, d_head) seen as
 /// (d_head, kv_len, n_slabs): rows at or past kv_len read as zeros; boxes of
 /// (64, ATTN_V3_BN, 1), 128-byte swizzle.
@@ -1470,6 +1517,19 @@ fn tensor_map_kv(ptr: u64, d_head: usize, kv_len: usize, n_ctx: usize, n_slabs: 
     let strides = [(d_head * 2) as u64, (n_ctx * d_head * 2) as u64];
     encode_bf16_map(ptr, dims, strides, [64, ATTN_V3_BN as u32, 1])
         .with_context(|| format!("attention v3: tensor map of a cache of {n_slabs} x {kv_len} (of {n_ctx}) rows of {d_head} bf16"))
+}
+
+/// A 3-D byte tensor map over one layer's coded cache (n_slabs, n_ctx, rows of
+/// `row_bytes`) seen as (row_bytes, kv_len, n_slabs): rows at or past kv_len read as
+/// zeros; boxes of one tile of whole rows (row_bytes, ATTN_V3_BN, 1), no swizzle.
+fn tensor_map_kv_coded(ptr: u64, row_bytes: usize, kv_len: usize, n_ctx: usize, n_slabs: usize) -> Result<cudarc::driver::sys::CUtensorMap> {
+    use cudarc::driver::sys::{CUtensorMapDataType, CUtensorMapSwizzle};
+    ensure!(ptr % 16 == 0 && row_bytes % 16 == 0 && row_bytes <= 256, "attention v3: coded cache base {ptr:#x} or rows of {row_bytes} bytes not 16-byte aligned (or over 256)");
+    let dims = [row_bytes as u64, kv_len as u64, n_slabs as u64];
+    let strides = [row_bytes as u64, (n_ctx * row_bytes) as u64];
+    let boxes = [row_bytes as u32, ATTN_V3_BN as u32, 1];
+    encode_map(CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8, CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE, ptr, dims, strides, boxes)
+        .with_context(|| format!("attention v3: tensor map of a coded cache of {n_slabs} x {kv_len} (of {n_ctx}) rows of {row_bytes} bytes"))
 }
 
 /// (queries per block, keys per tile) of `attn_flash_d<d_head>_*` for a bf16 cache or
@@ -1553,12 +1613,34 @@ pub fn attention_exact<KV: KvElem, O: OutElem>(
 /// `format.k()`, V rows of `format.v()`, as `kv_encode` writes them), with
 /// kernel v2 `attn_flash_d<D>_<format>_<out>`: its K/V tile loads decode each
 /// element as src/kv decodes it and round it to bf16; a rotated K is met by
-/// rotating q in the kernel, a rotated V by rotating the output back.
+/// rotating q in the kernel, a rotated V by rotating the output back. Where
+/// [`AttnKernel::routes_to_v3`] says so (fp8 at d_head 64/128 on sm_90a), kernel
+/// v3 instead (`attn_wgmma_d<D>_<format>_<out>`: its producer warpgroup decodes,
+/// code * scale rounded to bf16; the same rotations).
 /// k_cache, v_cache: `shape.coded_bytes(format.k())` / `(format.v())` bytes;
 /// `book`: the codebook, for vq2.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_coded<O: OutElem>(
     dev: &CudaDevice,
+    format: KvFormat,
+    q: DevView<f32>,
+    k_cache: DevView<u8>,
+    v_cache: DevView<u8>,
+    shape: KvShape,
+    out: DevViewMut<O>,
+    p: &AttnParams,
+    book: Option<&VqBook>,
+) -> Result<()> {
+    let kernel = if AttnKernel::routes_to_v3(dev, format.name(), shape.d_head) { AttnKernel::V3 } else { AttnKernel::V2 };
+    attention_coded_exact::<O>(dev, kernel, format, q, k_cache, v_cache, shape, out, p, book)
+}
+
+/// [`attention_coded`] on exactly the kernel named: V2, or V3 (fp8 / int8 at d_head
+/// 64/128 on a device with the sm_90a module, else an error naming what is missing).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_coded_exact<O: OutElem>(
+    dev: &CudaDevice,
+    kernel: AttnKernel,
     format: KvFormat,
     q: DevView<f32>,
     k_cache: DevView<u8>,
@@ -1589,7 +1671,8 @@ pub fn attention_coded<O: OutElem>(
         rot: i32::from(kc.rotate) | (i32::from(vc.rotate) << 1),
         book,
     };
-    attention_launch::<O>(dev, AttnKernel::V2, q, cache, shape, out, p)
+    ensure!(kernel != AttnKernel::V1, "attention {format}: kernel v1 reads bf16 or f32 caches; a quantized cache runs kernel v2 or v3");
+    attention_launch::<O>(dev, kernel, q, cache, shape, out, p)
 }
 
 /// One layer's K and V caches as a kernel sees them (lengths checked by the caller).
@@ -1717,21 +1800,35 @@ fn attention_launch<O: OutElem>(
     Ok(())
 }
 
-/// Kernel v3 (`attn_wgmma_d<D>_bf16_<out>`) for a call `attention_launch` checked
+/// Kernel v3 (`attn_wgmma_d<D>_<kv>_<out>`, kv = bf16, fp8, int8) for a call `attention_launch` checked
 /// (shapes, GQA, positions, q and out lengths).
 fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef, shape: KvShape, out: DevViewMut<O>, p: &AttnParams) -> Result<()> {
     let d = shape.d_head;
-    ensure!(cache.kv == "bf16", "attention kernel v3 reads a bf16 cache; a {} cache runs kernel v2", cache.kv);
+    ensure!(
+        ATTN_V3_KV.contains(&cache.kv),
+        "attention kernel v3 reads a bf16, fp8 or int8 cache ({ATTN_V3_KV:?}); a {} cache runs kernel v2",
+        cache.kv
+    );
     ensure!(ATTN_V3_HEAD_DIMS.contains(&d), "attention kernel v3: d_head {d} has no kernel (built: {ATTN_V3_HEAD_DIMS:?}); it runs kernel v2");
-    let name = attn_v3_name(d, O::NAME);
+    let coded = cache.kv != "bf16";
+    let name = attn_v3_name(d, cache.kv, O::NAME);
     ensure!(
         dev.has_function(&name),
         "attention kernel v3: {name} is not loaded (it needs a compute capability 9.0 device and nvcc at build time)"
     );
     ensure!(q.ptr() % 16 == 0 && p.q_stride % 4 == 0, "attention v3: q must be 16-byte aligned with a stride that is a multiple of 4");
     ensure!(out.ptr() % 8 == 0 && p.out_stride % 2 == 0, "attention v3: out must be 8-byte aligned with an even stride");
+    // A coded cache: K and V rows of the same length, d_head codes and an f32 scale.
+    let row_bytes = (d + 4).div_ceil(16) * 16;
+    ensure!(
+        !coded || (cache.k_row_bytes == row_bytes && cache.v_row_bytes == row_bytes),
+        "attention kernel v3: {} rows of ({}, {}) bytes, expected {row_bytes} (d_head one-byte codes and an f32 scale)",
+        cache.kv,
+        cache.k_row_bytes,
+        cache.v_row_bytes
+    );
     let f = func(dev, &name)?;
-    let smem = attn_v3_smem_bytes(d);
+    let smem = attn_v3_smem_bytes(d, coded.then_some(row_bytes));
     ensure!(
         smem <= dev.info().max_smem_per_block_bytes as usize,
         "attention: {name} needs {smem} bytes of shared memory, the device allows {}",
@@ -1741,9 +1838,16 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
         .map_err(|e| anyhow!("{name}: raising dynamic shared memory to {smem} bytes: {e}"))?;
     let kv_len = p.pos0 + p.n_tokens;
     let n_slabs = p.n_seqs * shape.n_kv_heads;
+    let map = |ptr| {
+        if coded {
+            tensor_map_kv_coded(ptr, row_bytes, kv_len, shape.n_ctx, n_slabs)
+        } else {
+            tensor_map_kv(ptr, d, kv_len, shape.n_ctx, n_slabs)
+        }
+    };
     let args = AttnWgmmaArgs {
-        k: tensor_map_kv(cache.k, d, kv_len, shape.n_ctx, n_slabs)?,
-        v: tensor_map_kv(cache.v, d, kv_len, shape.n_ctx, n_slabs)?,
+        k: map(cache.k)?,
+        v: map(cache.v)?,
         q: q.ptr(),
         out: out.ptr(),
         q_stride: p.q_stride as i64,
@@ -1762,12 +1866,18 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
     let n_items = p.n_tokens.div_ceil(ATTN_V3_BM) * p.n_heads * p.n_seqs;
     ensure!(n_items <= i32::MAX as usize, "attention: {n_items} work items exceed kernel v3's 32-bit item index");
     let grid = (n_items.min(dev.info().n_sms.max(1) as usize) as u32, 1, 1);
+    let coded_args = AttnWgmmaCodedArgs { a: args, rot: cache.rot };
     let mut b = dev.stream().launch_builder(f);
-    b.arg(&args);
-    // SAFETY: `args` mirrors AttnWgmmaArgs of kernels/common.cuh (size asserted); the tensor
-    // maps cover the first p.n_seqs slots' positions [0, pos0 + n_tokens) of both caches
-    // (lengths checked by the callers); q and out checked by attention_launch and above;
-    // dynamic shared memory set to the kernel's need.
+    if coded {
+        b.arg(&coded_args);
+    } else {
+        b.arg(&args);
+    }
+    // SAFETY: `args` mirrors AttnWgmmaArgs of kernels/common.cuh, `coded_args`
+    // AttnWgmmaCodedArgs (sizes asserted), the one the kernel named takes; the tensor maps
+    // cover the first p.n_seqs slots' positions [0, pos0 + n_tokens) of both caches
+    // (lengths checked by the callers, coded row bytes above); q and out checked by
+    // attention_launch and above; dynamic shared memory set to the kernel's need.
     unsafe { b.launch(cfg(grid, ATTN_V3_THREADS, smem as u32)) }.map_err(|e| launch_err(&name, e))?;
     Ok(())
 }
