@@ -570,19 +570,27 @@ pub enum GemmEpilogue {
     TmaStore,
 }
 
-/// Whether a GEMM output at `ptr` with rows `ld_bytes` apart takes the TMA-store
-/// epilogue (16-byte aligned base and row stride); `GemmEpilogue::Direct` otherwise.
-pub fn gemm_tma_store_fits(ptr: u64, ld_bytes: usize) -> bool {
-    ptr % 16 == 0 && ld_bytes % 16 == 0
+/// Whether a GEMM output at `ptr` with rows `ld_bytes` apart, each `row_bytes`
+/// written, takes the TMA-store epilogue: 16-byte aligned base and row stride, and
+/// rows of a multiple of 16 bytes (the TMA store does not clip a box at a row end
+/// inside a 16-byte unit: on the H200 an f32 output of N = 513 with ldy = 516 had
+/// its row gap written); `GemmEpilogue::Direct` otherwise.
+pub fn gemm_tma_store_fits(ptr: u64, ld_bytes: usize, row_bytes: usize) -> bool {
+    ptr % 16 == 0 && ld_bytes % 16 == 0 && row_bytes % 16 == 0
 }
 
 /// The default route's wgmma epilogues (the same output bits whichever; for timing
 /// comparisons): `INFERNIX_GEMM_EPILOGUE=direct` every GEMM `Direct`, `tma` every
 /// GEMM `TmaStore`, `tma-gated` the gated GEMM `TmaStore` and the f32 ones `Direct`;
-/// unset, `GEMM_EPILOGUE_DEFAULT` (f32 output) and `TmaStore` (gated).
+/// unset, `GEMM_EPILOGUE_DEFAULT` (f32 output) and `GEMM_GATED_EPILOGUE_DEFAULT`.
 pub const GEMM_EPILOGUE_ENV: &str = "INFERNIX_GEMM_EPILOGUE";
-/// The f32-output GEMMs' default epilogue.
+/// The f32-output GEMMs' default epilogue: TMA stores, 1-4 % faster than direct
+/// stores on the 8B shapes and 10-33 % with the residual add (benches/gemm.rs,
+/// docs/performance.md "Issue 12: GEMM epilogue overlap").
 const GEMM_EPILOGUE_DEFAULT: GemmEpilogue = GemmEpilogue::TmaStore;
+/// The gated GEMM's default epilogue: direct stores, since its TMA epilogue measured
+/// 6-11 % slower on the 8B gate/up shape (same bench).
+const GEMM_GATED_EPILOGUE_DEFAULT: GemmEpilogue = GemmEpilogue::Direct;
 
 impl GemmEpilogue {
     /// The epilogue of the f32-output GEMMs (`GEMM_EPILOGUE_ENV`).
@@ -597,7 +605,8 @@ impl GemmEpilogue {
     pub fn gated_from_env() -> Self {
         match std::env::var(GEMM_EPILOGUE_ENV).as_deref() {
             Ok("direct") => Self::Direct,
-            _ => Self::TmaStore,
+            Ok("tma" | "tma-gated") => Self::TmaStore,
+            _ => GEMM_GATED_EPILOGUE_DEFAULT,
         }
     }
     pub fn name(self) -> &'static str {
@@ -862,7 +871,7 @@ pub fn matmul_gated_bf16_with(
     let upp = su.as_ref().map_or(up.data.view().ptr(), |s| s.view().ptr());
     let half_rows = (GEMM_BN / 2) as u32;
     // TMA stores: 64 x 64 bf16 boxes, rows of n_ffn bf16 a multiple of 16 bytes.
-    let tma = epilogue == GemmEpilogue::TmaStore && gemm_tma_store_fits(out.ptr(), n * 2);
+    let tma = epilogue == GemmEpilogue::TmaStore && gemm_tma_store_fits(out.ptr(), n * 2, n * 2);
     let params = GemmGatedParams {
         a: tensor_map_bf16(x.ptr(), m, k, GEMM_BM as u32)?,
         b_gate: tensor_map_bf16(gp, n, k, half_rows)?,
@@ -1151,7 +1160,7 @@ fn gemm_wgmma(
     let smem = GEMM_EPI_SMEM_BYTES;
     let f = wgmma_func_with(dev, GEMM_WGMMA_KERNEL, smem)?;
     // TMA stores: 64 x 32 f32 boxes, rows of ldy f32 a multiple of 16 bytes.
-    let tma = epilogue == GemmEpilogue::TmaStore && gemm_tma_store_fits(y.ptr(), ldy * 4);
+    let tma = epilogue == GemmEpilogue::TmaStore && gemm_tma_store_fits(y.ptr(), ldy * 4, n * 4);
     let params = GemmParams {
         a: tensor_map_bf16(xp, m, k, GEMM_BM as u32)?,
         b: tensor_map_bf16(wp, n, k, GEMM_BN as u32)?,
