@@ -15,6 +15,12 @@
 //! never zeros; the wgmma output is checked against cuBLAS's on every shape (bf16 weights;
 //! a mismatch is printed as MISMATCH and fails the run at the end).
 //!
+//! Per shape (bf16 weights), the GEMM with each epilogue (`EPILOGUE` lines:
+//! `ops::GemmEpilogue::TmaStore`, the default, against `Direct`, for y = x · Wᵀ
+//! and y += x · Wᵀ; the two outputs must agree bit for bit), then the gated FFN
+//! GEMM (gate and up 14336 x 4096, SiLU) with each epilogue, BF16 and Q4_0
+//! (`GATED` lines).
+//!
 //! Then the attention's q, k, v projections (4096 + 1024 + 1024 rows, K 4096)
 //! per format: the fused GEMM (`ops::matmul_qkv_bf16`) against three matmuls
 //! (`QKV` lines).
@@ -34,7 +40,7 @@ use cudarc::cublas::{sys as blas, CudaBlas};
 use cudarc::driver::sys::CUevent_flags;
 use half::bf16;
 use infernix_perplexity::artifact::format::TensorFormat;
-use infernix_perplexity::backend::cuda::ops::{self, MatmulKernel};
+use infernix_perplexity::backend::cuda::ops::{self, Activation, GemmEpilogue, MatmulKernel};
 use infernix_perplexity::backend::cuda::{CudaDevice, DeviceBuffer, QuantMatrix};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -147,6 +153,31 @@ fn main() -> Result<()> {
             println!("MISMATCH {label}: wgmma vs cuBLAS max |d| {max_diff:e} (rms of cuBLAS's output {scale:e}); non-finite: {}", ours.iter().filter(|v| !v.is_finite()).count());
             mismatches += 1;
         }
+        // The epilogue on the same bf16 operands: TMA stores (the default) against stores
+        // from registers, y = x · Wᵀ and y += x · Wᵀ; both buffers start at zero and see
+        // the same launches, so their bits must agree.
+        for accumulate in [false, true] {
+            let mut y_direct = dev.alloc_zeros::<f32>(m * n)?;
+            let mut y_tma = dev.alloc_zeros::<f32>(m * n)?;
+            let direct = time_ms(&dev, reps, || ops::matmul_wgmma_with(&dev, GemmEpilogue::Direct, xd.view(), m, &w_bf16, y_direct.view_mut(), n, accumulate))?;
+            let tma = time_ms(&dev, reps, || ops::matmul_wgmma_with(&dev, GemmEpilogue::TmaStore, xd.view(), m, &w_bf16, y_tma.view_mut(), n, accumulate))?;
+            let (a, b) = (dev.download(&y_direct)?, dev.download(&y_tma)?);
+            let n_diff = a.iter().zip(&b).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            println!(
+                "EPILOGUE {label:<9} BF16 accumulate {accumulate:<5}: direct {direct:.3} ms ({:.1} TFLOP/s), TMA {tma:.3} ms ({:.1} TFLOP/s), TMA/direct {:.3}, {n_diff} outputs differ",
+                flop / direct / 1e9,
+                flop / tma / 1e9,
+                tma / direct
+            );
+            if n_diff != 0 {
+                println!("MISMATCH {label}: the TMA epilogue differs from the direct one in {n_diff} outputs");
+                mismatches += 1;
+            }
+            rows.push(serde_json::json!({
+                "shape": label, "m": m, "n": n, "k": k, "format": "BF16", "epilogue_ab": true, "accumulate": accumulate,
+                "direct_ms": direct, "tma_ms": tma, "direct_tflops": flop / direct / 1e9, "tma_tflops": flop / tma / 1e9, "outputs_differ": n_diff,
+            }));
+        }
         drop(w_bf16);
 
         for format in FORMATS {
@@ -184,6 +215,42 @@ fn main() -> Result<()> {
                 "pct_of_cublas_f32_out": 100.0 * cublas_f32 / ours_ms,
                 "pct_of_cublas_bf16_out": 100.0 * cublas_b16 / ours_ms,
                 "max_abs_diff_vs_cublas_bf16": max_diff,
+            }));
+        }
+    }
+    // The gated FFN GEMM of the 8B body (gate and up 14336 x 4096, SiLU, bf16 out): both
+    // epilogues, stored BF16 and Q4_0 weights (Q4_0: both dequantizations included).
+    {
+        let (n_ffn, k) = (14336usize, 4096usize);
+        let flop = 2.0 * (m * 2 * n_ffn * k) as f64;
+        let x: Vec<bf16> = (0..m * k).map(|_| bf16::from_f32(twin::normal(&mut rng))).collect();
+        let xd: DeviceBuffer<bf16> = dev.upload(&x)?;
+        drop(x);
+        let mut out_direct = dev.alloc_zeros::<bf16>(m * n_ffn)?;
+        let mut out_tma = dev.alloc_zeros::<bf16>(m * n_ffn)?;
+        for format in [TensorFormat::Bf16, TensorFormat::Q4_0] {
+            let wg = QuantMatrix::upload(&dev, format, n_ffn, k, &twin::random_matrix(format, n_ffn, k, &mut rng))?;
+            let wu = QuantMatrix::upload(&dev, format, n_ffn, k, &twin::random_matrix(format, n_ffn, k, &mut rng))?;
+            let gated = |epi: GemmEpilogue, out: &mut DeviceBuffer<bf16>| ops::matmul_gated_bf16_with(&dev, epi, Activation::Silu, xd.view(), m, &wg, &wu, out.view_mut());
+            let direct = time_ms(&dev, reps, || gated(GemmEpilogue::Direct, &mut out_direct))?;
+            let tma = time_ms(&dev, reps, || gated(GemmEpilogue::TmaStore, &mut out_tma))?;
+            let (a, b) = (dev.download(&out_direct)?, dev.download(&out_tma)?);
+            let n_diff = a.iter().zip(&b).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            ensure!(a.iter().all(|v| v.is_finite()), "gated {format}: non-finite output");
+            println!(
+                "GATED {m} x {n_ffn} x {k} {:<5}: direct {direct:.3} ms ({:.1} TFLOP/s), TMA {tma:.3} ms ({:.1} TFLOP/s), TMA/direct {:.3}, {n_diff} outputs differ",
+                format.name(),
+                flop / direct / 1e9,
+                flop / tma / 1e9,
+                tma / direct
+            );
+            if n_diff != 0 {
+                println!("MISMATCH gated {format}: the TMA epilogue differs from the direct one in {n_diff} outputs");
+                mismatches += 1;
+            }
+            rows.push(serde_json::json!({
+                "shape": "gated_silu", "m": m, "n_ffn": n_ffn, "k": k, "format": format.name(),
+                "direct_ms": direct, "tma_ms": tma, "direct_tflops": flop / direct / 1e9, "tma_tflops": flop / tma / 1e9, "outputs_differ": n_diff,
             }));
         }
     }

@@ -287,31 +287,39 @@ struct alignas(128) TmaDesc {
 // (64 K, 256 rows); y: (M, ldy) f32; y_pairs: 1 when ldy is even and y 8-byte
 // aligned (column pairs stored as float2); accumulate: 1 for y += x · Wᵀ (the
 // residual add in the epilogue: y read, the f32 product added with one
-// correctly rounded add, as add_f32 does), 0 for y = x · Wᵀ. Rust twin: ops::GemmParams.
+// correctly rounded add, as add_f32 does), 0 for y = x · Wᵀ. store_tma: 1 for the
+// epilogue through shared memory and y_map (y (M, N) f32, box (32 N, 64 rows),
+// 128-byte swizzle; y 16-byte aligned, ldy % 4 == 0), 0 for stores from registers
+// (y_map unused). Rust twin: ops::GemmParams.
 struct GemmParams {
     TmaDesc a;
     TmaDesc b;
+    TmaDesc y_map;
     float* y;
     long long ldy;
     int m, n, k, y_pairs;
-    int accumulate;
+    int accumulate, store_tma;
 };
-static_assert(sizeof(GemmParams) == 384 && alignof(GemmParams) == 128, "GemmParams layout (ops::GemmParams)");
+static_assert(sizeof(GemmParams) == 512 && alignof(GemmParams) == 128, "GemmParams layout (ops::GemmParams)");
 
 // gemm_bf16_wgmma_gated_{silu,gelu}'s one parameter: out = act(x · Wgᵀ) * (x · Wuᵀ)
 // rounded to bf16. a: x (M, K) bf16, box (64 K, 128 rows); b_gate, b_up: Wg and Wu
 // (n_ffn, K) bf16, box (64 K, 128 rows) each (the two halves of one 256-row B
 // stage); out: (M, ldo) bf16, ldo even and out 4-byte aligned (pairs stored as
-// bf16x2); n_ffn even. Rust twin: ops::GemmGatedParams.
+// bf16x2); n_ffn even. store_tma: 1 for the epilogue through shared memory and
+// out_map (out (M, n_ffn) bf16, box (64 columns, 64 rows), 128-byte swizzle; out
+// 16-byte aligned, ldo % 8 == 0), 0 for stores from registers (out_map unused).
+// Rust twin: ops::GemmGatedParams.
 struct GemmGatedParams {
     TmaDesc a;
     TmaDesc b_gate;
     TmaDesc b_up;
+    TmaDesc out_map;
     bf16* out;
     long long ldo;
-    int m, n_ffn, k, pad_;
+    int m, n_ffn, k, store_tma;
 };
-static_assert(sizeof(GemmGatedParams) == 512 && alignof(GemmGatedParams) == 128, "GemmGatedParams layout (ops::GemmGatedParams)");
+static_assert(sizeof(GemmGatedParams) == 640 && alignof(GemmGatedParams) == 128, "GemmGatedParams layout (ops::GemmGatedParams)");
 
 // ---------------------------------------------------------------- bf16 packing
 

@@ -21,12 +21,24 @@
 // accumulators per thread) and issuing wgmma.mma_async.m64n256k16 from the
 // swizzled shared tiles (4 per K tile), keeping one wgmma group in flight
 // and releasing a stage once the group that read it has retired. setmaxnreg
-// moves registers from the producer to the consumers. The epilogue stores
-// the accumulators straight to y (or adds them to y, `accumulate`: the
-// residual add fused) with bounds checks (pairs as float2 when
-// y_pairs: ldy even and y 8-byte aligned) (the m64nNk16 layout: warp
-// w of the warpgroup holds rows 16w..16w+15; lane (g = lane/4, t = lane%4)
-// holds rows g and g+8, columns 8j+2t, 8j+2t+1 for j < 32).
+// moves registers from the producer to the consumers. The accumulators are
+// in the m64nNk16 layout (warp w of the warpgroup holds rows 16w..16w+15;
+// lane (g = lane/4, t = lane%4) holds rows g and g+8, columns 8j+2t, 8j+2t+1
+// for j < 32). Two epilogues, the same values (store_tma):
+//   - TMA stores (the default where y is 16-byte aligned with rows a multiple
+//     of 16 bytes): each consumer writes its 64 rows into its own 16 KiB
+//     128-byte-swizzled shared buffer (after the stages and the mbarriers),
+//     fences it for the async proxy, and one thread hands it to
+//     cp.async.bulk.tensor stores (cp.reduce.async.bulk.tensor .add for
+//     `accumulate`, the residual add: one correctly rounded f32 add in L2), which
+//     clip at M and N; the consumers go back to the next tile's MMAs while the
+//     copies drain. f32: eight 64 x 32 boxes through two 8 KiB halves (a half
+//     is rewritten once the copy issued from it two boxes earlier has read it);
+//     gated bf16: two 64 x 64 boxes, the whole block at once, so only the next
+//     tile's epilogue waits on it.
+//   - Direct: each thread stores its accumulators to y (or adds them to y,
+//     `accumulate`) with bounds checks (pairs as float2 when y_pairs: ldy even
+//     and y 8-byte aligned); the tensor cores idle until the stores are issued.
 //
 // Shared-memory matrix descriptors (K-major, 128-byte swizzle): start address
 // >> 4 in bits 0-13, leading byte offset (unused for this layout, 1) in bits
@@ -40,7 +52,8 @@
 // the same 128 rows of Wu (two TMA loads), so the tile covers 128 output
 // columns and each consumer thread holds gate and up of the same columns; the
 // epilogue computes exactly what gated_<act>_bf16 computes from the two f32
-// products (common.cuh's act, fmul, round to nearest even). CPU twin:
+// products (common.cuh's act, fmul, round to nearest even), then stores it
+// through shared memory and TMA (out_map) or directly. CPU twin:
 // tests/gpu_ops/twin.rs matmul_f64 twice, then silu_f64 / gelu_tanh_f64.
 //
 // QKV variant (gemm_bf16_wgmma_qkv, GemmQkvParams): the plain GEMM over the q, k
@@ -53,13 +66,20 @@
 //
 // Launch: persistent, grid min(tiles, SMs) with tiles = ceil(M/128) * ceil(N/256)
 // (gated: ceil(M/128) * ceil(n_ffn/128)),
-// block 384, dynamic shared memory GEMM_SMEM_BYTES (one block per SM); block b
+// block 384, dynamic shared memory ops::GEMM_EPI_SMEM_BYTES (the stages, the
+// mbarriers, the epilogue buffers; the QKV kernel GEMM_SMEM_BYTES, no epilogue
+// buffers) (one block per SM); block b
 // takes tiles b, b + grid, ... in an order of groups of GEMM_GROUP_M row tiles,
 // so that the tiles in flight share their A and B tiles through L2; the
 // producer loads the next tile's first stages during this tile's epilogue.
 #include "sm90a.cuh"
 
 #define GEMM_THREADS 384
+// The epilogue's shared buffers (store_tma): after the stages and a 1 KiB block holding
+// the mbarriers, 16 KiB per consumer warpgroup, 1024-byte aligned (128B swizzle).
+#define GEMM_EPI_OFFSET (GEMM_STAGES * GEMM_STAGE_BYTES + 1024)
+#define GEMM_EPI_CONSUMER_BYTES 16384
+static_assert(2 * GEMM_STAGES * 8 <= 1024, "the mbarriers fit before the epilogue buffers");
 
 // Tile `tile` of the grouped order: groups of GEMM_GROUP_M row tiles, column tiles
 // (of tile_n output columns) within a group.
@@ -109,6 +129,72 @@ __device__ __forceinline__ void gemm_tiles(const P& p) {
         tile_origin(tile, m_tiles, n_tiles, TILE_N, m0, n0);
         const int row = m0 + c * 64 + warp * 16 + lane / 4;
         const int col = n0 + 2 * (lane % 4);
+        // store_tma: consumer c's 64 rows through its 16 KiB shared buffer (row r of
+        // the consumer's block is warp * 16 + lane / 4 + 8 h).
+        const uint32_t epi = ((smem_addr(gemm_smem_raw) + 1023u) & ~1023u) + GEMM_EPI_OFFSET + c * GEMM_EPI_CONSUMER_BYTES;
+        const bool leader = warp == 0 && lane == 0;
+        const uint32_t r_lo = warp * 16 + lane / 4, t2 = 2 * (lane % 4);
+        const int row0 = m0 + c * 64;
+        if constexpr (!QKV) {
+            if (p.store_tma) {
+                if constexpr (GATED) {
+                    // Two 64 x 64 bf16 boxes (128-byte rows); the buffer's last copy
+                    // (the previous tile's) has long been read.
+                    if (leader) bulk_wait_group_read<0>();
+                    named_barrier_sync(1 + c, 128);
+#pragma unroll
+                    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const float o0 = fmul(act<ACT>(d[4 * j + 2 * h]), d[4 * (j + 16) + 2 * h]);
+                            const float o1 = fmul(act<ACT>(d[4 * j + 2 * h + 1]), d[4 * (j + 16) + 2 * h + 1]);
+                            const uint32_t off = (j / 8) * 8192u + sw128_offset(r_lo + 8 * h, ((j % 8) * 8 + t2) * 2);
+                            st_shared_u32(epi + off, pack_bf16x2(o0, o1));
+                        }
+                    }
+                    fence_proxy_async_shared();
+                    named_barrier_sync(1 + c, 128);
+                    if (leader) {
+                        if (row0 < p.m) {
+                            tma_store_2d(&p.out_map, epi, n0, row0);
+                            if (n0 + 64 < p.n_ffn) tma_store_2d(&p.out_map, epi + 8192, n0 + 64, row0);
+                        }
+                        bulk_commit_group();
+                    }
+                } else {
+                    // Eight 64 x 32 f32 boxes (128-byte rows) through two 8 KiB halves:
+                    // before writing a half, the copy issued from it two boxes ago
+                    // has read it (at most one group, the other half's, in flight).
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) {
+                        const uint32_t buf = epi + (q & 1) * 8192u;
+                        if (leader) bulk_wait_group_read<1>();
+                        named_barrier_sync(1 + c, 128);
+#pragma unroll
+                        for (int jj = 0; jj < 4; ++jj) {
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                const int j = 4 * q + jj;
+                                st_shared_f32x2(buf + sw128_offset(r_lo + 8 * h, (jj * 8 + t2) * 4), d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+                            }
+                        }
+                        fence_proxy_async_shared();
+                        named_barrier_sync(1 + c, 128);
+                        if (leader) {
+                            if (row0 < p.m && n0 + 32 * q < p.n) {
+                                if (p.accumulate) {
+                                    tma_reduce_add_2d(&p.y_map, buf, n0 + 32 * q, row0);
+                                } else {
+                                    tma_store_2d(&p.y_map, buf, n0 + 32 * q, row0);
+                                }
+                            }
+                            bulk_commit_group();
+                        }
+                    }
+                }
+                return;
+            }
+        }
         if constexpr (GATED) {
             // Column block j < 16 of the accumulators is gate, j + 16 the same columns of up.
 #pragma unroll
@@ -178,6 +264,11 @@ __device__ __forceinline__ void gemm_tiles(const P& p) {
         }
     };
     wgmma_pipeline(gemm_smem_raw, m_tiles * n_tiles, k_tiles, load, epilogue);
+    if constexpr (!QKV) {
+        // Each consumer's leader: its last copies have written global memory (and read
+        // shared memory) before the block exits.
+        if (p.store_tma && threadIdx.x >= 128 && threadIdx.x % 128 == 0) bulk_wait_group<0>();
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_bf16_wgmma(const __grid_constant__ GemmParams p) {

@@ -185,3 +185,65 @@ __device__ __forceinline__ void wgmma_pipeline(uint8_t* smem_raw, int n_items, i
     }
 }
 // --- end wgmma GEMM pipeline ---
+
+// --- gemm5 ---
+// Epilogues through shared memory and the tensor-memory accelerator: the
+// consumer threads write a tile into a 128-byte-swizzled shared buffer
+// (sw128_offset: the layout a SWIZZLE_128B tensor map expects, buffer
+// 1024-byte aligned, rows of 128 bytes), fence it for the async proxy, and one
+// thread hands it to the TMA (a store, or an f32 add into global memory), then
+// waits on the bulk group only before it writes that buffer again.
+
+// Byte offset of byte `byte_in_row` (< 128) of row `row` in a 128B-swizzled tile:
+// the 16-byte chunk index XOR row % 8.
+__device__ __forceinline__ uint32_t sw128_offset(uint32_t row, uint32_t byte_in_row) {
+    return row * 128u + (byte_in_row ^ ((row & 7u) << 4));
+}
+
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float a, float b) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
+}
+
+// Generic-proxy shared-memory writes made visible to the async proxy (the TMA); each
+// writing thread, before the barrier that precedes the copy.
+__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Named barrier `id` (1..15; 0 is __syncthreads) over `n_threads` threads (a multiple of 32).
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t n_threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n_threads) : "memory");
+}
+
+// The box of a 2-D tensor map at (c0 inner, c1) from shared memory at `src`; elements
+// outside the tensor are not written.
+__device__ __forceinline__ void tma_store_2d(const TmaDesc* map, uint32_t src, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+                 "r"(src), "r"(c0), "r"(c1)
+                 : "memory");
+}
+
+// global[box] += shared (element-wise, the map's type; f32: one correctly rounded add).
+__device__ __forceinline__ void tma_reduce_add_2d(const TmaDesc* map, uint32_t src, int c0, int c1) {
+    asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(src), "r"(c0), "r"(c1)
+                 : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
+// Until at most N of this thread's bulk groups still read their shared source.
+template <int N>
+__device__ __forceinline__ void bulk_wait_group_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+
+// Until at most N of this thread's bulk groups are incomplete (writes done).
+template <int N>
+__device__ __forceinline__ void bulk_wait_group() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// --- end gemm5 ---

@@ -724,6 +724,30 @@ fn matmul_qkv_fused_against_three_matmuls() {
     assert!(!ops::qkv_fusable(dev, 70, [576, 192, 192]), "M = 70 is below the wgmma kernel's M");
 }
 
+/// Random gate and up weights (n, k) in `format`, a random x (m, k) uploaded as bf16,
+/// and the f64 reference act(x · Wgᵀ) * (x · Wuᵀ) of the bf16-rounded operands.
+struct GatedCase {
+    wg: QuantMatrix,
+    wu: QuantMatrix,
+    xbd: DeviceBuffer<bf16>,
+    cpu: Vec<f64>,
+}
+
+fn gated_case(dev: &CudaDevice, rng: &mut ChaCha8Rng, format: TensorFormat, act: Activation, m: usize, n: usize, k: usize) -> GatedCase {
+    let f = match act {
+        Activation::Silu => twin::silu_f64,
+        Activation::GeluTanh => twin::gelu_tanh_f64,
+    };
+    let (bg, bu) = (twin::random_matrix(format, n, k, rng), twin::random_matrix(format, n, k, rng));
+    let (wg, wu) = (QuantMatrix::upload(dev, format, n, k, &bg).unwrap(), QuantMatrix::upload(dev, format, n, k, &bu).unwrap());
+    let round = |b: &[u8]| -> Vec<f32> { twin::dequant_matrix(format, b, n, k).iter().map(|&v| twin::round_bf16(v)).collect() };
+    let x = randn(rng, m * k, 1.0);
+    let xb: Vec<f32> = x.iter().map(|&v| twin::round_bf16(v)).collect();
+    let (g, u) = (twin::matmul_f64(&xb, &round(&bg), m, n, k), twin::matmul_f64(&xb, &round(&bu), m, n, k));
+    let cpu: Vec<f64> = g.iter().zip(&u).map(|(&g, &u)| f(g) * u).collect();
+    GatedCase { wg, wu, xbd: upload_bf16(dev, &x), cpu }
+}
+
 /// The gated FFN input in one pass (ops::matmul_gated_bf16: on sm_90a one wgmma
 /// GEMM over gate and up with act(gate) * up in the epilogue, else two mma.sync
 /// matmuls and gated_<act>_bf16) against act(f64 product) * f64 product of the
@@ -746,18 +770,7 @@ fn matmul_gated_ffn_every_activation() {
         (TensorFormat::Bf16, Activation::Silu, 128, 256, 512),
         (TensorFormat::Q8_0, Activation::GeluTanh, 70, 200, 512), // below the wgmma M: mma.sync
     ] {
-        let f = match act {
-            Activation::Silu => twin::silu_f64,
-            Activation::GeluTanh => twin::gelu_tanh_f64,
-        };
-        let (bg, bu) = (twin::random_matrix(format, n, k, &mut rng), twin::random_matrix(format, n, k, &mut rng));
-        let (wg, wu) = (QuantMatrix::upload(dev, format, n, k, &bg).unwrap(), QuantMatrix::upload(dev, format, n, k, &bu).unwrap());
-        let round = |b: &[u8]| -> Vec<f32> { twin::dequant_matrix(format, b, n, k).iter().map(|&v| twin::round_bf16(v)).collect() };
-        let x = randn(&mut rng, m * k, 1.0);
-        let xb: Vec<f32> = x.iter().map(|&v| twin::round_bf16(v)).collect();
-        let (g, u) = (twin::matmul_f64(&xb, &round(&bg), m, n, k), twin::matmul_f64(&xb, &round(&bu), m, n, k));
-        let cpu: Vec<f64> = g.iter().zip(&u).map(|(&g, &u)| f(g) * u).collect();
-        let xbd = upload_bf16(dev, &x);
+        let GatedCase { wg, wu, xbd, cpu } = gated_case(dev, &mut rng, format, act, m, n, k);
         let mut out = poisoned::<bf16>(dev, m * n);
         ops::matmul_gated_bf16(dev, act, xbd.view(), m, &wg, &wu, out.view_mut()).unwrap();
         let fused = bf16_to_f32(&dev.download(&out).unwrap());
@@ -777,6 +790,81 @@ fn matmul_gated_ffn_every_activation() {
         let n_diff = fused.iter().zip(&unfused).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
         println!("GATED {act:?} {kernel} {}: {n_diff} of {} outputs differ from matmul x2 + gated_bf16", format.name(), m * n);
         assert!(ops::matmul_gated_bf16(dev, act, xbd.view(), m, &wg, &wu, out.slice_mut(0..n).unwrap()).is_err(), "a short out is an error");
+    }
+}
+
+/// The wgmma GEMMs' epilogue through shared memory and TMA stores
+/// (ops::GemmEpilogue::TmaStore, the default) against the one that stores from
+/// registers (Direct): bit for bit on the same operands, within the matmul
+/// tolerance of the f64 product, on partial row tiles and partial 32-column
+/// (f32) / 64-column (bf16) boxes, a row stride past N whose gap must stay NaN
+/// (the boxes clip at N), and the residual add (a TMA f32 reduce-add against
+/// the epilogue's read-add-store). Then the gated GEMM likewise (bf16 boxes).
+#[test]
+fn gemm_tma_epilogue_bit_identical_to_direct() {
+    let Some(dev) = device() else { return };
+    if !dev.has_function(ops::GEMM_WGMMA_KERNEL) {
+        return;
+    }
+    use ops::GemmEpilogue::{Direct, TmaStore};
+    // Rows whose end falls inside a 16-byte unit go to the direct epilogue (the TMA
+    // store wrote the row gap past N = 513 on the H200; matmul_wgmma_every_format_and_edges).
+    assert!(!ops::gemm_tma_store_fits(0, 516 * 4, 513 * 4), "N = 513 f32 rows must not take the TMA epilogue");
+    assert!(!ops::gemm_tma_store_fits(8, 512 * 4, 512 * 4), "an output 8 bytes off 16 must not take the TMA epilogue");
+    let mut rng = rng_for("gemm_tma_epilogue");
+    let n_differ = |a: &[f32], b: &[f32]| a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+    // (format, m, n, k, ldy, accumulate)
+    for (format, m, n, k, ldy, accumulate) in [
+        (TensorFormat::Q4_0, 300, 520, 256, 520, false),   // 3 row tiles, last box of 8 columns
+        (TensorFormat::Bf16, 257, 1000, 512, 1004, false), // strided rows, N % 32 = 8, 1 row past a tile
+        (TensorFormat::Q8_0, 130, 260, 96, 260, true),     // y += x · Wᵀ, K % 64 = 32
+        (TensorFormat::Q4K, 384, 768, 1024, 772, true),    // whole tiles, strided, residual add
+        (TensorFormat::Q6K, 128, 4096, 2304, 4096, false), // one row tile, 16 column tiles
+    ] {
+        let bytes = twin::random_matrix(format, n, k, &mut rng);
+        let w = QuantMatrix::upload(dev, format, n, k, &bytes).unwrap();
+        let wb: Vec<f32> = twin::dequant_matrix(format, &bytes, n, k).iter().map(|&v| twin::round_bf16(v)).collect();
+        let x = randn(&mut rng, m * k, 1.0);
+        let xb: Vec<f32> = x.iter().map(|&v| twin::round_bf16(v)).collect();
+        let xbd = upload_bf16(dev, &x);
+        // The residual's y0 in the row, NaN in the gap past N.
+        let y0: Vec<f32> = randn(&mut rng, m * ldy, 4.0).iter().enumerate().map(|(i, &v)| if i % ldy < n { v } else { f32::NAN }).collect();
+        assert!(ops::gemm_tma_store_fits(poisoned::<f32>(dev, m * ldy).view().ptr(), ldy * 4, n * 4), "{m} x {n} (ldy {ldy}) f32 takes the TMA epilogue");
+        let run = |epi: ops::GemmEpilogue| -> Vec<f32> {
+            let mut y = if accumulate { dev.upload(&y0).unwrap() } else { poisoned::<f32>(dev, m * ldy) };
+            ops::matmul_wgmma_with(dev, epi, xbd.view(), m, &w, y.view_mut(), ldy, accumulate).unwrap();
+            dev.download(&y).unwrap()
+        };
+        let (tma, direct) = (run(TmaStore), run(Direct));
+        let op = format!("gemm epilogue TMA {} ({m}x{n}x{k}, ldy {ldy}, accumulate {accumulate})", format.name());
+        assert!((0..m).all(|i| tma[i * ldy + n..(i + 1) * ldy].iter().all(|v| v.is_nan())), "{op}: wrote past N into the row gap");
+        let rows = |v: &[f32]| -> Vec<f32> { (0..m).flat_map(|i| v[i * ldy..i * ldy + n].to_vec()).collect() };
+        let (tma, direct) = (rows(&tma), rows(&direct));
+        let prod = twin::matmul_f64(&xb, &wb, m, n, k);
+        let cpu: Vec<f64> = if accumulate { prod.iter().enumerate().map(|(i, &p)| p + y0[(i / n) * ldy + i % n] as f64).collect() } else { prod };
+        check(&op, &tma, &cpu, TOL_F32_ACC);
+        let d = n_differ(&tma, &direct);
+        println!("GEMM_EPILOGUE {op}: {d} of {} outputs differ from the direct epilogue", m * n);
+        assert_eq!(d, 0, "{op}: the TMA epilogue must give the direct epilogue's bits");
+    }
+    for (format, act, m, n, k) in [
+        (TensorFormat::Q4_0, Activation::Silu, 300, 1000, 576),     // n_ffn % 64 = 40: a partial second box
+        (TensorFormat::Q8_0, Activation::GeluTanh, 257, 648, 1056), // last tile 8 columns wide
+        (TensorFormat::Bf16, Activation::Silu, 640, 384, 512),      // whole tiles
+    ] {
+        let GatedCase { wg, wu, xbd, cpu } = gated_case(dev, &mut rng, format, act, m, n, k);
+        assert!(ops::gemm_tma_store_fits(poisoned::<bf16>(dev, m * n).view().ptr(), n * 2, n * 2), "{m} x {n} bf16 takes the TMA epilogue");
+        let run = |epi: ops::GemmEpilogue| -> Vec<f32> {
+            let mut out = poisoned::<bf16>(dev, m * n);
+            ops::matmul_gated_bf16_with(dev, epi, act, xbd.view(), m, &wg, &wu, out.view_mut()).unwrap();
+            bf16_to_f32(&dev.download(&out).unwrap())
+        };
+        let (tma, direct) = (run(TmaStore), run(Direct));
+        let op = format!("gated {act:?} epilogue TMA {} ({m}x{n}x{k})", format.name());
+        check(&op, &tma, &cpu, TOL_BF16_OUT);
+        let d = n_differ(&tma, &direct);
+        println!("GEMM_EPILOGUE {op}: {d} of {} outputs differ from the direct epilogue", m * n);
+        assert_eq!(d, 0, "{op}: the TMA epilogue must give the direct epilogue's bits");
     }
 }
 

@@ -552,6 +552,70 @@ pub(super) const GEMM_THREADS: u32 = 384;
 /// Stages of (A 128x64 + B 256x64) bf16, the 2 x GEMM_STAGES mbarriers, and 1 KiB
 /// of slack for the kernel's 1024-byte alignment of the swizzled tiles.
 pub(super) const GEMM_SMEM_BYTES: usize = GEMM_STAGES * (GEMM_BM + GEMM_BN) * GEMM_BK * 2 + 2 * GEMM_STAGES * 8 + 1024;
+/// gemm_bf16_wgmma and the gated GEMMs (kernels/gemm_sm90a.cu GEMM_EPI_*): the
+/// stages, a 1 KiB block for the mbarriers, then the epilogue's 16 KiB shared buffer
+/// per consumer warpgroup, plus the 1 KiB of alignment slack.
+const GEMM_EPI_SMEM_BYTES: usize = 1024 + GEMM_STAGES * (GEMM_BM + GEMM_BN) * GEMM_BK * 2 + 1024 + 2 * 16384;
+
+/// How the wgmma GEMMs' epilogue writes the output tile (the same values either way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmEpilogue {
+    /// Each consumer thread stores its accumulators to global memory (the
+    /// residual add reads y first), the tensor cores idle meanwhile.
+    Direct,
+    /// Through a 128-byte-swizzled shared buffer and TMA stores (the residual
+    /// add as a TMA f32 reduce-add): the consumers go back to the next tile's
+    /// MMAs while the copies drain. Needs a 16-byte-aligned output with rows
+    /// of a multiple of 16 bytes; `Direct` otherwise.
+    TmaStore,
+}
+
+/// Whether a GEMM output at `ptr` with rows `ld_bytes` apart, each `row_bytes`
+/// written, takes the TMA-store epilogue: 16-byte aligned base and row stride, and
+/// rows of a multiple of 16 bytes (the TMA store does not clip a box at a row end
+/// inside a 16-byte unit: on the H200 an f32 output of N = 513 with ldy = 516 had
+/// its row gap written); `GemmEpilogue::Direct` otherwise.
+pub fn gemm_tma_store_fits(ptr: u64, ld_bytes: usize, row_bytes: usize) -> bool {
+    ptr % 16 == 0 && ld_bytes % 16 == 0 && row_bytes % 16 == 0
+}
+
+/// The default route's wgmma epilogues (the same output bits whichever; for timing
+/// comparisons): `INFERNIX_GEMM_EPILOGUE=direct` every GEMM `Direct`, `tma` every
+/// GEMM `TmaStore`, `tma-gated` the gated GEMM `TmaStore` and the f32 ones `Direct`;
+/// unset, `GEMM_EPILOGUE_DEFAULT` (f32 output) and `GEMM_GATED_EPILOGUE_DEFAULT`.
+pub const GEMM_EPILOGUE_ENV: &str = "INFERNIX_GEMM_EPILOGUE";
+/// The f32-output GEMMs' default epilogue: TMA stores, 1-4 % faster than direct
+/// stores on the 8B shapes and 10-33 % with the residual add (benches/gemm.rs,
+/// docs/performance.md "Issue 12: GEMM epilogue overlap").
+const GEMM_EPILOGUE_DEFAULT: GemmEpilogue = GemmEpilogue::TmaStore;
+/// The gated GEMM's default epilogue: direct stores, since its TMA epilogue measured
+/// 6-11 % slower on the 8B gate/up shape (same bench).
+const GEMM_GATED_EPILOGUE_DEFAULT: GemmEpilogue = GemmEpilogue::Direct;
+
+impl GemmEpilogue {
+    /// The epilogue of the f32-output GEMMs (`GEMM_EPILOGUE_ENV`).
+    pub fn from_env() -> Self {
+        match std::env::var(GEMM_EPILOGUE_ENV).as_deref() {
+            Ok("direct" | "tma-gated") => Self::Direct,
+            Ok("tma") => Self::TmaStore,
+            _ => GEMM_EPILOGUE_DEFAULT,
+        }
+    }
+    /// The epilogue of the gated GEMM (`GEMM_EPILOGUE_ENV`).
+    pub fn gated_from_env() -> Self {
+        match std::env::var(GEMM_EPILOGUE_ENV).as_deref() {
+            Ok("direct") => Self::Direct,
+            Ok("tma" | "tma-gated") => Self::TmaStore,
+            _ => GEMM_GATED_EPILOGUE_DEFAULT,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Direct => "direct stores",
+            Self::TmaStore => "TMA stores",
+        }
+    }
+}
 
 /// `GemmParams` of kernels/common.cuh (gemm_bf16_wgmma's one `__grid_constant__` parameter).
 #[repr(C)]
@@ -561,6 +625,8 @@ struct GemmParams {
     a: cudarc::driver::sys::CUtensorMap,
     /// W: (N, K) bf16, box (64, 256).
     b: cudarc::driver::sys::CUtensorMap,
+    /// y: (M, N) f32 with row stride ldy, box (32, 64) (store_tma only; else zeros).
+    y_map: cudarc::driver::sys::CUtensorMap,
     y: u64,
     ldy: i64,
     m: i32,
@@ -570,8 +636,10 @@ struct GemmParams {
     y_pairs: i32,
     /// 1: y += x · Wᵀ (the residual add in the epilogue); 0: y = x · Wᵀ.
     accumulate: i32,
+    /// 1: the epilogue through shared memory and TMA stores (GemmEpilogue::TmaStore).
+    store_tma: i32,
 }
-const _: () = assert!(size_of::<GemmParams>() == 384 && align_of::<GemmParams>() == 128);
+const _: () = assert!(size_of::<GemmParams>() == 512 && align_of::<GemmParams>() == 128);
 // SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
 unsafe impl cudarc::driver::DeviceRepr for GemmParams {}
 
@@ -585,15 +653,18 @@ struct GemmGatedParams {
     b_gate: cudarc::driver::sys::CUtensorMap,
     /// Wu: (n_ffn, K) bf16, box (64, 128).
     b_up: cudarc::driver::sys::CUtensorMap,
+    /// out: (M, n_ffn) bf16 with row stride ldo, box (64, 64) (store_tma only; else zeros).
+    out_map: cudarc::driver::sys::CUtensorMap,
     /// (M, ldo) bf16.
     out: u64,
     ldo: i64,
     m: i32,
     n_ffn: i32,
     k: i32,
-    pad_: i32,
+    /// 1: the epilogue through shared memory and TMA stores (GemmEpilogue::TmaStore).
+    store_tma: i32,
 }
-const _: () = assert!(size_of::<GemmGatedParams>() == 512 && align_of::<GemmGatedParams>() == 128);
+const _: () = assert!(size_of::<GemmGatedParams>() == 640 && align_of::<GemmGatedParams>() == 128);
 // SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
 unsafe impl cudarc::driver::DeviceRepr for GemmGatedParams {}
 
@@ -688,24 +759,50 @@ pub fn matmul_bf16_with(
 fn matmul_bf16_raw(dev: &CudaDevice, kernel: MatmulKernel, xp: u64, x_len: usize, m: usize, w: &QuantMatrix, y: DevViewMut<f32>, ldy: usize) -> Result<()> {
     match kernel {
         MatmulKernel::MmaSync => matmul_portable(dev, "bf16", xp, x_len, m, w, y, ldy),
-        MatmulKernel::Wgmma => wgmma_with_scratch(dev, xp, x_len, m, w, y, ldy, false),
+        MatmulKernel::Wgmma => wgmma_with_scratch(dev, GemmEpilogue::from_env(), xp, x_len, m, w, y, ldy, false),
     }
+}
+
+/// The bf16 matmul on the wgmma kernel with a chosen epilogue (tests and the GEMM
+/// benchmark compare them): `matmul_bf16_with(.., MatmulKernel::Wgmma, ..)` otherwise.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_wgmma_with(
+    dev: &CudaDevice,
+    epilogue: GemmEpilogue,
+    x: DevView<bf16>,
+    m: usize,
+    w: &QuantMatrix,
+    y: DevViewMut<f32>,
+    ldy: usize,
+    accumulate: bool,
+) -> Result<()> {
+    wgmma_with_scratch(dev, epilogue, x.ptr(), x.len(), m, w, y, ldy, accumulate)
 }
 
 /// The wgmma GEMM of x (m, K) bf16 at `xp` with W, a block-quantized W first
 /// dequantized to a bf16 scratch; `accumulate`: y += the product.
 #[allow(clippy::too_many_arguments)]
-fn wgmma_with_scratch(dev: &CudaDevice, xp: u64, x_len: usize, m: usize, w: &QuantMatrix, y: DevViewMut<f32>, ldy: usize, accumulate: bool) -> Result<()> {
+fn wgmma_with_scratch(
+    dev: &CudaDevice,
+    epilogue: GemmEpilogue,
+    xp: u64,
+    x_len: usize,
+    m: usize,
+    w: &QuantMatrix,
+    y: DevViewMut<f32>,
+    ldy: usize,
+    accumulate: bool,
+) -> Result<()> {
     check_matmul_shapes("matmul (wgmma)", x_len, xp, m, w, &y, ldy)?;
     if m == 0 || w.n_rows == 0 {
         return Ok(());
     }
     if w.format == TensorFormat::Bf16 {
-        return gemm_wgmma(dev, xp, m, w.data.view().ptr(), w.n_rows, w.n_cols, y, ldy, accumulate);
+        return gemm_wgmma(dev, epilogue, xp, m, w.data.view().ptr(), w.n_rows, w.n_cols, y, ldy, accumulate);
     }
     let mut scratch = dev.alloc_uninit::<bf16>(w.n_rows * w.n_cols)?;
     dequant_bf16(dev, w, scratch.view_mut())?;
-    gemm_wgmma(dev, xp, m, scratch.view().ptr(), w.n_rows, w.n_cols, y, ldy, accumulate)
+    gemm_wgmma(dev, epilogue, xp, m, scratch.view().ptr(), w.n_rows, w.n_cols, y, ldy, accumulate)
     // `scratch` is freed in stream order, after the GEMM that reads it.
 }
 
@@ -719,6 +816,22 @@ fn wgmma_with_scratch(dev: &CudaDevice, xp: u64, x_len: usize, m: usize, w: &Qua
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_gated_bf16(
     dev: &CudaDevice,
+    act: Activation,
+    x: DevView<bf16>,
+    m: usize,
+    gate: &QuantMatrix,
+    up: &QuantMatrix,
+    out: DevViewMut<bf16>,
+) -> Result<()> {
+    matmul_gated_bf16_with(dev, GemmEpilogue::gated_from_env(), act, x, m, gate, up, out)
+}
+
+/// `matmul_gated_bf16` with a chosen epilogue for the wgmma kernel (tests and the
+/// GEMM benchmark compare them; the mma.sync route has none).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_gated_bf16_with(
+    dev: &CudaDevice,
+    epilogue: GemmEpilogue,
     act: Activation,
     x: DevView<bf16>,
     m: usize,
@@ -760,25 +873,29 @@ pub fn matmul_gated_bf16(
     let gp = sg.as_ref().map_or(gate.data.view().ptr(), |s| s.view().ptr());
     let upp = su.as_ref().map_or(up.data.view().ptr(), |s| s.view().ptr());
     let half_rows = (GEMM_BN / 2) as u32;
+    // TMA stores: 64 x 64 bf16 boxes, rows of n_ffn bf16 a multiple of 16 bytes.
+    let tma = epilogue == GemmEpilogue::TmaStore && gemm_tma_store_fits(out.ptr(), n * 2, n * 2);
     let params = GemmGatedParams {
         a: tensor_map_bf16(x.ptr(), m, k, GEMM_BM as u32)?,
         b_gate: tensor_map_bf16(gp, n, k, half_rows)?,
         b_up: tensor_map_bf16(upp, n, k, half_rows)?,
+        out_map: if tma { output_map(TmaElem::Bf16, out.ptr(), m, n, n, 64)? } else { zero_tensor_map() },
         out: out.ptr(),
         ldo: n as i64,
         m: i32_of(m, "M")?,
         n_ffn: i32_of(n, "n_ffn")?,
         k: i32_of(k, "K")?,
-        pad_: 0,
+        store_tma: i32::from(tma),
     };
-    let f = wgmma_func(dev, name)?;
+    let f = wgmma_func_with(dev, name, GEMM_EPI_SMEM_BYTES)?;
     let grid = wgmma_grid(dev, name, m.div_ceil(GEMM_BM) * n.div_ceil(GEMM_BN / 2))?;
     let mut b = dev.stream().launch_builder(f);
     b.arg(&params);
     // SAFETY: `params` mirrors GemmGatedParams of kernels/common.cuh (size asserted); the tensor
     // maps cover x (m, k), Wg and Wu (n, k) (shapes checked above); out holds (m, n) bf16,
-    // 4-byte aligned with n even (checked), as the epilogue's paired stores need.
-    unsafe { b.launch(cfg((grid, 1, 1), GEMM_THREADS, GEMM_SMEM_BYTES as u32)) }.map_err(|e| launch_err(name, e))?;
+    // 4-byte aligned with n even (checked), as the epilogue's paired stores need, and
+    // out_map covers the same (16-byte aligned, n % 8 == 0) when store_tma is 1.
+    unsafe { b.launch(cfg((grid, 1, 1), GEMM_THREADS, GEMM_EPI_SMEM_BYTES as u32)) }.map_err(|e| launch_err(name, e))?;
     drop((sg, su));
     Ok(())
 }
@@ -868,7 +985,7 @@ pub fn matmul_add_bf16(dev: &CudaDevice, x: DevView<bf16>, m: usize, w: &QuantMa
     let n = w.n_rows;
     ensure!(y.len() == m * n, "matmul_add: y has {} elements, m * N = {m} * {n}", y.len());
     match bf16_kernel_for(dev, m, n) {
-        MatmulKernel::Wgmma => wgmma_with_scratch(dev, x.ptr(), x.len(), m, w, y, n, true),
+        MatmulKernel::Wgmma => wgmma_with_scratch(dev, GemmEpilogue::from_env(), x.ptr(), x.len(), m, w, y, n, true),
         MatmulKernel::MmaSync => {
             let mut t = dev.alloc_uninit::<f32>(m * n)?;
             matmul_portable(dev, "bf16", x.ptr(), x.len(), m, w, t.view_mut(), n)?;
@@ -932,25 +1049,59 @@ pub(super) fn tensor_map_bf16(ptr: u64, rows: usize, k: usize, box_rows: u32) ->
         .with_context(|| format!("tensor map of {rows} x {k} bf16, box 64 x {box_rows}"))
 }
 
-/// cuTensorMapEncodeTiled for a bf16 tensor of rank R at `ptr`: `dims` innermost
-/// first, `strides` the bytes between consecutive indices of dims 1.. R - 1, `boxes`
-/// the box per dim; 128-byte swizzle, zeros outside the tensor, L2 promotion 256 B.
-fn encode_bf16_map<const R: usize, const S: usize>(ptr: u64, dims: [u64; R], strides: [u64; S], boxes: [u32; R]) -> Result<cudarc::driver::sys::CUtensorMap> {
-    use cudarc::driver::sys::{CUtensorMapDataType, CUtensorMapSwizzle};
-    encode_map(CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B, ptr, dims, strides, boxes)
+/// Element type of a tensor map.
+#[derive(Debug, Clone, Copy)]
+enum TmaElem {
+    Bf16,
+    F32,
+    /// Raw bytes (a coded KV cache's rows).
+    U8,
 }
 
-/// [`encode_bf16_map`] for any element type and swizzle.
-fn encode_map<const R: usize, const S: usize>(
-    dtype: cudarc::driver::sys::CUtensorMapDataType,
-    swizzle: cudarc::driver::sys::CUtensorMapSwizzle,
-    ptr: u64,
-    dims: [u64; R],
-    strides: [u64; S],
-    boxes: [u32; R],
-) -> Result<cudarc::driver::sys::CUtensorMap> {
+impl TmaElem {
+    fn bytes(self) -> usize {
+        match self {
+            Self::U8 => 1,
+            Self::Bf16 => 2,
+            Self::F32 => 4,
+        }
+    }
+}
+
+/// The tensor map of a GEMM epilogue's TMA stores: a row-major (rows, cols)
+/// output with row stride `ld` elements, boxes of 128 bytes (one swizzled row)
+/// x `box_rows` rows.
+fn output_map(elem: TmaElem, ptr: u64, rows: usize, cols: usize, ld: usize, box_rows: u32) -> Result<cudarc::driver::sys::CUtensorMap> {
+    let e = elem.bytes();
+    ensure!(ptr % 16 == 0 && (ld * e) % 16 == 0 && ld >= cols, "output tensor map: base {ptr:#x} or row stride {ld} not 16-byte aligned");
+    encode_map(elem, true, ptr, [cols as u64, rows as u64], [(ld * e) as u64], [(128 / e) as u32, box_rows])
+        .with_context(|| format!("output tensor map of {rows} x {cols} {elem:?} (stride {ld})"))
+}
+
+/// The placeholder map of a kernel parameter its launch does not use.
+fn zero_tensor_map() -> cudarc::driver::sys::CUtensorMap {
+    // SAFETY: CUtensorMap is plain bytes (an opaque array); all-zero is a valid value,
+    // never handed to a TMA instruction (store_tma 0).
+    unsafe { std::mem::zeroed() }
+}
+
+/// cuTensorMapEncodeTiled for a bf16 tensor of rank R at `ptr` (`encode_map`).
+fn encode_bf16_map<const R: usize, const S: usize>(ptr: u64, dims: [u64; R], strides: [u64; S], boxes: [u32; R]) -> Result<cudarc::driver::sys::CUtensorMap> {
+    encode_map(TmaElem::Bf16, true, ptr, dims, strides, boxes)
+}
+
+/// cuTensorMapEncodeTiled for a tensor of rank R at `ptr`: `dims` innermost
+/// first, `strides` the bytes between consecutive indices of dims 1.. R - 1, `boxes`
+/// the box per dim; 128-byte swizzle (or none), zeros outside the tensor, L2 promotion 256 B.
+fn encode_map<const R: usize, const S: usize>(elem: TmaElem, swizzle_128b: bool, ptr: u64, dims: [u64; R], strides: [u64; S], boxes: [u32; R]) -> Result<cudarc::driver::sys::CUtensorMap> {
     use cudarc::driver::sys;
     const { assert!(S + 1 == R, "a tensor map of rank R has R - 1 strides") };
+    let dtype = match elem {
+        TmaElem::Bf16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        TmaElem::F32 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+        TmaElem::U8 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+    };
+    let swizzle = if swizzle_128b { sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B } else { sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE };
     let elem_strides = [1u32; R];
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
     // SAFETY: dims, boxes and elem_strides have the rank's length R, strides R - 1
@@ -978,8 +1129,12 @@ fn encode_map<const R: usize, const S: usize>(
 
 /// A wgmma GEMM kernel with its dynamic shared memory raised to GEMM_SMEM_BYTES.
 pub(super) fn wgmma_func<'a>(dev: &'a CudaDevice, name: &str) -> Result<&'a CudaFunction> {
+    wgmma_func_with(dev, name, GEMM_SMEM_BYTES)
+}
+
+/// A wgmma GEMM kernel with its dynamic shared memory raised to `smem` bytes.
+fn wgmma_func_with<'a>(dev: &'a CudaDevice, name: &str, smem: usize) -> Result<&'a CudaFunction> {
     let f = func(dev, name)?;
-    let smem = GEMM_SMEM_BYTES;
     ensure!(
         smem <= dev.info().max_smem_per_block_bytes as usize,
         "{name}: needs {smem} bytes of shared memory, the device allows {}",
@@ -998,12 +1153,26 @@ pub(super) fn wgmma_grid(dev: &CudaDevice, name: &str, n_tiles: usize) -> Result
 
 /// y = x · Wᵀ on gemm_bf16_wgmma: x (m, k) bf16 at `xp`, W (n, k) bf16 at `wp`.
 #[allow(clippy::too_many_arguments)]
-fn gemm_wgmma(dev: &CudaDevice, xp: u64, m: usize, wp: u64, n: usize, k: usize, y: DevViewMut<f32>, ldy: usize, accumulate: bool) -> Result<()> {
-    let f = wgmma_func(dev, GEMM_WGMMA_KERNEL)?;
-    let smem = GEMM_SMEM_BYTES;
+fn gemm_wgmma(
+    dev: &CudaDevice,
+    epilogue: GemmEpilogue,
+    xp: u64,
+    m: usize,
+    wp: u64,
+    n: usize,
+    k: usize,
+    y: DevViewMut<f32>,
+    ldy: usize,
+    accumulate: bool,
+) -> Result<()> {
+    let smem = GEMM_EPI_SMEM_BYTES;
+    let f = wgmma_func_with(dev, GEMM_WGMMA_KERNEL, smem)?;
+    // TMA stores: 64 x 32 f32 boxes, rows of ldy f32 a multiple of 16 bytes.
+    let tma = epilogue == GemmEpilogue::TmaStore && gemm_tma_store_fits(y.ptr(), ldy * 4, n * 4);
     let params = GemmParams {
         a: tensor_map_bf16(xp, m, k, GEMM_BM as u32)?,
         b: tensor_map_bf16(wp, n, k, GEMM_BN as u32)?,
+        y_map: if tma { output_map(TmaElem::F32, y.ptr(), m, n, ldy, 64)? } else { zero_tensor_map() },
         y: y.ptr(),
         ldy: ldy as i64,
         m: i32_of(m, "M")?,
@@ -1011,13 +1180,15 @@ fn gemm_wgmma(dev: &CudaDevice, xp: u64, m: usize, wp: u64, n: usize, k: usize, 
         k: i32_of(k, "K")?,
         y_pairs: i32::from(ldy % 2 == 0 && y.ptr() % 8 == 0),
         accumulate: i32::from(accumulate),
+        store_tma: i32::from(tma),
     };
     // Persistent: one block per SM (its shared memory allows no second), each looping over tiles.
     let grid = wgmma_grid(dev, GEMM_WGMMA_KERNEL, m.div_ceil(GEMM_BM) * n.div_ceil(GEMM_BN))?;
     let mut b = dev.stream().launch_builder(f);
     b.arg(&params);
     // SAFETY: `params` mirrors GemmParams of kernels/common.cuh (size asserted); the tensor maps
-    // cover x (m, k) and W (n, k), which the callers checked; y covers (m, ldy) with ldy >= n.
+    // cover x (m, k) and W (n, k), which the callers checked; y covers (m, ldy) with ldy >= n,
+    // and so does y_map (16-byte aligned, checked) when store_tma is 1.
     unsafe { b.launch(cfg((grid, 1, 1), GEMM_THREADS, smem as u32)) }.map_err(|e| launch_err(GEMM_WGMMA_KERNEL, e))?;
     Ok(())
 }
@@ -1523,12 +1694,11 @@ fn tensor_map_kv(ptr: u64, d_head: usize, kv_len: usize, n_ctx: usize, n_slabs: 
 /// `row_bytes`) seen as (row_bytes, kv_len, n_slabs): rows at or past kv_len read as
 /// zeros; boxes of one tile of whole rows (row_bytes, ATTN_V3_BN, 1), no swizzle.
 fn tensor_map_kv_coded(ptr: u64, row_bytes: usize, kv_len: usize, n_ctx: usize, n_slabs: usize) -> Result<cudarc::driver::sys::CUtensorMap> {
-    use cudarc::driver::sys::{CUtensorMapDataType, CUtensorMapSwizzle};
     ensure!(ptr % 16 == 0 && row_bytes % 16 == 0 && row_bytes <= 256, "attention v3: coded cache base {ptr:#x} or rows of {row_bytes} bytes not 16-byte aligned (or over 256)");
     let dims = [row_bytes as u64, kv_len as u64, n_slabs as u64];
     let strides = [row_bytes as u64, (n_ctx * row_bytes) as u64];
     let boxes = [row_bytes as u32, ATTN_V3_BN as u32, 1];
-    encode_map(CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8, CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE, ptr, dims, strides, boxes)
+    encode_map(TmaElem::U8, false, ptr, dims, strides, boxes)
         .with_context(|| format!("attention v3: tensor map of a coded cache of {n_slabs} x {kv_len} (of {n_ctx}) rows of {row_bytes} bytes"))
 }
 
@@ -2027,7 +2197,7 @@ pub fn lm_head<X: MatmulInput>(
             Some(wb) if wgmma_tile(rows) => {
                 let y = scratch.slice_mut(0..rows * n_vocab)?;
                 check_matmul_shapes("lm_head (wgmma)", h_tile.len(), h_tile.ptr(), rows, emb, &y, n_vocab)?;
-                gemm_wgmma(dev, h_tile.ptr(), rows, wb.view().ptr(), n_vocab, d_model, y, n_vocab, false)?;
+                gemm_wgmma(dev, GemmEpilogue::from_env(), h_tile.ptr(), rows, wb.view().ptr(), n_vocab, d_model, y, n_vocab, false)?;
             }
             _ => matmul::<X>(dev, h_tile, rows, emb, scratch.slice_mut(0..rows * n_vocab)?, n_vocab)?,
         }
