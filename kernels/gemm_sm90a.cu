@@ -25,8 +25,9 @@
 // in the m64nNk16 layout (warp w of the warpgroup holds rows 16w..16w+15;
 // lane (g = lane/4, t = lane%4) holds rows g and g+8, columns 8j+2t, 8j+2t+1
 // for j < 32). Two epilogues, the same values (store_tma):
-//   - TMA stores (the default where y is 16-byte aligned with rows a multiple
-//     of 16 bytes): each consumer writes its 64 rows into its own 16 KiB
+//   - TMA stores (the f32-output GEMMs' default where y is 16-byte aligned
+//     with rows a multiple of 16 bytes, ops::gemm_tma_store_fits; the gated
+//     GEMM defaults to direct stores, measured faster): each consumer writes its 64 rows into its own 16 KiB
 //     128-byte-swizzled shared buffer (after the stages and the mbarriers),
 //     fences it for the async proxy, and one thread hands it to
 //     cp.async.bulk.tensor stores (cp.reduce.async.bulk.tensor .add for

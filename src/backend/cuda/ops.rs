@@ -1544,7 +1544,7 @@ impl AttnKernel {
                  rounding (V)), tile n + 1 between tile n's MMAs, 8 warps per block for a quantized cache up to \
                  d_head 128; Hadamard-rotated \
                  K: q rotated (f32) in the kernel before its rounding; rotated V: the output rotated back (f32); \
-                 on a compute capability 9.0 device a cache of ops::ATTN_V3_DEFAULT_KV (bf16, fp8) at the head sizes of \
+                 on a compute capability 9.0 device a cache of ops::ATTN_V3_DEFAULT_KV (bf16, fp8, int8) at the head sizes of \
                  ops::ATTN_V3_DEFAULT_HEAD_DIMS runs kernel v3 (attn_wgmma) instead"
             }
             Self::V3 => {
@@ -1607,8 +1607,9 @@ pub const ATTN_V3_DEFAULT_HEAD_DIMS: &[usize] = &[64, 128];
 /// (2026-12-01, attnq5; v2: attnq4's call): ctx 4096 d 128 249.1 / 147.7, d 64 241.1
 /// / 109.5; ctx 512 d 128 139.2 / 90.0, d 64 130.7 / 69.1. int8 on v3 measured as fast
 /// (247.1 / 235.5 / 137.8 / 127.6 against v2's 145.0 / 109.2 / 88.3 / 68.8 in the same
-/// call) but its parity cases have not run on the device yet, so int8 stays on v2.
-pub const ATTN_V3_DEFAULT_KV: &[&str] = &["bf16", "fp8"];
+/// call); its parity cases (gpu_ops attention_v3_coded_against_cpu_backend) ran in the
+/// merged tree's device call of 2026-12-01 (docs/performance.md).
+pub const ATTN_V3_DEFAULT_KV: &[&str] = &["bf16", "fp8", "int8"];
 
 /// Head sizes of kernel v3 (`attn_wgmma_d<D>_<kv>_<out>`).
 const ATTN_V3_HEAD_DIMS: [usize; 2] = [64, 128];
