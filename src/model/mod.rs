@@ -706,7 +706,10 @@ pub fn load_model(artifact: &Artifact, kind: BackendKind, rope_yarn_factor: f64)
                 "--reproducible is not qualified on the CUDA backend yet (no test shows its scores independent of \
                  batching and prefill chunk): add --backend cpu"
             );
-            let backend = CudaBackend::open(device, route, spec.kv_format).context("backend cuda")?;
+            let mut backend = CudaBackend::open(device, route, spec.kv_format).context("backend cuda")?;
+            if let Some(kernel) = crate::backend::cuda::delta_net::DeltaScan::for_fast_paths(&spec.fast_paths)? {
+                backend.set_delta_scan(kernel);
+            }
             Ok(Box::new(Transformer::load(backend, artifact)?.with_rope_yarn(rope_yarn_factor)?))
         }
     }
