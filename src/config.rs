@@ -439,7 +439,13 @@ mod tests {
     #[test]
     fn route_flags_are_checked() {
         let err = |extra: &[&str]| cfg(extra).unwrap_err().to_string();
-        assert!(err(&["--fast-path", "int8-attn"]).contains("--fast-path int8-attn: no such fast path (none exist yet)"));
+        assert!(err(&["--fast-path", "int8-attn"])
+            .contains("--fast-path int8-attn: no such fast path (valid: delta-chunk-tf32, delta-chunk-3xtf32)"));
+        assert_eq!(cfg(&["--fast-path", "delta-chunk-tf32"]).unwrap().execution.fast_paths, vec!["delta-chunk-tf32".to_string()]);
+        for flag in ["--lossless", "--reproducible", "--reference"] {
+            let e = err(&["--fast-path", "delta-chunk-3xtf32", flag]);
+            assert!(e.contains(&format!("--fast-path delta-chunk-3xtf32 with {flag}")), "{e}");
+        }
         let e = err(&["--use-original-int8-prefill-kernel"]);
         assert!(e.contains("needs --kv-dtype int8") && e.contains("fp8"), "{e}");
         let e = err(&["--use-original-int8-prefill-kernel", "--kv-dtype", "int8"]);

@@ -537,7 +537,8 @@ fn tiny_qwen3moe_on_cuda_matches_the_cpu_and_its_expert_usage() {
 /// 0.06 mean), each window's mean NLL within 1e-4 (FP32) and 0.06 (default) of
 /// the CPU's, the FP32 route's expert usage equal to the CPU's (at most 2 % of
 /// the routings moved on the default route, as for qwen3moe), and a second GPU
-/// run bit-identical.
+/// run bit-identical. The default route runs its default DeltaNet scan (the
+/// 3xtf32 chunks), the FP32 route the exact one.
 #[test]
 fn tiny_qwen3next_on_cuda_matches_the_cpu_over_passes() {
     let t = tiny(Architecture::Qwen3Next, 37);
@@ -736,6 +737,77 @@ fn reproducible_scores_do_not_depend_on_batching_or_prefill_chunk() {
             ));
             if pinned && !differ.is_empty() {
                 failures.push(format!("{setting}: {n_targets_differ} target NLLs differ from the window alone in one pass ({})", differ.join(", ")));
+            }
+
+/// The chunked DeltaNet scans (fast paths `delta-chunk-tf32` and
+/// `delta-chunk-3xtf32`) inside the tiny qwen3next model against the oracle,
+/// the CPU backend (the exact f64 recurrence, f32 elsewhere), on the FP32
+/// route (where the exact kernel agrees with the CPU within 1e-4): three
+/// windows of 48 tokens in one pass and in passes of 16 and 7, and a longer
+/// synthetic sequence, two windows of 2048 tokens (context 4096) in passes of
+/// 512. Every window's mean NLL must stay within 0.005 nats and the overall
+/// mean NLL within 0.1 % of the oracle's: the default route's bound
+/// (`real_model`), which decides whether a fast path may be on by default.
+/// The same scans on the default route are compared with the exact kernel on
+/// that route (printed: the fast path's own share of the difference), and the
+/// route's default scan (`DeltaScan::default_for`, 3xtf32) must keep that
+/// share within the same bound, the condition for being on by default.
+#[test]
+fn tiny_qwen3next_chunked_delta_scan_within_the_default_bound() {
+    use infernix_perplexity::backend::cuda::delta_net::DeltaScan;
+    let mut hp = tiny_hparams(Architecture::Qwen3Next);
+    hp.context_length = 4096;
+    let t = tiny_with(Architecture::Qwen3Next, hp, 37);
+    let n_vocab = t.hp.n_vocab as u32;
+    let short: Vec<Vec<u32>> = (0..3u32).map(|w| (0..48u32).map(|j| (j * 53 + 11 + w * 97) % n_vocab).collect()).collect();
+    let long: Vec<Vec<u32>> = (0..2u32).map(|w| (0..2048u32).map(|j| (j * 53 + 11 + w * 97 + j / 7) % n_vocab).collect()).collect();
+    let sets: [(&str, &Vec<Vec<u32>>, Vec<Option<usize>>); 2] =
+        [("3 x 48 tokens", &short, vec![None, Some(16), Some(7)]), ("2 x 2048 tokens", &long, vec![Some(512)])];
+    if !have_gpu() {
+        return;
+    }
+    let mut failures = Vec::new();
+    for (label, tokens, chunks) in &sets {
+        let inputs: Vec<WindowInput> = tokens.iter().map(|tk| WindowInput { tokens: tk, first_target: 2, extra_ids: &[] }).collect();
+        let one_pass = ScoreOptions { top_k: 0, prefill_chunk: None };
+        let exact = load_tiny(CpuBackend::default(), &t).score_windows(&inputs, &one_pass).expect("cpu");
+        let mean = |v: &[TargetScore]| v.iter().map(|s| s.nll).sum::<f64>() / v.len() as f64;
+        let overall = |w: &[Vec<TargetScore>]| w.iter().flatten().map(|s| s.nll).sum::<f64>() / w.iter().map(Vec::len).sum::<usize>() as f64;
+        for kernel in [DeltaScan::ChunkTf32, DeltaScan::Chunk3xTf32] {
+            for (route, kv) in [(Route::Fp32, KvDtype::F32), (Route::Bf16TensorCore, KvDtype::Bf16)] {
+                // The exact kernel on this route, one pass: the fast path's own share of the difference.
+                let mut exact_b = CudaBackend::open(device_index(), route, kv).expect("open GPU");
+                exact_b.set_delta_scan(DeltaScan::Exact);
+                let on_route = load_tiny(exact_b, &t)
+                    .score_windows(&inputs, &one_pass)
+                    .expect("gpu exact");
+                for chunk in chunks {
+                    let mut b = CudaBackend::open(device_index(), route, kv).expect("open GPU");
+                    b.set_delta_scan(kernel);
+                    let got = load_tiny(b, &t).score_windows(&inputs, &ScoreOptions { top_k: 0, prefill_chunk: *chunk }).expect("gpu chunked");
+                    let d_window = got.iter().zip(&exact).map(|(g, e)| (mean(g) - mean(e)).abs()).fold(0.0, f64::max);
+                    let d_overall = (overall(&got) - overall(&exact)).abs() / overall(&exact);
+                    let d_route = got.iter().zip(&on_route).map(|(g, e)| (mean(g) - mean(e)).abs()).fold(0.0, f64::max);
+                    let d_max = got.iter().zip(&on_route).map(|(g, e)| max_diffs(g, e).0).fold(0.0, f64::max);
+                    let setting = format!(
+                        "qwen3next {label} {kernel:?} route {} passes of {}",
+                        route.name(),
+                        chunk.map_or("all".into(), |c| c.to_string())
+                    );
+                    report(format!(
+                        "tiny {setting}: vs the CPU oracle worst window mean-NLL diff {d_window:.3e}, overall {:.4} %; vs the exact \
+                         kernel on the route worst window {d_route:.3e}, max |dNLL| {d_max:.3e}",
+                        d_overall * 100.0
+                    ));
+                    if route == Route::Fp32 && (d_window > 0.005 || d_overall > 0.001) {
+                        failures.push(format!("{setting}: window {d_window:.3e} (bound 0.005), overall {:.4} % (bound 0.1 %)", d_overall * 100.0));
+                    }
+                    // The default route's own scan: its share of that route's difference within the bound.
+                    let d_route_overall = (overall(&got) - overall(&on_route)).abs() / overall(&on_route);
+                    if kernel == DeltaScan::default_for(route) && (d_route > 0.005 || d_route_overall > 0.001) {
+                        failures.push(format!("{setting}: vs the exact kernel window {d_route:.3e} (bound 0.005), overall {:.4} %", d_route_overall * 100.0));
+                    }
+                }
             }
         }
     }

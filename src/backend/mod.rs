@@ -609,10 +609,20 @@ impl Precision {
     }
 }
 
+/// The chunked Gated DeltaNet scan with tf32 tensor-core products (CUDA;
+/// kernels/delta_net.cu `delta_net_chunk_tf32`).
+pub const FAST_PATH_DELTA_CHUNK_TF32: &str = "delta-chunk-tf32";
+/// The chunked Gated DeltaNet scan with 3xtf32 products (about f32 accuracy;
+/// `delta_net_chunk_3xtf32`): on by default on the CUDA default route, where it
+/// stays within that route's bound (docs/performance.md); naming it forces it
+/// (heads it does not take are then an error rather than the exact scan).
+pub const FAST_PATH_DELTA_CHUNK_3XTF32: &str = "delta-chunk-3xtf32";
+
 /// Named fast paths: kernels that change rounding for speed, each qualified
-/// per configuration. None exists yet; `--fast-path NAME` rejects every name
-/// and lists this table.
-pub const FAST_PATHS: &[&str] = &[];
+/// per configuration (docs/performance.md); `--fast-path NAME` forces one,
+/// rejects names not in this table (listing it) and refuses every one under
+/// `--lossless`, `--reference` and `--reproducible`.
+pub const FAST_PATHS: &[&str] = &[FAST_PATH_DELTA_CHUNK_TF32, FAST_PATH_DELTA_CHUNK_3XTF32];
 
 /// Tokens of one prompt-attention wave of the kernel that stores the
 /// quantized KV formats: the query rows one launch of the CUDA prefill

@@ -33,7 +33,7 @@ pub mod ops;
 
 use std::borrow::Cow;
 
-use anyhow::{ensure, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use half::bf16;
 use rayon::prelude::*;
 
@@ -139,6 +139,9 @@ impl CpuBackend {
             spec.matmul_inputs.name(),
             spec.lm_head_inputs.name()
         );
+        if let Some(name) = spec.fast_paths.first() {
+            bail!("--fast-path {name}: the CPU backend runs no fast path (they are CUDA kernels): drop it or use --backend cuda");
+        }
         Ok(Self {
             bf16_matmul_inputs: spec.matmul_inputs == Precision::Bf16,
             kv_format: spec.kv_format,

@@ -215,6 +215,11 @@ pub struct CudaBackend {
     opts: RouteOptions,
     /// q, k, v in one GEMM where it applies (off by default; [`CudaBackend::set_fused_qkv`]).
     fuse_qkv: bool,
+    /// The Gated DeltaNet scan kernel: by route (3xtf32 chunks on the default
+    /// route, exact on FP32) unless forced ([`CudaBackend::set_delta_scan`]).
+    delta_scan: super::delta_net::DeltaScan,
+    /// `delta_scan` was forced: heads it does not take are an error, not the exact scan.
+    delta_scan_forced: bool,
     /// Positions 0..len as i32 (RoPE reads a sub-range), grown on demand.
     positions: RefCell<Option<DeviceBuffer<i32>>>,
     /// RoPE (cos, sin) tables `(n_pos, n_rot/2)` pairs, one per set of frequencies
@@ -334,6 +339,8 @@ impl CudaBackend {
             kv_dtype,
             opts,
             fuse_qkv: false,
+            delta_scan: super::delta_net::DeltaScan::default_for(route),
+            delta_scan_forced: false,
             positions: RefCell::new(None),
             rope_tables: RefCell::new(Vec::new()),
             head_scratch: RefCell::new(None),
@@ -347,6 +354,25 @@ impl CudaBackend {
     /// (tests/gpu_e2e.rs compares the two through whole windows).
     pub fn set_fused_qkv(&mut self, on: bool) {
         self.fuse_qkv = on;
+    }
+
+    /// Forces the kernel of the Gated DeltaNet recurrence (`--fast-path`, tests):
+    /// a chunked one then refuses heads it does not take instead of running the
+    /// exact scan there.
+    pub fn set_delta_scan(&mut self, kernel: super::delta_net::DeltaScan) {
+        self.delta_scan = kernel;
+        self.delta_scan_forced = true;
+    }
+
+    /// The scan a layer of `d_k` x `d_v` heads runs: the chosen one, or the
+    /// exact one where the route's default chunked scan does not take the heads.
+    pub fn delta_scan_for(&self, d_k: usize, d_v: usize) -> super::delta_net::DeltaScan {
+        use super::delta_net::{chunk_supports, DeltaScan};
+        if self.delta_scan != DeltaScan::Exact && !self.delta_scan_forced && chunk_supports(d_k, d_v).is_err() {
+            DeltaScan::Exact
+        } else {
+            self.delta_scan
+        }
     }
 
     pub fn device(&self) -> &CudaDevice {
@@ -1117,6 +1143,11 @@ impl Backend for CudaBackend {
             kv_dtype: self.kv_dtype.name().into(),
             route: self.route.name().into(),
             details: serde_json::json!({
+                "delta_net_scan": if self.delta_scan_forced || self.delta_scan == super::delta_net::DeltaScan::Exact {
+                    format!("{} (forced: {})", self.delta_scan.describe(), self.delta_scan_forced)
+                } else {
+                    format!("{} (this route's default; heads it does not take run the exact scan)", self.delta_scan.describe())
+                },
                 "compute_capability": format!("{}.{}", info.compute_capability.0, info.compute_capability.1),
                 "n_sms": info.n_sms,
                 "total_mem_bytes": info.total_mem_bytes,

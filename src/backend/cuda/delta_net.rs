@@ -1,18 +1,21 @@
 //! Qwen3-Next's Gated DeltaNet mixing step and its sigmoid gates on CUDA
 //! ([`Backend::delta_net`] and [`Backend::sigmoid_mul`] of
-//! [`CudaBackend`]), kernels/delta_net.cu: the typed launchers of its three
-//! kernels (`delta_net_conv`, `delta_net_scan`, `sigmoid_mul_*`) and the
-//! backend methods built on them.
+//! [`CudaBackend`]), kernels/delta_net.cu: the typed launchers of its kernels
+//! (`delta_net_conv`, the scans `delta_net_scan` and `delta_net_chunk_*` with
+//! `delta_net_gated_norm`, `sigmoid_mul_*`), the choice of scan
+//! ([`DeltaScan`]) and the backend methods built on them.
 //!
-//! The recurrence is the exact per-token one the CPU oracle defines
+//! The exact scan is the per-token recurrence the CPU oracle defines
 //! (`backend::cpu::delta_net`), in its order of operations and in f64, with
 //! the head's state in shared memory; the convolution, gates and gated RMSNorm
-//! round once to f32 as the CPU does. The carried state stays on the device
+//! round once to f32 as the CPU does. The chunked scans (fast paths
+//! `delta-chunk-tf32`, `delta-chunk-3xtf32`; the 3xtf32 one is the default
+//! route's) run 64 tokens per step on the tensor cores with an f32 state and
+//! round differently (bounds measured in docs/performance.md). The carried state stays on the device
 //! ([`CudaRecurrent`]: the windows' convolution histories in f32 and their
 //! recurrent states in f64, the CPU oracle's [`RecurrentState`] values), so a
 //! pass neither uploads nor downloads it; it is read back only on request
-//! (`Backend::recurrent_states`, for tests). The chunked tensor-core form of
-//! the scan is not implemented.
+//! (`Backend::recurrent_states`, for tests).
 //!
 //! This module does not do the input and output projections (matmuls of the
 //! model code) and does not route experts (`moe`).
@@ -23,11 +26,13 @@
 use anyhow::{ensure, Context, Result};
 use cudarc::driver::PushKernelArg;
 
-use super::backend::{CudaAct, CudaBackend};
+use super::backend::{CudaAct, CudaBackend, Route};
 use super::buffer::{DevView, DevViewMut, DeviceBuffer};
 use super::device::CudaDevice;
 use super::ops::{cfg, func, grid_1d, i32_of, launch_err};
-use crate::backend::{DeltaNetParams, DeltaNetWeights, PassRows, RecurrentState};
+use crate::backend::{
+    DeltaNetParams, DeltaNetWeights, PassRows, RecurrentState, FAST_PATH_DELTA_CHUNK_3XTF32, FAST_PATH_DELTA_CHUNK_TF32,
+};
 
 /// The carried state of one DeltaNet layer for the `n_seqs` windows of a
 /// pass, in device memory ([`Backend::Recurrent`](crate::backend::Backend::Recurrent) of
@@ -187,55 +192,137 @@ pub fn conv(
     Ok(())
 }
 
-/// The gated delta rule and the gated RMSNorm of every value head of every
-/// window (see kernels/delta_net.cu): `mixed` `(n, conv_channels)`, `z` `(n,
-/// n_v_heads * d_v)`, `ba` `(n, 2 * n_v_heads)`, `state` `(n_seqs, n_v_heads,
-/// d_k, d_v)` f64 (updated). -> `out` `(n, n_v_heads * d_v)`.
+/// Which kernel runs the Gated DeltaNet recurrence (`Backend::delta_net` of
+/// [`CudaBackend`]): the exact one, or a chunked tensor-core fast path (named in
+/// [`crate::backend::FAST_PATHS`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeltaScan {
+    /// `delta_net_scan`: the exact per-token recurrence in f64, the oracle's order
+    /// (the FP32 route's, `--lossless`).
+    Exact,
+    /// `delta_net_chunk_tf32`: chunks of [`CHUNK_TOKENS`], tf32 mma.sync products, f32
+    /// state; only forced (its measured share of the tiny model's difference on the
+    /// default route exceeds that route's 0.005-nat bound: docs/performance.md).
+    ChunkTf32,
+    /// `delta_net_chunk_3xtf32`: the same with each product as three tf32 products
+    /// (about f32 accuracy); the default route's scan (within its bound, measured).
+    Chunk3xTf32,
+}
+
+impl DeltaScan {
+    /// The fast path of each chunked kernel.
+    const BY_FAST_PATH: [(&'static str, DeltaScan); 2] =
+        [(FAST_PATH_DELTA_CHUNK_TF32, DeltaScan::ChunkTf32), (FAST_PATH_DELTA_CHUNK_3XTF32, DeltaScan::Chunk3xTf32)];
+
+    /// The scan of `route` when none is forced: the 3xtf32 chunks on the default
+    /// (bf16 tensor-core) route, the exact recurrence on FP32 (`--lossless`).
+    pub fn default_for(route: Route) -> Self {
+        match route {
+            Route::Bf16TensorCore => Self::Chunk3xTf32,
+            Route::Fp32 => Self::Exact,
+        }
+    }
+
+    /// The kernel the forced fast paths `names` (`--fast-path`) select, if one
+    /// of the chunked ones is named; both named is an error.
+    pub fn for_fast_paths(names: &[String]) -> Result<Option<Self>> {
+        let chosen: Vec<DeltaScan> =
+            Self::BY_FAST_PATH.iter().filter(|(n, _)| names.iter().any(|x| x == n)).map(|(_, k)| *k).collect();
+        ensure!(
+            chosen.len() <= 1,
+            "--fast-path {FAST_PATH_DELTA_CHUNK_TF32} and --fast-path {FAST_PATH_DELTA_CHUNK_3XTF32}: choose one DeltaNet scan"
+        );
+        Ok(chosen.first().copied())
+    }
+
+    /// What the report records.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::Exact => "exact per-token recurrence, f64 state (delta_net_scan)",
+            Self::ChunkTf32 => {
+                "fast path delta-chunk-tf32: chunks of 64 tokens (WY/UT form), tf32 mma.sync products, f32 state (delta_net_chunk_tf32)"
+            }
+            Self::Chunk3xTf32 => {
+                "fast path delta-chunk-3xtf32: chunks of 64 tokens (WY/UT form), 3xtf32 mma.sync products, f32 state (delta_net_chunk_3xtf32)"
+            }
+        }
+    }
+
+    fn kernel(self) -> &'static str {
+        match self {
+            Self::Exact => "delta_net_scan",
+            Self::ChunkTf32 => "delta_net_chunk_tf32",
+            Self::Chunk3xTf32 => "delta_net_chunk_3xtf32",
+        }
+    }
+}
+
+/// Tokens per chunk of the chunked scan (`DC_C` in kernels/delta_net.cu).
+pub const CHUNK_TOKENS: usize = 64;
+
+/// Threads per block of the chunked scan (`DC_THREADS`).
+const CHUNK_BLOCK: u32 = 256;
+
+/// The value columns one block of the chunked scan carries: `d_v` up to 64, else 64.
+fn chunk_bv(d_v: usize) -> usize {
+    d_v.min(64)
+}
+
+/// Dynamic shared memory of `delta_net_chunk_*`: the chunk's cumulative decay
+/// `(C)` f64, then in f32 the state slice `(d_k, bv)`, Q/U `(C, max(d_k, bv))`,
+/// K `(C, d_k)`, V, K S, Q S `(C, bv)`, L, T, P `(C, C)` (rows padded by 4) and
+/// three `(C)` gate vectors.
+pub fn chunk_smem_bytes(d_k: usize, d_v: usize) -> usize {
+    let (c, bv) = (CHUNK_TOKENS, chunk_bv(d_v));
+    let floats = d_k * (bv + 4) + c * (d_k.max(bv) + 4) + c * (d_k + 4) + 3 * c * (bv + 4) + 3 * c * (c + 4) + 3 * c;
+    c * 8 + floats * 4
+}
+
+/// Whether the chunked scan takes heads of `d_k` x `d_v`: an error saying why not.
+pub fn chunk_supports(d_k: usize, d_v: usize) -> Result<()> {
+    let bv = chunk_bv(d_v);
+    ensure!(
+        d_k % 16 == 0 && (16..=128).contains(&d_k) && bv % 16 == 0 && bv > 0 && d_v % bv == 0,
+        "the chunked DeltaNet scan takes d_k a multiple of 16 up to 128 and d_v a multiple of 16 up to 64 or of 64; \
+         this layer has d_k {d_k}, d_v {d_v} (drop --fast-path {FAST_PATH_DELTA_CHUNK_TF32}/{FAST_PATH_DELTA_CHUNK_3XTF32})"
+    );
+    Ok(())
+}
+
+/// The checked parameters of the scan kernels (`DeltaScanArgs`).
 #[allow(clippy::too_many_arguments)]
-pub fn scan(
-    dev: &CudaDevice,
+fn scan_args(
+    name: &str,
     mixed: DevView<f32>,
     z: DevView<f32>,
     ba: DevView<f32>,
     w: &DeltaNetWeights<DeviceBuffer<f32>>,
     p: &DeltaNetParams,
-    state: DevViewMut<f64>,
-    out: DevViewMut<f32>,
+    state: &DevViewMut<f64>,
+    out: &DevViewMut<f32>,
     rows: PassRows,
-) -> Result<()> {
+) -> Result<DeltaScanArgs> {
     let n = rows.n_rows();
     let (nv, dk, dv) = (p.n_v_heads, p.d_k, p.d_v);
-    ensure!(p.n_k_heads > 0 && nv % p.n_k_heads == 0, "delta_net_scan: {nv} value heads do not share {} key heads evenly", p.n_k_heads);
+    ensure!(p.n_k_heads > 0 && nv % p.n_k_heads == 0, "{name}: {nv} value heads do not share {} key heads evenly", p.n_k_heads);
     ensure!(
         w.a.len() == nv && w.dt_bias.len() == nv && w.norm.len() == dv,
-        "delta_net_scan: a {}, dt_bias {}, norm {} values for {p:?}",
+        "{name}: a {}, dt_bias {}, norm {} values for {p:?}",
         w.a.len(),
         w.dt_bias.len(),
         w.norm.len()
     );
     ensure!(
         mixed.len() == n * p.conv_channels() && z.len() == n * nv * dv && ba.len() == n * 2 * nv && out.len() == n * nv * dv,
-        "delta_net_scan: mixed {}, z {}, ba {}, out {} values for {n} rows of {p:?}",
+        "{name}: mixed {}, z {}, ba {}, out {} values for {n} rows of {p:?}",
         mixed.len(),
         z.len(),
         ba.len(),
         out.len()
     );
-    ensure!(state.len() == rows.n_seqs * nv * dk * dv, "delta_net_scan: state of {} values for {} windows of {p:?}", state.len(), rows.n_seqs);
-    ensure!((1..=1024).contains(&dv) && dk >= 1, "delta_net_scan: d_v {dv} outside 1..=1024 (one thread per column), d_k {dk}");
-    if n == 0 || nv == 0 {
-        return Ok(());
-    }
-    let name = "delta_net_scan";
-    let f = func(dev, name)?;
-    let smem = scan_smem_bytes(dk, dv);
-    let max = dev.info().max_smem_per_block_bytes as usize;
-    ensure!(smem <= max, "{name}: a {dk} x {dv} state needs {smem} bytes of shared memory, the device allows {max}");
-    if smem > 48 << 10 {
-        f.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-            .map_err(|e| anyhow::anyhow!("{name}: raising dynamic shared memory to {smem} bytes: {e}"))?;
-    }
-    let args = DeltaScanArgs {
+    ensure!(state.len() == rows.n_seqs * nv * dk * dv, "{name}: state of {} values for {} windows of {p:?}", state.len(), rows.n_seqs);
+    ensure!(rows.n_seqs <= 65535, "{name}: {} windows exceed the grid's y limit 65535", rows.n_seqs);
+    Ok(DeltaScanArgs {
         mixed: mixed.ptr(),
         z: z.ptr(),
         ba: ba.ptr(),
@@ -251,17 +338,93 @@ pub fn scan(
         d_k: i32_of(dk, "d_k")?,
         d_v: i32_of(dv, "d_v")?,
         pad_: 0,
-    };
-    let (gx, gy) = (u32::try_from(nv).context("delta_net_scan: heads")?, u32::try_from(rows.n_seqs).context("delta_net_scan: windows")?);
-    ensure!(gy <= 65535, "{name}: {gy} windows exceed the grid's y limit 65535");
-    let block = dv.div_ceil(32) as u32 * 32;
-    let mut b = dev.stream().launch_builder(f);
-    b.arg(&args);
-    // SAFETY: `args` mirrors DeltaScanArgs of kernels/common.cuh (size asserted); every buffer holds
-    // the elements the kernel indexes (checked above, the weights by check_inputs); the shared
-    // memory asked for is what the kernel lays out (scan_smem_bytes) and within the device's limit.
-    unsafe { b.launch(cfg((gx, gy, 1), block, smem as u32)) }.map_err(|e| launch_err(name, e))?;
+    })
+}
+
+/// Raises `name`'s dynamic shared memory limit to `smem` bytes when above the default 48 KiB.
+fn allow_smem(dev: &CudaDevice, name: &str, smem: usize) -> Result<()> {
+    let max = dev.info().max_smem_per_block_bytes as usize;
+    ensure!(smem <= max, "{name}: needs {smem} bytes of shared memory, the device allows {max}");
+    if smem > 48 << 10 {
+        func(dev, name)?
+            .set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+            .map_err(|e| anyhow::anyhow!("{name}: raising dynamic shared memory to {smem} bytes: {e}"))?;
+    }
     Ok(())
+}
+
+/// The gated delta rule and the gated RMSNorm of every value head of every
+/// window (see kernels/delta_net.cu) by `kernel`: `mixed` `(n, conv_channels)`,
+/// `z` `(n, n_v_heads * d_v)`, `ba` `(n, 2 * n_v_heads)`, `state` `(n_seqs,
+/// n_v_heads, d_k, d_v)` f64 (updated; the chunked kernels store f32 values in
+/// it). -> `out` `(n, n_v_heads * d_v)`.
+#[allow(clippy::too_many_arguments)]
+pub fn scan_with(
+    dev: &CudaDevice,
+    kernel: DeltaScan,
+    mixed: DevView<f32>,
+    z: DevView<f32>,
+    ba: DevView<f32>,
+    w: &DeltaNetWeights<DeviceBuffer<f32>>,
+    p: &DeltaNetParams,
+    state: DevViewMut<f64>,
+    out: DevViewMut<f32>,
+    rows: PassRows,
+) -> Result<()> {
+    let name = kernel.kernel();
+    let args = scan_args(name, mixed, z, ba, w, p, &state, &out, rows)?;
+    let (n, nv, dk, dv) = (rows.n_rows(), p.n_v_heads, p.d_k, p.d_v);
+    if n == 0 || nv == 0 {
+        return Ok(());
+    }
+    let gy = rows.n_seqs as u32;
+    if kernel == DeltaScan::Exact {
+        ensure!((1..=1024).contains(&dv) && dk >= 1, "{name}: d_v {dv} outside 1..=1024 (one thread per column), d_k {dk}");
+        let smem = scan_smem_bytes(dk, dv);
+        allow_smem(dev, name, smem)?;
+        let gx = u32::try_from(nv).context("delta_net_scan: heads")?;
+        let block = dv.div_ceil(32) as u32 * 32;
+        let mut b = dev.stream().launch_builder(func(dev, name)?);
+        b.arg(&args);
+        // SAFETY: `args` mirrors DeltaScanArgs of kernels/common.cuh (size asserted); every buffer holds
+        // the elements the kernel indexes (checked by scan_args, the weights by check_inputs); the shared
+        // memory asked for is what the kernel lays out (scan_smem_bytes) and within the device's limit.
+        unsafe { b.launch(cfg((gx, gy, 1), block, smem as u32)) }.map_err(|e| launch_err(name, e))?;
+        return Ok(());
+    }
+    chunk_supports(dk, dv).with_context(|| format!("{name}"))?;
+    let smem = chunk_smem_bytes(dk, dv);
+    allow_smem(dev, name, smem)?;
+    let gx = u32::try_from(nv * (dv / chunk_bv(dv))).context("delta_net_chunk: heads")?;
+    let mut b = dev.stream().launch_builder(func(dev, name)?);
+    b.arg(&args);
+    // SAFETY: as above; the chunked kernel's shapes are within what it lays out (chunk_supports) and
+    // its shared memory is chunk_smem_bytes, within the device's limit.
+    unsafe { b.launch(cfg((gx, gy, 1), CHUNK_BLOCK, smem as u32)) }.map_err(|e| launch_err(name, e))?;
+    let norm = "delta_net_gated_norm";
+    let n_rows = n as i64;
+    let mut b = dev.stream().launch_builder(func(dev, norm)?);
+    b.arg(&args).arg(&n_rows);
+    // SAFETY: the same checked arguments; out and z hold n rows of n_v_heads * d_v, norm d_v values;
+    // one warp per (row, head), 8 per block.
+    unsafe { b.launch(cfg((grid_1d(n * nv, 8)?, 1, 1), 256, 0)) }.map_err(|e| launch_err(norm, e))?;
+    Ok(())
+}
+
+/// [`scan_with`] the exact kernel.
+#[allow(clippy::too_many_arguments)]
+pub fn scan(
+    dev: &CudaDevice,
+    mixed: DevView<f32>,
+    z: DevView<f32>,
+    ba: DevView<f32>,
+    w: &DeltaNetWeights<DeviceBuffer<f32>>,
+    p: &DeltaNetParams,
+    state: DevViewMut<f64>,
+    out: DevViewMut<f32>,
+    rows: PassRows,
+) -> Result<()> {
+    scan_with(dev, DeltaScan::Exact, mixed, z, ba, w, p, state, out, rows)
 }
 
 /// `out[r, c] = x[r, c] * sigmoid(gate[r, c or 0])` in f64, one f32 rounding; `x`
@@ -359,7 +522,8 @@ impl CudaBackend {
         let mut out = self.new_act(n, p.n_v_heads * p.d_v)?;
         let (zv, bav) = (z.f32("delta_net")?.view(), ba.f32("delta_net")?.view());
         let sv = states.ssm.slice_mut(0..rows.n_seqs * states.state_len())?;
-        scan(dev, mixed.view(), zv, bav, w, p, sv, out.f32_mut("delta_net")?.view_mut(), rows)?;
+        let kernel = self.delta_scan_for(p.d_k, p.d_v);
+        scan_with(dev, kernel, mixed.view(), zv, bav, w, p, sv, out.f32_mut("delta_net")?.view_mut(), rows)?;
         Ok(out)
     }
 }
