@@ -738,6 +738,10 @@ fn reproducible_scores_do_not_depend_on_batching_or_prefill_chunk() {
             if pinned && !differ.is_empty() {
                 failures.push(format!("{setting}: {n_targets_differ} target NLLs differ from the window alone in one pass ({})", differ.join(", ")));
             }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
 
 /// The chunked DeltaNet scans (fast paths `delta-chunk-tf32` and
 /// `delta-chunk-3xtf32`) inside the tiny qwen3next model against the oracle,

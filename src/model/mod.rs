@@ -724,10 +724,6 @@ pub fn load_model(artifact: &Artifact, kind: BackendKind, rope_yarn_factor: f64)
             let mut backend = CudaBackend::open_with(device, route, spec.kv_format, opts).context("backend cuda")?;
             if let Some(kernel) = crate::backend::cuda::delta_net::DeltaScan::for_fast_paths(&spec.fast_paths)? {
                 backend.set_delta_scan(kernel);
-            } else if opts.reproducible {
-                // The chunked scan's sums depend on where a pass starts (a new pass starts a
-                // new chunk): --reproducible keeps the exact per-token recurrence.
-                backend.set_delta_scan(crate::backend::cuda::delta_net::DeltaScan::Exact);
             }
             Ok(Box::new(Transformer::load(backend, artifact)?.with_rope_yarn(rope_yarn_factor)?))
         }

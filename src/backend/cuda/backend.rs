@@ -339,7 +339,9 @@ impl CudaBackend {
             kv_dtype,
             opts,
             fuse_qkv: false,
-            delta_scan: super::delta_net::DeltaScan::default_for(route),
+            // --reproducible keeps the exact scan: the chunked scans' sums depend on
+            // where a pass starts (a new pass starts a new chunk).
+            delta_scan: if opts.reproducible { super::delta_net::DeltaScan::Exact } else { super::delta_net::DeltaScan::default_for(route) },
             delta_scan_forced: false,
             positions: RefCell::new(None),
             rope_tables: RefCell::new(Vec::new()),
