@@ -483,7 +483,8 @@ impl CudaBackend {
     }
 
     /// A quantized format: K and V rows encoded into the cache (non-finite counts
-    /// into `n_bad`), then attention v2 decoding them in its tile loads.
+    /// into `n_bad`), then the attention decoding them in its tile loads
+    /// (`ops::attention_coded`: kernel v3 where `AttnKernel::routes_to_v3`, else v2).
     #[allow(clippy::too_many_arguments)]
     fn kv_encode_and_attend<O: ops::OutElem>(
         &self,
