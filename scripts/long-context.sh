@@ -18,12 +18,15 @@
 # (c), infernix-unrot), GEMMA (gemma-3-270m-q4_k_m.ninfer), TOK (a GGUF with the
 # SmolLM2 tokenizer, e.g. SmolLM2-135M-Instruct.Q4_1.gguf), K (scratch folder, default
 # /tmp/long6), OUT (where summary.txt, table.txt and logs.tgz go), LIMIT (seconds the
-# step may take, default 560), D8_CHUNKS (default 1), CORES (taskset list, default 0-7).
+# step may take, default 560), D8_CHUNKS (default 1), CORES (taskset list, default 0-7);
+# for plumbing checks only: SYNTH (the geometry of (d), default llama-8b), D_LIMIT (the
+# background (d)'s LIMIT, default 400), D_CORES (its cores, default 8-15).
 #
 #   bash scripts/long-context.sh all     (b), (c) and (d) on a machine that has the models
 #   bash scripts/long-context.sh b|c|d   one of them
 #   bash scripts/long-context.sh 0       plumbing check on the CPU (tiny windows, SmolLM2
 #                                        as GEMMA, --backend cpu), no GPU needed
+#   ROOT=CHECKOUT bash scripts/long-context.sh pack   here: the five calls' folders below
 #
 # On the lent H200 (64 MiB per call with the tree, the machine kept only 30 s between
 # calls) the inputs arrive in five consecutive calls from .devcarry/long6/ (ignored by
@@ -44,18 +47,19 @@ LIMIT=${LIMIT:-560}; T0=$SECONDS; CORES=${CORES:-0-7}; D8_CHUNKS=${D8_CHUNKS:-1}
 MAN=eval/corpora/ppl-v1/manifest.json; WIKI=eval/corpora/ppl-v1/wikitext-2-raw/wiki.test.raw
 D=.devcarry/long6
 SUM=$W/summary.txt
+export CUDA_CACHE_MAXSIZE=4294967296
 left() { echo $((LIMIT - (SECONDS - T0))); }
 log() { echo "$*" | tee -a $SUM; }
 
 # run NAME BINARY MODEL ARGS...: one scoring run with a timeout of what is left; wall time and exit code to the summary.
 run() {
   local name=$1 bin=$2 model=$3; shift 3
-  local budget=$(( $(left) - 8 ))
+  local budget=$(( $(left) - 15 ))
   if [ $budget -lt 15 ]; then log "run $name skipped: $(left) s left"; return 1; fi
   rm -rf $W/$name
   local corpus=(--corpus $MAN); [[ " $* " == *" --text "* ]] && corpus=()
   local t0; t0=$(date +%s.%N)
-  timeout $budget taskset -c ${RUN_CORES:-$CORES} $bin $model "${corpus[@]}" "$@" --output $W/$name > $W/$name.table 2> $W/$name.log
+  timeout -k 10 $budget taskset -c ${RUN_CORES:-$CORES} $bin $model "${corpus[@]}" "$@" --output $W/$name > $W/$name.table 2> $W/$name.log
   local rc=$?
   log "run $name rc=$rc wall=$(python3 -c "print(f'{$(date +%s.%N)-$t0:.1f}')")s args: $*"
   [ $rc -eq 0 ] || tail -3 $W/$name.log | cut -c1-300 | tee -a $SUM
@@ -95,11 +99,18 @@ c_runs() {
 }
 # (d) the 8B-class body with a trained context of 65536 (native RoPE: no YaRN needed at 65536).
 d_runs() {
+  # Warm the driver's JIT cache (a build without sm_90a cubins compiles every module's PTX at its
+  # first device open, about a minute) with a tiny model on the other cores while the body is written.
+  ( $BIN/ninfer-convert $TOK --synthetic qwen3moe-tiny --out $K/tiny.ninfer > $W/warm.log 2>&1 &&
+    taskset -c ${WARM_CORES:-0-7} $B $K/tiny.ninfer --text $WIKI --method chunks --context 64 --chunks 1 --kv-dtype fp8 --output $W/warm >> $W/warm.log 2>&1
+    echo "warm rc=$? at $((SECONDS - T0)) s" >> $SUM ) &
+  local warm=$!
   if [ ! -f $SY ]; then
     local t0=$SECONDS
-    taskset -c ${RUN_CORES:-$CORES} $BIN/ninfer-convert $TOK --synthetic llama-8b --format Q4_0 --context-length 65536 --out $SY > $W/d8-convert.log 2>&1
+    taskset -c ${RUN_CORES:-$CORES} $BIN/ninfer-convert $TOK --synthetic ${SYNTH:-llama-8b} --format Q4_0 --context-length 65536 --out $SY > $W/d8-convert.log 2>&1
     log "d8 convert rc=$? $((SECONDS - t0)) s: $(tail -1 $W/d8-convert.log | cut -c1-200)"
   fi
+  wait $warm
   [ -f $SY ] || return
   memrun d8-bf16 $B $SY --text $WIKI --chunks $D8_CHUNKS --context 65536 --stride 32768 --kv-dtype bf16 --save-top-tokens $W/d8-bf16.top || return
   memrun d8-fp8 $B $SY --text $WIKI --chunks $D8_CHUNKS --context 65536 --stride 32768 --kv-dtype fp8 --kl-reference $W/d8-bf16.top
@@ -169,7 +180,7 @@ carry)
     cp $D/c0/smollm2-tok.gguf $TOK
     log "binaries: $($B --version) / $($UNROT --version) / $($BIN/ninfer-convert --version)"
     # (d) in its own session on cores 8-15: it outlives this call, the machine stays warm between calls.
-    setsid nohup env K=$K BIN=$BIN TOK=$TOK OUT=$K/out-d LIMIT=400 CORES=8-15 D8_CHUNKS=$D8_CHUNKS \
+    setsid nohup env K=$K BIN=$BIN TOK=$TOK OUT=$K/out-d LIMIT=${D_LIMIT:-400} CORES=${D_CORES:-8-15} D8_CHUNKS=$D8_CHUNKS \
       bash $D/s/long.sh d > $K/d.out 2>&1 < /dev/null &
     echo $! > $K/d.pid
     log "d started in the background (pid $(cat $K/d.pid))"
@@ -183,6 +194,25 @@ carry)
     log "d still running: $(d_alive && echo yes || echo no) at $((SECONDS - T0)) s"
     c_runs; b_runs
   fi
+  ;;
+pack)
+  # Here, not on the device: fill ROOT/.devcarry/long6 (ROOT: the checkout the device tool sends) from
+  # release builds in BIN (infernix-perplexity, infernix-unrot, ninfer-convert), TOK and GEMMA, each
+  # call's folder (with s/) at most CALL_BYTES, the tree's own size left aside.
+  ROOT=${ROOT:?ROOT}; C=$ROOT/$D; CALL_BYTES=${CALL_BYTES:-57000000}
+  rm -rf $C; mkdir -p $C/s $C/c0 $C/c1 $C/c2 $C/c3 $C/c4
+  cp "${BASH_SOURCE[0]}" $C/s/long.sh; sha256sum $GEMMA > $C/s/gemma.sha256
+  for f in infernix-perplexity infernix-unrot ninfer-convert; do strip -o $K/$f.stripped $BIN/$f && xz -T2 -6 -c $K/$f.stripped > $C/c0/$f.xz; rm -f $K/$f.stripped; done
+  cp $TOK $C/c0/smollm2-tok.gguf
+  fixed=$(( $(du -cb $C/s $C/c0 | tail -1 | cut -f1) ))
+  total=$(stat -c %s $GEMMA); first=$(( CALL_BYTES - fixed )); rest=$(( (total - first + 3) / 4 ))
+  [ $rest -le $(( CALL_BYTES - $(du -cb $C/s | tail -1 | cut -f1) )) ] || { echo "pack: $GEMMA does not fit five calls" >&2; exit 2; }
+  head -c $first $GEMMA > $C/c0/part
+  tail -c +$(( first + 1 )) $GEMMA | split -b $rest -d -a 1 - $C/part.
+  for n in 1 2 3 4; do mv $C/part.$((n - 1)) $C/c$n/part; done
+  cat $C/c0/part $C/c1/part $C/c2/part $C/c3/part $C/c4/part | sha256sum | cut -d' ' -f1 | grep -q $(cut -d' ' -f1 $C/s/gemma.sha256) || { echo "pack: parts do not join to GEMMA" >&2; exit 2; }
+  for n in 0 1 2 3 4; do echo "call $n: $(du -cb $C/s $C/c$n | tail -1 | cut -f1) bytes"; done
+  exit 0
   ;;
 *) echo "unknown step $STEP" >&2; exit 2 ;;
 esac
