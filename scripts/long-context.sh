@@ -153,10 +153,14 @@ for name in sorted(os.listdir(W)):
     codecs = [str(v) for k, v in sorted(det.items()) if "codec" in k] if isinstance(det, dict) else []
     if codecs:
         line += " codecs=" + ",".join(codecs)
+    if isinstance(det, dict) and "kv_cache" in det:  # CUDA: "K (codec) stored by ..., V (codec) ..."
+        line += " kv_cache=" + str(det["kv_cache"])[:60].replace(" ", "_")
     if kl:
-        line += (f" KL={kl['mean']:.6f}+-{kl.get('mean_se_clustered', float('nan')):.6f} p99={kl['quantiles']['p99']:.4f} "
-                 f"top1={100 * kl['top1_agreement']:.2f}% dNLL={kl.get('mean_nll_delta', float('nan')):+.5f}"
-                 f"+-{kl.get('mean_nll_delta_se_clustered', float('nan')):.5f}")
+        # The clustered standard errors are null for a single window.
+        num = lambda v: float("nan") if v is None else v
+        line += (f" KL={num(kl.get('mean')):.6f}+-{num(kl.get('mean_se_clustered')):.6f} p99={num((kl.get('quantiles') or {}).get('p99')):.4f} "
+                 f"top1={100 * num(kl.get('top1_agreement')):.2f}% dNLL={num(kl.get('mean_nll_delta')):+.5f}"
+                 f"+-{num(kl.get('mean_nll_delta_se_clustered')):.5f}")
     print(line)
 EOF
 }
