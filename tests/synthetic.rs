@@ -274,7 +274,7 @@ fn synthetic_context_length_is_recorded_in_the_artifact_and_its_twin() {
     let bad_out = p("bad.ninfer");
     let mut cases: Vec<Vec<std::ffi::OsString>> = ["0", "-5", "abc", "1048577", "1e5", "8192.5", ""]
         .iter()
-        .map(|v| vec!["--synthetic".into(), "llama-8b".into(), format!("--context-length={v}").into(), "--out".into(), os(&bad_out)])
+        .map(|v| vec!["--synthetic".into(), "qwen3moe-tiny".into(), format!("--context-length={v}").into(), "--out".into(), os(&bad_out)])
         .collect();
     cases.push(vec!["--context-length".into(), "65536".into(), "--out".into(), os(&bad_out)]);
     for args in &cases {
