@@ -203,3 +203,86 @@ fn synthetic_qwen3moe_routing_stays_spread_through_48_layers() {
     eprintln!("busiest expert {worst} of {} rows; layers with only top_k experts used: {collapsed}", usage.rows);
     assert_eq!(collapsed, 0, "layers routing every row to the same experts");
 }
+
+/// `ninfer-convert --synthetic G --context-length N`: the artifact records N
+/// as its trained context (hyperparameters and the synthetic provenance), the
+/// GGUF twin carries the same value and converts back to it, the weights are
+/// those of the geometry's own context, and `--context` is checked against
+/// the new ceiling (refused above N, accepted at N).
+#[test]
+fn synthetic_context_length_is_recorded_in_the_artifact_and_its_twin() {
+    use std::process::Command;
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = model(SMOLLM2_GGUF);
+    let convert = |args: &[&std::ffi::OsStr]| Command::new(env!("CARGO_BIN_EXE_ninfer-convert")).arg(&tok).args(args).output().unwrap();
+    let p = |name: &str| tmp.path().join(name);
+    let os = |p: &std::path::Path| p.as_os_str().to_os_string();
+
+    // MoE path (qwen3moe-tiny, geometry context 4096), with its twin.
+    let (a, g) = (p("m.ninfer"), p("m.gguf"));
+    let o = convert(&["--synthetic".as_ref(), "qwen3moe-tiny".as_ref(), "--context-length".as_ref(), "65536".as_ref(), "--out".as_ref(), a.as_os_str(), "--gguf-twin".as_ref(), g.as_os_str()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let art = Artifact::open(&a).unwrap();
+    art.verify().unwrap();
+    assert_eq!(art.meta.hparams.context_length, 65536);
+    assert_eq!(art.meta.provenance.synthetic.as_ref().unwrap()["context_length"], 65536);
+    assert_eq!(GgufFile::open(&g).unwrap().get_u64("qwen3moe.context_length").unwrap(), 65536);
+    let back = p("back.ninfer");
+    infernix_perplexity::convert::convert(&g, &back, &Default::default()).unwrap();
+    assert_eq!(Artifact::open(&back).unwrap().meta.hparams, art.meta.hparams);
+    // Without the flag: the geometry's own context, the same weights.
+    let plain = p("plain.ninfer");
+    let o = convert(&["--synthetic".as_ref(), "qwen3moe-tiny".as_ref(), "--out".as_ref(), plain.as_os_str()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let plain = Artifact::open(&plain).unwrap();
+    assert_eq!(plain.meta.hparams.context_length, 4096);
+    assert_eq!(plain.meta.provenance.synthetic.as_ref().unwrap()["context_length"], 4096);
+    for t in &art.meta.tensors {
+        assert_eq!(plain.tensor(&t.name).unwrap().entry.sha256, t.sha256, "{}", t.name);
+    }
+
+    // Dense path (the llama geometries; smollm2-135m is the small one): a context of
+    // 128 positions, refused by --context 256 and accepted at 128.
+    let (d, dg) = (p("d.ninfer"), p("d.gguf"));
+    let o = convert(&["--synthetic".as_ref(), "smollm2-135m".as_ref(), "--context-length".as_ref(), "128".as_ref(), "--out".as_ref(), d.as_os_str(), "--gguf-twin".as_ref(), dg.as_os_str()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let dense = Artifact::open(&d).unwrap();
+    assert_eq!(dense.meta.hparams.context_length, 128);
+    assert_eq!(dense.meta.provenance.synthetic.as_ref().unwrap()["context_length"], 128);
+    assert_eq!(GgufFile::open(&dg).unwrap().get_u64("llama.context_length").unwrap(), 128);
+    let text = common::data_root().join("wikitext-2-raw/wiki.test.raw");
+    let score = |ctx: &str, out: &str| {
+        Command::new(env!("CARGO_BIN_EXE_infernix-perplexity"))
+            .arg(&d)
+            .arg("--text")
+            .arg(&text)
+            .args(["--method", "chunks", "--context", ctx, "--chunks", "1", "--backend", "cpu", "--lossless", "--output"])
+            .arg(p(out))
+            .output()
+            .unwrap()
+    };
+    let o = score("256", "over");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--context 256") && err.contains("trained context 128"), "{err}");
+    assert!(!p("over").join("report.json").exists());
+    let o = score("128", "at");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(p("at").join("report.json").exists());
+
+    // Bad values and misuse: one stderr line naming the flag, exit 2, nothing written.
+    let bad_out = p("bad.ninfer");
+    let mut cases: Vec<Vec<std::ffi::OsString>> = ["0", "-5", "abc", "1048577", "1e5", "8192.5", ""]
+        .iter()
+        .map(|v| vec!["--synthetic".into(), "qwen3moe-tiny".into(), format!("--context-length={v}").into(), "--out".into(), os(&bad_out)])
+        .collect();
+    cases.push(vec!["--context-length".into(), "65536".into(), "--out".into(), os(&bad_out)]);
+    for args in &cases {
+        let o = Command::new(env!("CARGO_BIN_EXE_ninfer-convert")).arg(&tok).args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
+        assert!(err.starts_with("ninfer-convert: error: --context-length"), "{args:?}: {err}");
+        assert!(!bad_out.exists(), "{args:?}: wrote {}", bad_out.display());
+    }
+}

@@ -46,6 +46,10 @@ struct Args {
     /// Also write the synthetic weights as a GGUF file (for other engines).
     #[arg(long, value_name = "OUT.gguf")]
     gguf_twin: Option<PathBuf>,
+    /// With --synthetic: the trained context to record (1 to 1048576 positions) instead of the
+    /// geometry's own (llama-8b: 8192), in the artifact and its GGUF twin.
+    #[arg(long, value_name = "N")]
+    context_length: Option<String>,
 }
 
 fn parse_layers(s: &str) -> Result<std::ops::Range<usize>> {
@@ -79,20 +83,28 @@ fn run(args: Args) -> Result<()> {
     let started = std::time::Instant::now();
     signal::install()?;
     check_paths(&args)?;
+    let context_length = args.context_length.as_deref().map(synthetic::parse_context_length).transpose()?;
     let meta = if let Some(name) = &args.synthetic {
         let format = TensorFormat::from_name(&args.format).context("--format")?;
         let twin = args.gguf_twin.as_deref();
         match synthetic::moe_geometry(name) {
-            Some(moe) => synthetic::write_synthetic_moe(&moe, format, args.seed, &args.source, &args.out, twin)?,
+            Some(mut moe) => {
+                moe.context_length = context_length.unwrap_or(moe.context_length);
+                synthetic::write_synthetic_moe(&moe, format, args.seed, &args.source, &args.out, twin)?
+            }
             None => {
-                let geo = synthetic::geometry(name)
+                let mut geo = synthetic::geometry(name)
                     .map_err(|_| anyhow::anyhow!("--synthetic {name:?}: unknown geometry (known: {})", synthetic::all_geometry_names()))?;
+                geo.context_length = context_length.unwrap_or(geo.context_length);
                 synthetic::write_synthetic(&geo, format, args.seed, &args.source, &args.out, twin)?
             }
         }
     } else {
         if args.gguf_twin.is_some() {
             bail!("--gguf-twin is only for --synthetic");
+        }
+        if args.context_length.is_some() {
+            bail!("--context-length is only for --synthetic (a converted model keeps its source's context length)");
         }
         let layers = args.layers.as_deref().map(parse_layers).transpose()?;
         convert::convert(&args.source, &args.out, &ConvertOptions { layers })?

@@ -32,14 +32,18 @@ pub struct Geometry {
     pub d_ffn: usize,
     pub rope_base: f64,
     pub tied: bool,
+    /// The trained context the artifact records (`--context-length` replaces it).
+    pub context_length: usize,
 }
 
 pub const GEOMETRIES: [Geometry; 3] = [
-    Geometry { name: "smollm2-135m", n_layers: 30, d_model: 576, n_heads: 9, n_kv_heads: 3, d_ffn: 1536, rope_base: 100_000.0, tied: true },
-    Geometry { name: "llama-8b", n_layers: 32, d_model: 4096, n_heads: 32, n_kv_heads: 8, d_ffn: 14336, rope_base: 500_000.0, tied: false },
+    Geometry { name: "smollm2-135m", n_layers: 30, d_model: 576, n_heads: 9, n_kv_heads: 3, d_ffn: 1536, rope_base: 100_000.0, tied: true, context_length: 8192 },
+    // Llama-3-8B's body; its trained context, 8192, caps --context at 32768 even with
+    // --rope-yarn-factor 4, so long-context runs write it with --context-length.
+    Geometry { name: "llama-8b", n_layers: 32, d_model: 4096, n_heads: 32, n_kv_heads: 8, d_ffn: 14336, rope_base: 500_000.0, tied: false, context_length: 8192 },
     // Llama-3-70B's body (about 40 GB as Q4_0 with a 49k vocabulary): write it with
     // no --gguf-twin where disk is short.
-    Geometry { name: "llama-70b", n_layers: 80, d_model: 8192, n_heads: 64, n_kv_heads: 8, d_ffn: 28672, rope_base: 500_000.0, tied: false },
+    Geometry { name: "llama-70b", n_layers: 80, d_model: 8192, n_heads: 64, n_kv_heads: 8, d_ffn: 28672, rope_base: 500_000.0, tied: false, context_length: 8192 },
 ];
 
 pub fn geometry(name: &str) -> Result<Geometry> {
@@ -49,6 +53,25 @@ pub fn geometry(name: &str) -> Result<Geometry> {
             "--synthetic {name:?}: unknown geometry (known: {})",
             GEOMETRIES.map(|g| g.name).join(", ")
         ),
+    }
+}
+
+/// The largest `--context-length` a synthetic artifact may record (2^20 positions).
+pub const MAX_CONTEXT_LENGTH: usize = 1 << 20;
+
+/// `ninfer-convert --synthetic ... --context-length N`: the trained context the
+/// artifact (and its GGUF twin's `*.context_length`) records in place of the
+/// geometry's own, a whole number of positions in 1..=[`MAX_CONTEXT_LENGTH`].
+/// It only moves the ceiling `--context` is checked against (times
+/// `--rope-yarn-factor`) and YaRN's original context; the weights stay the same.
+pub fn parse_context_length(s: &str) -> Result<usize> {
+    let bad = || anyhow::anyhow!("--context-length {s:?}: expected a whole number of positions from 1 to {MAX_CONTEXT_LENGTH}");
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
+    match s.parse::<usize>() {
+        Ok(n) if (1..=MAX_CONTEXT_LENGTH).contains(&n) => Ok(n),
+        _ => Err(bad()),
     }
 }
 
@@ -208,7 +231,7 @@ pub fn write_synthetic(
         rope_dim: d_head,
         rope_style: RopeStyle::Normal,
         sliding_window: vec![None; geo.n_layers],
-        context_length: 8192,
+        context_length: geo.context_length,
         embed_scale: 1.0,
         attn_scale: 1.0 / (d_head as f64).sqrt(),
         attn_softcap: None,
@@ -260,7 +283,12 @@ fn synthetic_meta(
             converter: CONVERTER.into(),
             converter_version: env!("CARGO_PKG_VERSION").into(),
             source_layers: None,
-            synthetic: Some(serde_json::json!({ "geometry": geometry, "format": format.name(), "seed": seed })),
+            synthetic: Some(serde_json::json!({
+                "geometry": geometry,
+                "format": format.name(),
+                "seed": seed,
+                "context_length": hparams.context_length,
+            })),
             source_metadata: serde_json::json!({}),
         },
         tensors: Vec::new(),
@@ -507,6 +535,18 @@ mod tests {
     #[test]
     fn formats_without_a_generator_are_refused() {
         assert!(random_matrix(TensorFormat::Q5K, 1, 256, 0.03, 1).is_err());
+    }
+
+    #[test]
+    fn context_length_values() {
+        assert_eq!(parse_context_length("65536").unwrap(), 65536);
+        assert_eq!(parse_context_length("1").unwrap(), 1);
+        assert_eq!(parse_context_length(&MAX_CONTEXT_LENGTH.to_string()).unwrap(), MAX_CONTEXT_LENGTH);
+        let too_big = (MAX_CONTEXT_LENGTH + 1).to_string();
+        for bad in ["0", "", "-5", "+5", "1e5", "65536.0", " 65536", "abc", too_big.as_str(), "99999999999999999999999"] {
+            let e = parse_context_length(bad).unwrap_err().to_string();
+            assert!(e.starts_with("--context-length ") && e.contains("1 to 1048576") && !e.contains('\n'), "{bad:?}: {e}");
+        }
     }
 
     #[test]
