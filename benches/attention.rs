@@ -14,6 +14,9 @@
 //! same kind of random values; its tile loads decode and round to bf16, rotated
 //! formats rotate q and the output in the kernel) on the same shapes, for the
 //! quantized formats' target (within 20 % of bf16). Prints one `BENCH` line per row.
+//! For one device call, `INFERNIX_BENCH_SHAPES`, `INFERNIX_BENCH_FORMATS` and
+//! `INFERNIX_BENCH_V3_ONLY=1` narrow the rows, and `INFERNIX_BENCH_PRODUCER_VARIANTS`
+//! times kernel v3's producer variants for a coded cache on the same data (main()).
 //!
 //!   cargo bench --bench attention --no-run   (here; carry the executable)
 //!   ./attention                             (on the GPU machine)

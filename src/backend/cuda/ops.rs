@@ -1608,7 +1608,10 @@ pub const ATTN_V3_DEFAULT_HEAD_DIMS: &[usize] = &[64, 128];
 /// / 109.5; ctx 512 d 128 139.2 / 90.0, d 64 130.7 / 69.1. int8 on v3 measured as fast
 /// (247.1 / 235.5 / 137.8 / 127.6 against v2's 145.0 / 109.2 / 88.3 / 68.8 in the same
 /// call); its parity cases (gpu_ops attention_v3_coded_against_cpu_backend) ran in the
-/// merged tree's device call of 2026-12-01 (docs/performance.md).
+/// merged tree's device call of 2026-12-01 (docs/performance.md). With attn6's producer
+/// (batched decode loads, two raw K stages; 2026-12-02 02:31 UTC, same call, v3 bf16 /
+/// fp8 / int8): ctx 4096 d 128 416.1 / 323.5 / 312.3, d 64 298.4 / 261.9 / 255.2
+/// (docs/performance.md, "Issue 11/12: quantized attention speed on v3 (attn6)").
 pub const ATTN_V3_DEFAULT_KV: &[&str] = &["bf16", "fp8", "int8"];
 
 /// Head sizes of kernel v3 (`attn_wgmma_d<D>_<kv>_<out>`).
