@@ -69,22 +69,31 @@
 // pipe 50 % busy at d 128; docs/performance.md, "Prefill attention kernels", attn4).
 // A coded cache (fp8, int8): the producer warpgroup is 128 decoding threads
 // (setmaxnreg 40 for them, 232 for the consumers, against 24 / 240 for a bf16
-// cache). Thread 0 brings tile g's stored K rows and V rows, as stored, by TMA (a
-// 3-D byte map over the rows, box (row bytes, BN, 1), no swizzle, rows past kv_len
-// zero-filled) into one raw stage for K and one for V (raw_k / raw_v mbarriers);
-// all 128 threads then wait for bf16 stage g % ST to be released (empty_k), decode
-// it (decode_tile: each element code value * row scale in f32, __fmul_rn, rounded
-// to bf16 nearest even: src/kv's decode, then the rounding a bf16 cache gets;
-// written in the same 128-byte swizzle the TMA gives a bf16 tile, so the consumers
-// read it unchanged), issue fence.proxy.async.shared::cta (their st.shared made
-// visible to wgmma's async proxy) and arrive on full_k (count 128); after a named
-// barrier among the 128 (the raw stage read) thread 0 fetches tile g + 1's rows
-// into it; the same for V. No dequantized copy of the cache exists; a poisoned
-// row (NaN scale, or a NaN code) decodes to NaN as on the CPU. Unlike v2, v3 does
-// not fold the row scale into S's or P's columns: folding would add per-key factor
-// loads and multiplies to the consumers' softmax (the critical path), while the
-// decode's multiply runs on producer warps that otherwise wait (a folding variant
-// of v3 was not built or measured). Rotated
+// cache). Thread 0 brings the stored K rows and V rows of the tiles, as stored, by
+// TMA (a 3-D byte map over the rows, box (row bytes, BN, 1), no swizzle, rows past
+// kv_len zero-filled) into raw stages: two for K (tile g in stage g % 2, so tile
+// g + 1's rows land while tile g decodes) and one for V (raw_k[2] / raw_v
+// mbarriers); all 128 threads wait for bf16 stage g % ST to be released (empty_k),
+// decode tile g into it (decode_tile: each element code value * row scale in f32,
+// __fmul_rn, rounded to bf16 nearest even: src/kv's decode, then the rounding a
+// bf16 cache gets; written in the same 128-byte swizzle the TMA gives a bf16 tile,
+// so the consumers read it unchanged; each thread keeps one 8-column chunk and
+// issues the shared loads of 8 rows' chunks back to back before it converts and
+// stores them, since its loads and stores are volatile asm that the compiler keeps
+// in order), issue fence.proxy.async.shared::cta (their st.shared made visible to
+// wgmma's async proxy) and arrive on full_k (count 128); after a named barrier
+// among the 128 (the raw stage read) thread 0 fetches tile g + 2's K rows into
+// it; the same for V (tile g + 1). attnq5's producer (one raw K stage, one chunk
+// at a time) waited out a shared load's latency per chunk and the TMA of tile
+// g + 1 behind tile g's decode; it stays as producer variant PV_RAW1 | PV_BATCH1
+// (below) for benches/attention.rs, which ranks the variants
+// (docs/performance.md, "Issue 11/12: quantized attention speed on v3 (attn6)").
+// No dequantized copy of the cache exists; a poisoned row (NaN scale, or a NaN
+// code) decodes to NaN as on the CPU. Unlike v2, v3 does not fold the row scale
+// into S's or P's columns: folding would add per-key factor loads and multiplies
+// to the consumers' softmax (the critical path) to save the producer one FMUL of
+// about 4.4 instructions per element (a folding variant of v3 was not built;
+// PV_NOMUL measures the multiply's share). Rotated
 // rows stay in the rotated basis, as in v2: a rotated K is met by staging q as
 // (H q) / n (n = D; the f32 butterflies of hadamard_frag in its order: column
 // bits 0-2 in a thread's 8-element chunk, the higher ones across the lanes of a
@@ -97,8 +106,8 @@
 // n_heads * n_seqs; block 384, dynamic
 // shared memory 1024 (alignment slack) + 128 * D * 2 (Q) + 2 * ST * 128 * D * 2
 // (K, V) + 4 * ST * 8 (barriers): d 128 164928 bytes, d 64 148608; a coded
-// cache adds 2 * 128 * coded_row_bytes(D) (raw K, V) + 16 (their barriers): fp8 /
-// int8 d 128 201808 bytes, d 64 169104.
+// cache adds 3 * 128 * coded_row_bytes(D) (raw K x 2, V) + 32 (their barriers): fp8 /
+// int8 d 128 220256 bytes, d 64 179360.
 // The launcher (ops::attention_v3) mirrors BM, BN and stages(D).
 // CPU twin: backend::cpu::attention::attention on the same bf16-rounded q, k, v
 // (tests/gpu_ops.rs attention_case); a coded cache: the CPU backend's attention op
@@ -238,24 +247,50 @@ __host__ __device__ constexpr int coded_row_bytes(int d) { return (d + 4 + 15) /
 // elements each, consecutive threads along a row, so a half-warp reads 128
 // contiguous bytes at d 128). Rows past the cached positions arrive as zeros (TMA's
 // fill; scale 0): they decode to 0, never NaN.
-template <int D, typename CODE>
+template <int D, typename CODE, int NT, int MODE, int B>
 __device__ __forceinline__ void decode_tile(uint32_t raw, uint32_t dst, int tid) {
-    constexpr int CH = D / 8, RB = coded_row_bytes(D), IT = BN * CH / 128;
-#pragma unroll 4
-    for (int k = 0; k < IT; ++k) {
-        const int i = tid + 128 * k;
-        const int r = i / CH, c = i % CH;
-        const uint32_t row = raw + r * RB;
-        const uint2 q = ld_shared_v2(row + 8 * c);
-        const float s = ld_shared_f32(row + D);
-        float v[8];
-        CODE::cvt4(q.x, v);
-        CODE::cvt4(q.y, v + 4);
+    constexpr int CH = D / 8, RB = coded_row_bytes(D), IT = BN * CH / NT;
+    static_assert(NT % CH == 0 && IT % B == 0, "decode_tile: a thread keeps one column chunk");
+    const int c = tid % CH, r0 = tid / CH;  // rows r0 + (NT / CH) k
+    const uint32_t src = raw + r0 * RB + 8 * c;
+    const uint32_t out = dst + (c / 8) * (BN * 128) + r0 * 128;
+    // B chunks at a time: their shared loads issued back to back (the loads and stores
+    // are volatile asm, so the compiler keeps their order: one chunk at a time would
+    // wait out a load's latency per chunk), then converted and stored.
+#pragma unroll(B == 1 ? 4 : 1)
+    for (int k0 = 0; k0 < IT; k0 += B) {
+        uint2 q[B];
+        float sc[B];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(v[j], s);
-        st_shared_v4(dst + (c / 8) * (BN * 128) + r * 128 + (((c % 8) ^ (r & 7)) * 16), pack_bf16x8(v));
+        for (int b = 0; b < B; ++b) {
+            const uint32_t row = src + (k0 + b) * (NT / CH) * RB;
+            q[b] = ld_shared_v2(row);
+            if constexpr (MODE == 0) sc[b] = ld_shared_f32(row - 8 * c + D);
+        }
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            const int r = r0 + (k0 + b) * (NT / CH);
+            float v[8];
+            CODE::cvt4(q[b].x, v);
+            CODE::cvt4(q[b].y, v + 4);
+            if constexpr (MODE == 0) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(v[j], sc[b]);
+            }
+            st_shared_v4(out + (k0 + b) * (NT / CH) * 128 + (((c % 8) ^ (r & 7)) * 16), pack_bf16x8(v));
+        }
     }
 }
+
+// The producer variants of a coded cache (AttnWgmmaCodedArgs::rot bits 8..15, set only
+// by benches/attention.rs through ops::set_attn_v3_producer_variant; 0 in every other
+// call), as deviations from the default (0: two raw K stages, so tile g + 1's K rows
+// land while tile g's decode; 8 chunks' loads at a time). Measurement only (inexact):
+// 1 = decode without the row-scale multiply, 2 = no decode (the stage keeps what it
+// held). Layout: 4 = one raw K stage; 8 = K decoded by warps 0-1 and V by warps 2-3,
+// each pair on its own (64 threads per operand); 16 = loads of 4 chunks at a time,
+// 32 = one chunk at a time. attnq5's producer = 4 | 32.
+constexpr int PV_NOMUL = 1, PV_NODECODE = 2, PV_RAW1 = 4, PV_SPLIT = 8, PV_BATCH4 = 16, PV_BATCH1 = 32;
 
 // K/V stages: 4 at d_head 64, 2 at 128 (shared memory: Q 32 KiB plus four 32 KiB
 // stages at d 128 fill the 227 KiB a block may have).
@@ -265,6 +300,10 @@ __host__ __device__ constexpr int stages(int d) { return d <= 64 ? 4 : 2; }
 template <bool B>
 struct Flag {
     static constexpr bool value = B;
+};
+template <int V>
+struct IntFlag {
+    static constexpr int value = V;
 };
 
 // The block's w-th work item, longest causal rows first: query tile qt (of n_qt),
@@ -298,10 +337,12 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     const uint32_t sv = sk + ST * KV_BYTES;   // (ST, NB, BN, 64) bf16, swizzled
     // A coded cache: one raw stage of K rows and one of V rows (the TMA boxes as stored).
     constexpr uint32_t RAW_BYTES = CODED ? BN * coded_row_bytes(D) : 0;
-    const uint32_t rk = sv + ST * KV_BYTES, rv = rk + RAW_BYTES;
-    // full_k[ST], full_v[ST], empty_k[ST], empty_v[ST]; coded: raw_k, raw_v.
+    // Two raw K stages (PV_RAW1: the first alone), one raw V stage.
+    const uint32_t rk = sv + ST * KV_BYTES, rv = rk + 2 * RAW_BYTES;
+    // full_k[ST], full_v[ST], empty_k[ST], empty_v[ST]; coded: raw_k[2], raw_v, one spare.
     const uint32_t bars = rv + RAW_BYTES;
-    const uint32_t raw_full_k = bars + 8 * 4 * ST, raw_full_v = raw_full_k + 8;
+    const uint32_t raw_full_k = bars + 8 * 4 * ST, raw_full_v = raw_full_k + 16;
+    const int pvar = CODED ? (rot >> 8) & 0xff : 0;  // the producer variant (bench only)
     auto full_k = [&](int s) { return bars + 8 * s; };
     auto full_v = [&](int s) { return bars + 8 * (ST + s); };
     auto empty_k = [&](int s) { return bars + 8 * (2 * ST + s); };
@@ -326,13 +367,15 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
 #pragma unroll
         for (int s = 0; s < ST; ++s) {
             // bf16: the producer thread's expect_tx; coded: each of the 128 decoding threads.
-            mbar_init(full_k(s), CODED ? 128 : 1);
-            mbar_init(full_v(s), CODED ? 128 : 1);
+            const uint32_t n_arrive = !CODED ? 1 : (pvar & PV_SPLIT) ? 64 : 128;
+            mbar_init(full_k(s), n_arrive);
+            mbar_init(full_v(s), n_arrive);
             mbar_init(empty_k(s), 8);  // one arrival per consumer warp
             mbar_init(empty_v(s), 8);
         }
         if (CODED) {
             mbar_init(raw_full_k, 1);
+            mbar_init(raw_full_k + 8, 1);
             mbar_init(raw_full_v, 1);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -359,39 +402,79 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 cur.slab = it.seq * a.n_kv_heads + it.h / group;
                 tiles_of(it, cur.first, cur.n);
             };
-            auto fetch = [&](const Cursor& cur, const TmaDesc* map, uint32_t dst, uint32_t bar) {
+            auto advance = [&](Cursor& cur) {
+                if (++cur.i == cur.n) {
+                    cur.w += gridDim.x;
+                    seek(cur);
+                }
+            };
+            auto fetch = [&](Cursor& cur, const TmaDesc* map, uint32_t dst, uint32_t bar) {  // then cur moves on
                 mbar_arrive_expect_tx(bar, RAW_BYTES);
                 tma_load_3d(dst, map, bar, 0, (cur.first + cur.i) * BN, cur.slab);
+                advance(cur);
             };
-            Cursor cur{(int)blockIdx.x, 0, 0, 0, 0};
-            seek(cur);
-            if (tid == 0 && cur.w < n_items) {
-                fetch(cur, &a.k, rk, raw_full_k);
-                fetch(cur, &a.v, rv, raw_full_v);
-            }
-            for (int g = 0; cur.w < n_items; ++g) {
-                Cursor nx = cur;
-                if (++nx.i == nx.n) {
-                    nx.w += gridDim.x;
-                    seek(nx);
+            // One producer per variant (compile-time, so each keeps within its 40 registers).
+            auto produce = [&](auto pv_flag) {
+                constexpr int PV = decltype(pv_flag)::value;
+                constexpr bool SPLIT = (PV & PV_SPLIT) != 0;
+                constexpr int NRK = (PV & PV_RAW1) ? 1 : 2;
+                constexpr int MODE = PV & 3;
+                constexpr int NT = SPLIT ? 64 : 128;  // decoding threads per operand
+                constexpr int NB = (PV & PV_BATCH1) ? 1 : (PV & PV_BATCH4) ? 4 : 8;
+                const bool do_k = !SPLIT || tid < 64, do_v = !SPLIT || tid >= 64;
+                const int rt = SPLIT ? tid % 64 : tid;  // this thread's index among its operand's decoders
+                // The block's tiles in all (the decode loop's length).
+                int n_g = 0;
+                for (int w = blockIdx.x; w < n_items; w += gridDim.x) {
+                    int first, n;
+                    tiles_of(item_of(w, n_qt, a.n_heads, a.n_seqs), first, n);
+                    n_g += n;
                 }
-                const int s = g % ST;
-                const uint32_t ph = ((g / ST) & 1) ^ 1, rph = g & 1;
-                mbar_wait(raw_full_k, rph);
-                mbar_wait(empty_k(s), ph);
-                decode_tile<D, CODE>(rk, sk + s * KV_BYTES, tid);
-                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                mbar_arrive(full_k(s));
-                asm volatile("bar.sync 3, 128;\n" ::: "memory");
-                if (tid == 0 && nx.w < n_items) fetch(nx, &a.k, rk, raw_full_k);
-                mbar_wait(raw_full_v, rph);
-                mbar_wait(empty_v(s), ph);
-                decode_tile<D, CODE>(rv, sv + s * KV_BYTES, tid);
-                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                mbar_arrive(full_v(s));
-                asm volatile("bar.sync 3, 128;\n" ::: "memory");
-                if (tid == 0 && nx.w < n_items) fetch(nx, &a.v, rv, raw_full_v);
-                cur = nx;
+                // The fetching threads' cursors run their operand's raw stages ahead of the decode.
+                Cursor fk{(int)blockIdx.x, 0, 0, 0, 0};
+                seek(fk);
+                Cursor fv = fk;
+                if (rt == 0) {
+                    if (do_k)
+#pragma unroll
+                        for (int r = 0; r < NRK; ++r)
+                            if (fk.w < n_items) fetch(fk, &a.k, rk + r * RAW_BYTES, raw_full_k + 8 * r);
+                    if (do_v && fv.w < n_items) fetch(fv, &a.v, rv, raw_full_v);
+                }
+                for (int g = 0; g < n_g; ++g) {
+                    const int s = g % ST;
+                    const uint32_t ph = ((g / ST) & 1) ^ 1;
+                    if (do_k) {
+                        const int slot = NRK == 2 ? (g & 1) : 0;
+                        mbar_wait(raw_full_k + 8 * slot, (g / NRK) & 1);
+                        mbar_wait(empty_k(s), ph);
+                        if constexpr (MODE != PV_NODECODE) decode_tile<D, CODE, NT, MODE, NB>(rk + slot * RAW_BYTES, sk + s * KV_BYTES, rt);
+                        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                        mbar_arrive(full_k(s));
+                        asm volatile("bar.sync 3, %0;\n" ::"n"(NT) : "memory");
+                        if (rt == 0 && fk.w < n_items) fetch(fk, &a.k, rk + slot * RAW_BYTES, raw_full_k + 8 * slot);
+                    }
+                    if (do_v) {
+                        mbar_wait(raw_full_v, g & 1);
+                        mbar_wait(empty_v(s), ph);
+                        if constexpr (MODE != PV_NODECODE) decode_tile<D, CODE, NT, MODE, NB>(rv, sv + s * KV_BYTES, rt);
+                        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                        mbar_arrive(full_v(s));
+                        asm volatile("bar.sync %0, %1;\n" ::"n"(SPLIT ? 4 : 3), "n"(NT) : "memory");
+                        if (rt == 0 && fv.w < n_items) fetch(fv, &a.v, rv, raw_full_v);
+                    }
+                }
+            };
+            switch (pvar) {  // the variants built (any other value runs the default)
+                case PV_BATCH1 | PV_RAW1: produce(IntFlag<PV_BATCH1 | PV_RAW1>{}); break;
+                case PV_RAW1: produce(IntFlag<PV_RAW1>{}); break;
+                case PV_SPLIT: produce(IntFlag<PV_SPLIT>{}); break;
+                case PV_SPLIT | PV_RAW1: produce(IntFlag<PV_SPLIT | PV_RAW1>{}); break;
+                case PV_BATCH4: produce(IntFlag<PV_BATCH4>{}); break;
+                case PV_BATCH1: produce(IntFlag<PV_BATCH1>{}); break;
+                case PV_NOMUL: produce(IntFlag<PV_NOMUL>{}); break;
+                case PV_NODECODE: produce(IntFlag<PV_NODECODE>{}); break;
+                default: produce(IntFlag<0>{}); break;
             }
             return;
         }
@@ -435,7 +518,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     const uint64_t dq = sw128_desc(sq + c * 64 * 128);
     // Rotated rows (src/kv/hadamard.rs; coded caches only): K rotated -> q staged as
     // (H q) / n; V rotated -> the output rotated back, (H O') / n. n = D (a power of two).
-    const bool rot_k = CODED && (rot & 1), rot_v = CODED && (rot & 2);
+    const bool rot_k = CODED && (rot & 1), rot_v = CODED && (rot & 2);  // bits 8.. : pvar
     constexpr float inv_n = 1.0f / D;
 
     // The consumer's whole walk, compiled once without and once with the soft-cap (a

@@ -1608,7 +1608,10 @@ pub const ATTN_V3_DEFAULT_HEAD_DIMS: &[usize] = &[64, 128];
 /// / 109.5; ctx 512 d 128 139.2 / 90.0, d 64 130.7 / 69.1. int8 on v3 measured as fast
 /// (247.1 / 235.5 / 137.8 / 127.6 against v2's 145.0 / 109.2 / 88.3 / 68.8 in the same
 /// call); its parity cases (gpu_ops attention_v3_coded_against_cpu_backend) ran in the
-/// merged tree's device call of 2026-12-01 (docs/performance.md).
+/// merged tree's device call of 2026-12-01 (docs/performance.md). With attn6's producer
+/// (batched decode loads, two raw K stages; 2026-12-02 02:31 UTC, same call, v3 bf16 /
+/// fp8 / int8): ctx 4096 d 128 416.1 / 323.5 / 312.3, d 64 298.4 / 261.9 / 255.2
+/// (docs/performance.md, "Issue 11/12: quantized attention speed on v3 (attn6)").
 pub const ATTN_V3_DEFAULT_KV: &[&str] = &["bf16", "fp8", "int8"];
 
 /// Head sizes of kernel v3 (`attn_wgmma_d<D>_<kv>_<out>`).
@@ -1633,11 +1636,11 @@ fn attn_v3_name(d_head: usize, kv: &str, out: &str) -> String {
 
 /// Dynamic shared memory of kernel v3: 1 KiB alignment slack, Q (BM x d_head bf16),
 /// the stages of K and of V (BN x d_head bf16 each), 4 mbarriers per stage; a coded
-/// cache (`raw_row_bytes` = the stored row's bytes, K's and V's alike) adds one raw
-/// stage of BN stored rows for K and one for V and their two mbarriers.
+/// cache (`raw_row_bytes` = the stored row's bytes, K's and V's alike) adds two raw
+/// stages of BN stored rows for K and one for V and four mbarriers.
 fn attn_v3_smem_bytes(d_head: usize, raw_row_bytes: Option<usize>) -> usize {
     let st = attn_v3_stages(d_head);
-    let raw = raw_row_bytes.map_or(0, |rb| 2 * ATTN_V3_BN * rb + 2 * 8);
+    let raw = raw_row_bytes.map_or(0, |rb| 3 * ATTN_V3_BN * rb + 4 * 8);
     1024 + ATTN_V3_BM * d_head * 2 + 2 * st * ATTN_V3_BN * d_head * 2 + 4 * st * 8 + raw
 }
 
@@ -1673,8 +1676,20 @@ unsafe impl cudarc::driver::DeviceRepr for AttnWgmmaArgs {}
 #[derive(Clone, Copy)]
 struct AttnWgmmaCodedArgs {
     a: AttnWgmmaArgs,
-    /// Bit 0: K rows Hadamard-rotated; bit 1: V rows.
+    /// Bit 0: K rows Hadamard-rotated; bit 1: V rows; bits 8..15: the producer
+    /// variant ([`set_attn_v3_producer_variant`], 0 outside benches/attention.rs).
     rot: i32,
+}
+
+/// Kernel v3's producer variant for a coded cache (kernels/attention_sm90a.cu, `PV_*`):
+/// a measuring knob for benches/attention.rs only (bits 1 and 2 compute something
+/// else than the format's definition); every other caller leaves it 0.
+static ATTN_V3_PRODUCER_VARIANT: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// Sets [`ATTN_V3_PRODUCER_VARIANT`] for the calls that follow (benches/attention.rs).
+#[doc(hidden)]
+pub fn set_attn_v3_producer_variant(variant: u8) {
+    ATTN_V3_PRODUCER_VARIANT.store(variant as i32, std::sync::atomic::Ordering::Relaxed);
 }
 const _: () = assert!(size_of::<AttnWgmmaCodedArgs>() == 512);
 // SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
@@ -2037,7 +2052,8 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
     let n_items = p.n_tokens.div_ceil(ATTN_V3_BM) * p.n_heads * p.n_seqs;
     ensure!(n_items <= i32::MAX as usize, "attention: {n_items} work items exceed kernel v3's 32-bit item index");
     let grid = (n_items.min(dev.info().n_sms.max(1) as usize) as u32, 1, 1);
-    let coded_args = AttnWgmmaCodedArgs { a: args, rot: cache.rot };
+    let variant = ATTN_V3_PRODUCER_VARIANT.load(std::sync::atomic::Ordering::Relaxed);
+    let coded_args = AttnWgmmaCodedArgs { a: args, rot: cache.rot | (variant << 8) };
     let mut b = dev.stream().launch_builder(f);
     if coded {
         b.arg(&coded_args);
