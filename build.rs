@@ -1,7 +1,15 @@
-//! Build script: compiles `kernels/*.cu` to PTX with nvcc and generates
-//! `$OUT_DIR/cuda_kernels.rs` (included by `src/backend/cuda/ptx.rs`) holding
-//! each module's PTX, the nvcc version, the target arch and a SHA-256 of the
-//! kernel sources.
+//! Build script: compiles `kernels/*.cu` to PTX with nvcc, then each PTX to a
+//! cubin (machine code for exactly the target, `sm_<arch>`) with the same nvcc,
+//! and generates `$OUT_DIR/cuda_kernels.rs` (included by
+//! `src/backend/cuda/ptx.rs`) holding each module's PTX and cubin, the nvcc
+//! version, the target arch and a SHA-256 of the kernel sources.
+//!
+//! The device loads a module's cubin when the GPU's compute capability is the
+//! cubin's, and the PTX otherwise (the driver then JIT-compiles it; on an H200
+//! with an empty JIT cache that took about 60 s for all modules). The cubin is
+//! the same PTX assembled ahead of time, so no result depends on which one
+//! loads. `INFERNIX_CUBIN=0` skips the cubins (PTX only: a faster build); a
+//! cubin is rebuilt only when its module's PTX changed.
 //!
 //! nvcc is looked up through `NVCC` (path to the executable), then
 //! `CUDA_HOME`/bin/nvcc and `CUDA_PATH`/bin/nvcc, then `PATH`. The target arch
@@ -24,7 +32,7 @@ const KERNEL_DIR: &str = "kernels";
 /// File-stem suffix of the modules built for compute_90a regardless of `INFERNIX_CUDA_ARCH`
 /// (the same suffix `src/backend/cuda/device.rs` checks before loading one).
 const SM90A_SUFFIX: &str = "_sm90a";
-const ENV_VARS: [&str; 5] = ["NVCC", "CUDA_HOME", "CUDA_PATH", "PATH", "INFERNIX_CUDA_ARCH"];
+const ENV_VARS: [&str; 6] = ["NVCC", "CUDA_HOME", "CUDA_PATH", "PATH", "INFERNIX_CUDA_ARCH", "INFERNIX_CUBIN"];
 
 fn main() {
     println!("cargo:rerun-if-changed={KERNEL_DIR}");
@@ -80,7 +88,10 @@ fn main() {
     for (stem, ptx, shown, child) in jobs {
         let output = child.and_then(|c| c.wait_with_output());
         match output {
-            Ok(out) if out.status.success() => modules.push((stem, ptx)),
+            Ok(out) if out.status.success() => {
+                let module_arch = if stem.ends_with(SM90A_SUFFIX) { "90a" } else { arch.as_str() };
+                modules.push(Module { stem, ptx, arch: module_arch.to_string(), cubin: None })
+            }
             Ok(out) => {
                 let _ = writeln!(failures, "nvcc failed ({}):\n  {shown}\n{}", out.status, both(&out));
             }
@@ -92,7 +103,61 @@ fn main() {
     if !failures.is_empty() {
         panic!("compiling CUDA kernels to PTX failed:\n{failures}");
     }
+    if env::var("INFERNIX_CUBIN").map(|v| v != "0").unwrap_or(true) {
+        assemble_cubins(&nvcc, &mut modules);
+    }
     write_generated(&out_dir, Some(&version), &arch, &sources_sha256, &file_hashes, &modules);
+}
+
+/// One compiled kernel module: its PTX and, once assembled, its cubin for `sm_<arch>`.
+struct Module {
+    stem: String,
+    ptx: PathBuf,
+    arch: String,
+    cubin: Option<PathBuf>,
+}
+
+/// Assembles every module's PTX into a cubin for `sm_<arch>` (`nvcc -cubin`, concurrently),
+/// skipping a module whose cubin was built from PTX with the same SHA-256 (kept beside it),
+/// so an edit to one kernel file re-assembles only the modules whose PTX changed.
+fn assemble_cubins(nvcc: &Path, modules: &mut [Module]) {
+    let mut jobs = Vec::new();
+    for (i, m) in modules.iter().enumerate() {
+        let ptx_bytes = std::fs::read(&m.ptx).unwrap_or_else(|e| panic!("read {}: {e}", m.ptx.display()));
+        let ptx_sha: String = Sha256::digest(&ptx_bytes).iter().map(|b| format!("{b:02x}")).collect();
+        let cubin = m.ptx.with_extension("cubin");
+        let stamp = m.ptx.with_extension("cubin.ptx-sha256");
+        if cubin.is_file() && std::fs::read_to_string(&stamp).map(|s| s == ptx_sha).unwrap_or(false) {
+            jobs.push((i, cubin, stamp, ptx_sha, String::new(), None));
+            continue;
+        }
+        let mut cmd = Command::new(nvcc);
+        cmd.arg("-cubin").arg(format!("-arch=sm_{}", m.arch)).arg("-o").arg(&cubin).arg(&m.ptx);
+        let shown = format!("{cmd:?}");
+        let child = cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn();
+        jobs.push((i, cubin, stamp, ptx_sha, shown, Some(child)));
+    }
+    let mut failures = String::new();
+    for (i, cubin, stamp, ptx_sha, shown, child) in jobs {
+        match child.map(|c| c.and_then(|c| c.wait_with_output())) {
+            None => {}
+            Some(Ok(out)) if out.status.success() => {
+                std::fs::write(&stamp, &ptx_sha).unwrap_or_else(|e| panic!("write {}: {e}", stamp.display()));
+            }
+            Some(Ok(out)) => {
+                let _ = writeln!(failures, "nvcc -cubin failed ({}):\n  {shown}\n{}", out.status, both(&out));
+                continue;
+            }
+            Some(Err(e)) => {
+                let _ = writeln!(failures, "could not run nvcc:\n  {shown}\n  {e}");
+                continue;
+            }
+        }
+        modules[i].cubin = Some(cubin);
+    }
+    if !failures.is_empty() {
+        panic!("assembling the kernels' PTX into cubins failed (INFERNIX_CUBIN=0 builds PTX only):\n{failures}");
+    }
 }
 
 /// The `.cu` modules and the headers under `kernels/`, sorted by name.
@@ -194,10 +259,10 @@ fn write_generated(
     arch: &str,
     sha: &str,
     file_hashes: &[(String, String)],
-    modules: &[(String, PathBuf)],
+    modules: &[Module],
 ) {
     let mut s = String::new();
-    s.push_str("// @generated by build.rs: PTX of kernels/*.cu and the toolchain that built it.\n");
+    s.push_str("// @generated by build.rs: PTX and cubins of kernels/*.cu and the toolchain that built them.\n");
     let _ = writeln!(s, "pub const KERNELS_BUILT: bool = {};", nvcc_version.is_some());
     let _ = writeln!(s, "pub const NVCC_VERSION: &str = {:?};", nvcc_version.unwrap_or(""));
     let _ = writeln!(s, "pub const CUDA_ARCH: &str = {arch:?};");
@@ -207,10 +272,18 @@ fn write_generated(
         let _ = writeln!(s, "    ({path:?}, {h:?}),");
     }
     s.push_str("];\n");
-    s.push_str("pub const MODULES: &[(&str, &str)] = &[\n");
-    for (name, ptx) in modules {
-        let path = ptx.to_str().expect("OUT_DIR is UTF-8");
-        let _ = writeln!(s, "    ({name:?}, include_str!({path:?})),");
+    s.push_str("pub const MODULES: &[Module] = &[\n");
+    for m in modules {
+        let path = m.ptx.to_str().expect("OUT_DIR is UTF-8");
+        let cubin = match &m.cubin {
+            Some(c) => format!("include_bytes!({:?})", c.to_str().expect("OUT_DIR is UTF-8")),
+            None => "&[]".to_string(),
+        };
+        let _ = writeln!(
+            s,
+            "    Module {{ name: {:?}, ptx: include_str!({path:?}), cubin: {cubin}, cubin_arch: {:?} }},",
+            m.stem, m.arch
+        );
     }
     s.push_str("];\n");
     let dst = out_dir.join("cuda_kernels.rs");

@@ -1158,6 +1158,10 @@ impl Backend for CudaBackend {
                 "ptx_arch": format!("compute_{}", info.kernels.arch),
                 "nvcc_version": info.kernels.nvcc_version,
                 "kernel_sources_sha256": info.kernels.sources_sha256,
+                "kernel_modules": format!(
+                    "{} of {} modules loaded from cubins assembled at build time for this compute capability, the rest JIT-compiled from their PTX by the driver",
+                    info.n_modules_from_cubin, info.n_modules_loaded
+                ),
                 "matmul": match self.route {
                     Route::Bf16TensorCore if self.dev.one_gemm_kernel() => "bf16 inputs (weights dequantized to bf16 in shared memory), \
                          mma.sync 64x64x32 for every M (--reproducible: one GEMM kernel, no switch to wgmma at M >= 128), f32 accumulation"

@@ -1,6 +1,7 @@
 //! The CUDA device: driver probe, context and stream on one GPU chosen by
-//! index, and every embedded PTX module loaded (JIT-compiled by the driver)
-//! when the device is opened, so a bad module fails before any work.
+//! index, and every embedded kernel module loaded when the device is opened
+//! (its cubin where it was assembled for this GPU's compute capability, else
+//! its PTX, JIT-compiled by the driver), so a bad module fails before any work.
 //!
 //! This module owns the only calls that create driver state; it does not know
 //! about ops (see `ops`) or buffers (see `buffer`). One stream per device: all
@@ -70,6 +71,10 @@ pub struct DeviceInfo {
     pub max_smem_per_block_bytes: i32,
     pub driver_version: (i32, i32),
     pub kernels: KernelBuildInfo,
+    /// Modules loaded from their cubin (the rest were JIT-compiled from PTX).
+    pub n_modules_from_cubin: usize,
+    /// Modules loaded in all.
+    pub n_modules_loaded: usize,
 }
 
 impl std::fmt::Display for DeviceInfo {
@@ -157,7 +162,7 @@ impl CudaDevice {
             attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, "compute capability")?,
             attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, "compute capability")?,
         );
-        let info = DeviceInfo {
+        let mut info = DeviceInfo {
             index,
             name: ctx.name().map_err(|e| anyhow!("reading the name of CUDA device {index}: {e}"))?,
             compute_capability: cc,
@@ -169,6 +174,8 @@ impl CudaDevice {
             )?,
             driver_version,
             kernels: build_info(),
+            n_modules_from_cubin: 0,
+            n_modules_loaded: 0,
         };
         let arch_num: i32 = info.kernels.arch.trim_end_matches('a').parse().unwrap_or(0);
         if cc.0 * 10 + cc.1 < arch_num {
@@ -186,13 +193,35 @@ impl CudaDevice {
         keep_pool_memory(&ctx).with_context(|| format!("CUDA device {index}"))?;
         let stream = ctx.default_stream();
         let mut functions = HashMap::new();
-        for (module_name, src) in ptx::MODULES {
+        for m in ptx::MODULES {
+            let module_name = m.name;
             // compute_90a PTX (wgmma) runs on compute capability 9.0 alone; elsewhere the
             // launchers fall back to the portable kernels (`has_function` says which exist).
             if module_name.ends_with(SM90A_MODULE_SUFFIX) && cc != (9, 0) {
                 continue;
             }
-            let module = ctx.load_module(Ptx::from_src(*src)).map_err(|e| {
+            // The cubin is this PTX assembled ahead of time; a driver that refuses it still
+            // gets the PTX (the same code, JIT-compiled), so only the load time differs.
+            let from_cubin = if m.cubin_runs_on(cc) {
+                match ctx.load_module(Ptx::from_binary(m.cubin.to_vec())) {
+                    Ok(module) => Some(module),
+                    Err(e) => {
+                        tracing::warn!("CUDA module {module_name}: its sm_{} cubin did not load ({e}); JIT-compiling its PTX", m.cubin_arch);
+                        None
+                    }
+                }
+            } else {
+                None
+            };
+            info.n_modules_loaded += 1;
+            if from_cubin.is_some() {
+                info.n_modules_from_cubin += 1;
+            }
+            let loaded = match from_cubin {
+                Some(module) => Ok(module),
+                None => ctx.load_module(Ptx::from_src(m.ptx)),
+            };
+            let module = loaded.map_err(|e| {
                 anyhow!(
                     "loading CUDA module {module_name}.ptx on {} (sm_{}{}): {e}; driver CUDA {}.{}, \
                      PTX for compute_{} from nvcc {} (kernel sources sha256 {})",
@@ -206,7 +235,7 @@ impl CudaDevice {
                     info.kernels.sources_sha256
                 )
             })?;
-            for entry in ptx::entry_names(src) {
+            for entry in ptx::entry_names(m.ptx) {
                 let f = module
                     .load_function(entry)
                     .map_err(|e| anyhow!("loading kernel {entry} from module {module_name}: {e}"))?;
