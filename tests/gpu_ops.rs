@@ -875,8 +875,8 @@ fn gemm_tma_epilogue_bit_identical_to_direct() {
 /// of the f64 product; partial row and column tiles (the second 128-row raw box
 /// wholly past N), a row stride past N whose gap must stay NaN, the residual add,
 /// K of 256 to 4096 (the K tile's 36 bytes at offsets 0, 4, 8 and 12 of their
-/// 16-byte unit, several passes around the two raw buffers), several tiles per
-/// block (the persistent grid). Then the gated GEMM likewise, and the shapes the
+/// 16-byte unit, several passes around the two raw buffers), two tiles per block
+/// (the persistent grid, on a GPU of at most 143 SMs). Then the gated GEMM likewise, and the shapes the
 /// producer kernels do not take (K % 256 != 0, Q8_0) fall back to the scratch.
 #[test]
 fn gemm_producer_dequant_bit_identical_to_scratch() {
@@ -893,7 +893,8 @@ fn gemm_producer_dequant_bit_identical_to_scratch() {
         (300, 520, 256, 524, false),     // 3 row tiles, last column tile 8 wide, strided rows
         (257, 1000, 512, 1000, true),    // y += x · Wᵀ, 1 row past a tile
         (128, 4096, 4096, 4096, false),  // 16 column tiles, 64 K tiles
-        (1152, 2304, 2304, 2304, false), // 81 tiles on the persistent grid, K tiles 36
+        (1152, 4096, 512, 4096, false),  // 144 tiles: blocks of the 132-SM grid take two (the raw ring runs across tiles)
+        (640, 2304, 2304, 2304, false),  // 45 tiles of 36 K tiles
         (640, 384, 768, 386, true),      // second raw box half past N, residual add
     ] {
         let bytes = twin::random_matrix(TensorFormat::Q4_0, n, k, &mut rng);
