@@ -21,6 +21,11 @@
 //! GEMM (gate and up 14336 x 4096, SiLU) with each epilogue, BF16 and Q4_0
 //! (`GATED` lines).
 //!
+//! Q4_0 (gemm6): the producer dequant (`ops::GemmDequant::Producer`: no scratch, the
+//! GEMM's producer warpgroup writes the bf16 B tile from the stored blocks) against
+//! the scratch path, plain and gated, both with direct stores (`DEQUANT` lines; the
+//! outputs must agree bit for bit).
+//!
 //! Then the attention's q, k, v projections (4096 + 1024 + 1024 rows, K 4096)
 //! per format: the fused GEMM (`ops::matmul_qkv_bf16`) against three matmuls
 //! (`QKV` lines).
@@ -40,7 +45,7 @@ use cudarc::cublas::{sys as blas, CudaBlas};
 use cudarc::driver::sys::CUevent_flags;
 use half::bf16;
 use infernix_perplexity::artifact::format::TensorFormat;
-use infernix_perplexity::backend::cuda::ops::{self, Activation, GemmEpilogue, MatmulKernel};
+use infernix_perplexity::backend::cuda::ops::{self, Activation, GemmDequant, GemmEpilogue, MatmulKernel};
 use infernix_perplexity::backend::cuda::{CudaDevice, DeviceBuffer, QuantMatrix};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -159,8 +164,8 @@ fn main() -> Result<()> {
         for accumulate in [false, true] {
             let mut y_direct = dev.alloc_zeros::<f32>(m * n)?;
             let mut y_tma = dev.alloc_zeros::<f32>(m * n)?;
-            let direct = time_ms(&dev, reps, || ops::matmul_wgmma_with(&dev, GemmEpilogue::Direct, xd.view(), m, &w_bf16, y_direct.view_mut(), n, accumulate))?;
-            let tma = time_ms(&dev, reps, || ops::matmul_wgmma_with(&dev, GemmEpilogue::TmaStore, xd.view(), m, &w_bf16, y_tma.view_mut(), n, accumulate))?;
+            let direct = time_ms(&dev, reps, || ops::matmul_wgmma_with(&dev, GemmEpilogue::Direct, GemmDequant::Scratch, xd.view(), m, &w_bf16, y_direct.view_mut(), n, accumulate))?;
+            let tma = time_ms(&dev, reps, || ops::matmul_wgmma_with(&dev, GemmEpilogue::TmaStore, GemmDequant::Scratch, xd.view(), m, &w_bf16, y_tma.view_mut(), n, accumulate))?;
             let (a, b) = (dev.download(&y_direct)?, dev.download(&y_tma)?);
             let n_diff = a.iter().zip(&b).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
             println!(
@@ -199,6 +204,32 @@ fn main() -> Result<()> {
             };
             let sample = dev.download_range(&y, 0..4096)?;
             ensure!(sample.iter().all(|v| v.is_finite()), "{label} {format}: non-finite output");
+            if ops::gemm_producer_dequant_fits(&dev, &w) {
+                // The producer dequant (no scratch, direct stores) against the scratch path
+                // with direct stores: the same operands, so the same bits.
+                let mut y_prod = dev.alloc_zeros::<f32>(m * n)?;
+                let mut y_scr = dev.alloc_zeros::<f32>(m * n)?;
+                let prod_ms = time_ms(&dev, reps, || ops::matmul_wgmma_with(&dev, GemmEpilogue::Direct, GemmDequant::Producer, xd.view(), m, &w, y_prod.view_mut(), n, false))?;
+                let scr_ms = time_ms(&dev, reps, || ops::matmul_wgmma_with(&dev, GemmEpilogue::Direct, GemmDequant::Scratch, xd.view(), m, &w, y_scr.view_mut(), n, false))?;
+                let (a, b) = (dev.download(&y_prod)?, dev.download(&y_scr)?);
+                let n_diff = a.iter().zip(&b).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                println!(
+                    "DEQUANT {label:<9} {}: producer {prod_ms:.3} ms ({:.1} TFLOP/s), scratch + direct {scr_ms:.3} ms ({:.1}), default route {ours_ms:.3} ms; producer/default {:.3}, {n_diff} outputs differ",
+                    format.name(),
+                    flop / prod_ms / 1e9,
+                    flop / scr_ms / 1e9,
+                    prod_ms / ours_ms
+                );
+                if n_diff != 0 {
+                    println!("MISMATCH {label} {format}: the producer dequant differs from the scratch path in {n_diff} outputs");
+                    mismatches += 1;
+                }
+                rows.push(serde_json::json!({
+                    "shape": label, "m": m, "n": n, "k": k, "format": format.name(), "dequant_ab": true,
+                    "producer_ms": prod_ms, "scratch_direct_ms": scr_ms, "default_ms": ours_ms, "outputs_differ": n_diff,
+                    "producer_tflops": flop / prod_ms / 1e9, "pct_of_cublas_f32_out": 100.0 * cublas_f32 / prod_ms,
+                }));
+            }
             let tflops = flop / ours_ms / 1e9;
             println!(
                 "{label:<9} {n:>6} {k:>6} {:<5} | {ours_ms:>8.3} {tflops:>7.1} | {:>8.1}% {deq_ms:>7.3} | {:>7.1}% {deq_gbs:>7.0} | {mma_ms:>8.3} {:>8.1} | {:>7.1e}",
@@ -231,7 +262,7 @@ fn main() -> Result<()> {
         for format in [TensorFormat::Bf16, TensorFormat::Q4_0] {
             let wg = QuantMatrix::upload(&dev, format, n_ffn, k, &twin::random_matrix(format, n_ffn, k, &mut rng))?;
             let wu = QuantMatrix::upload(&dev, format, n_ffn, k, &twin::random_matrix(format, n_ffn, k, &mut rng))?;
-            let gated = |epi: GemmEpilogue, out: &mut DeviceBuffer<bf16>| ops::matmul_gated_bf16_with(&dev, epi, Activation::Silu, xd.view(), m, &wg, &wu, out.view_mut());
+            let gated = |epi: GemmEpilogue, out: &mut DeviceBuffer<bf16>| ops::matmul_gated_bf16_with(&dev, epi, GemmDequant::Scratch, Activation::Silu, xd.view(), m, &wg, &wu, out.view_mut());
             let direct = time_ms(&dev, reps, || gated(GemmEpilogue::Direct, &mut out_direct))?;
             let tma = time_ms(&dev, reps, || gated(GemmEpilogue::TmaStore, &mut out_tma))?;
             let (a, b) = (dev.download(&out_direct)?, dev.download(&out_tma)?);
@@ -252,6 +283,28 @@ fn main() -> Result<()> {
                 "shape": "gated_silu", "m": m, "n_ffn": n_ffn, "k": k, "format": format.name(),
                 "direct_ms": direct, "tma_ms": tma, "direct_tflops": flop / direct / 1e9, "tma_tflops": flop / tma / 1e9, "outputs_differ": n_diff,
             }));
+            if ops::gemm_producer_dequant_fits(&dev, &wg) {
+                let mut out_prod = dev.alloc_zeros::<bf16>(m * n_ffn)?;
+                let prod = time_ms(&dev, reps, || {
+                    ops::matmul_gated_bf16_with(&dev, GemmEpilogue::Direct, GemmDequant::Producer, Activation::Silu, xd.view(), m, &wg, &wu, out_prod.view_mut())
+                })?;
+                let p = dev.download(&out_prod)?;
+                let n_diff = p.iter().zip(&a).filter(|(p, a)| p.to_bits() != a.to_bits()).count();
+                println!(
+                    "DEQUANT GATED {m} x {n_ffn} x {k} {:<5}: producer {prod:.3} ms ({:.1} TFLOP/s), scratch + direct {direct:.3} ms; producer/scratch {:.3}, {n_diff} outputs differ",
+                    format.name(),
+                    flop / prod / 1e9,
+                    prod / direct
+                );
+                if n_diff != 0 {
+                    println!("MISMATCH gated {format}: the producer dequant differs from the scratch path in {n_diff} outputs");
+                    mismatches += 1;
+                }
+                rows.push(serde_json::json!({
+                    "shape": "gated_silu", "m": m, "n_ffn": n_ffn, "k": k, "format": format.name(), "dequant_ab": true,
+                    "producer_ms": prod, "scratch_direct_ms": direct, "producer_tflops": flop / prod / 1e9, "outputs_differ": n_diff,
+                }));
+            }
         }
     }
     // The attention's q, k, v projections of the 8B body (4096 + 1024 + 1024 rows, K 4096):

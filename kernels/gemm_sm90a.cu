@@ -65,6 +65,26 @@
 // order as gemm_bf16_wgmma, so the same bits as three separate GEMMs (then
 // add_bias). CPU twin: tests/gpu_ops/twin.rs matmul_f64 per projection, plus the bias.
 //
+// Producer-dequant Q4_0 variants (gemm_q4_0_wgmma, gemm_q4_0_wgmma_gated_{silu,gelu};
+// ops::GemmDequant::Producer, INFERNIX_GEMM_DEQUANT=producer, off by default: not yet
+// run on a GPU): the same tile loop with W's stored Q4_0 blocks instead of a bf16
+// scratch (wgmma_pipeline<RAW = 2>). Per K tile the producer's thread 0 copies the A
+// tile and, two K tiles ahead, the tile's raw bytes (36 bytes a row, in a 48-byte
+// box from the 16-byte unit that holds them: two 128-row boxes of a uint8 tensor map
+// over the blocks, K % 256 == 0 so rows are 16-byte multiples) into one of two 12 KiB
+// raw buffers; all 128 producer threads then write the 256 x 64 bf16 B tile, thread t
+// rows t and t + 128, each 8-element group by dequant8<FMT_Q4_0> + pack_bf16x8 (the
+// very code of dequant_bf16_q4_0, so the operands are the scratch path's bits) as a
+// 16-byte store at its 128B-swizzle place (sw128_offset), fence them for the async
+// proxy and arrive on the stage's full barrier (count 1 + 128). No bf16 scratch in
+// device memory and no dequant pass: 0.56 bytes of weight read a weight element
+// instead of 0.56 + 2 written + 2 read. Direct stores only (the raw buffers take the
+// epilogue buffers' shared memory: ops::GEMM_RAW_SMEM_BYTES). ptxas (nvcc 13.0.88,
+// sm_90a): 168 registers, no spills; the producer branch after setmaxnreg 40 uses
+// registers up to R35; per K tile a producer thread issues 144 shared byte loads,
+// 128 I2F + 128 FMUL and 16 16-byte stores (SASS), against the ~1,400 cycles a stage
+// takes at 790 TFLOP/s.
+//
 // Launch: persistent, grid min(tiles, SMs) with tiles = ceil(M/128) * ceil(N/256)
 // (gated: ceil(M/128) * ceil(n_ffn/128)),
 // block 384, dynamic shared memory ops::GEMM_EPI_SMEM_BYTES (the stages, the
@@ -76,11 +96,23 @@
 #include "sm90a.cuh"
 
 #define GEMM_THREADS 384
+// The producer-dequant kernels (gemm_q4_0_wgmma*): GEMM_RAW_STAGES raw buffers of
+// 256 rows x 48 bytes (sm90a.cuh GEMM_RAW_*), a K tile of Q4_0 being 36 bytes of a row.
+#define GEMM_RAW_STAGES 2
+#define GEMM_Q4_0_TILE_BYTES 36
+#define GEMM_Q4_0_RAW_ROW_BYTES 48
+static_assert(256 * GEMM_Q4_0_RAW_ROW_BYTES == GEMM_RAW_STAGE_BYTES, "a raw buffer holds 256 rows of 48 bytes");
+static_assert(12 + GEMM_Q4_0_TILE_BYTES <= GEMM_Q4_0_RAW_ROW_BYTES, "a tile's bytes lie inside the 48-byte box (offset 0, 4, 8 or 12)");
 // The epilogue's shared buffers (store_tma): after the stages and a 1 KiB block holding
 // the mbarriers, 16 KiB per consumer warpgroup, 1024-byte aligned (128B swizzle).
 #define GEMM_EPI_OFFSET (GEMM_STAGES * GEMM_STAGE_BYTES + 1024)
 #define GEMM_EPI_CONSUMER_BYTES 16384
 static_assert(2 * GEMM_STAGES * 8 <= 1024, "the mbarriers fit before the epilogue buffers");
+
+// 16 bytes to shared memory (a producer-dequant B tile's chunk).
+__device__ __forceinline__ void st_shared_b128(uint32_t addr, uint4 v) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
 
 // Tile `tile` of the grouped order: groups of GEMM_GROUP_M row tiles, column tiles
 // (of tile_n output columns) within a group.
@@ -100,7 +132,7 @@ __device__ __forceinline__ void tile_origin(int tile, int m_tiles, int n_tiles, 
 // epilogue writes bf16(act(gate) * up) for 128 output columns a tile), and the
 // QKV one (QKV true, P = GemmQkvParams: the plain tile loop, each column stored
 // to its projection's matrix, plus its bias).
-template <bool GATED, int ACT, bool QKV, typename P>
+template <bool GATED, int ACT, bool QKV, typename P, bool DQ = false>
 __device__ __forceinline__ void gemm_tiles(const P& p) {
     extern __shared__ uint8_t gemm_smem_raw[];
     // Output columns a tile covers: 256, or 128 when gated (256 B rows: gate and up halves).
@@ -118,7 +150,9 @@ __device__ __forceinline__ void gemm_tiles(const P& p) {
         int m0, n0;
         tile_origin(tile, m_tiles, n_tiles, TILE_N, m0, n0);
         tma_load_2d(a_stage, &p.a, full, kt * GEMM_BK, m0);
-        if constexpr (GATED) {
+        if constexpr (DQ) {
+            // The B tile is the producer's (load_raw, convert).
+        } else if constexpr (GATED) {
             tma_load_2d(b_stage, &p.b_gate, full, kt * GEMM_BK, n0);
             tma_load_2d(b_stage + GEMM_B_STAGE_BYTES / 2, &p.b_up, full, kt * GEMM_BK, n0);
         } else {
@@ -136,7 +170,7 @@ __device__ __forceinline__ void gemm_tiles(const P& p) {
         const bool leader = warp == 0 && lane == 0;
         const uint32_t r_lo = warp * 16 + lane / 4, t2 = 2 * (lane % 4);
         const int row0 = m0 + c * 64;
-        if constexpr (!QKV) {
+        if constexpr (!QKV && !DQ) {
             if (p.store_tma) {
                 if constexpr (GATED) {
                     // Two 64 x 64 bf16 boxes (128-byte rows); the buffer's last copy
@@ -264,8 +298,47 @@ __device__ __forceinline__ void gemm_tiles(const P& p) {
             }
         }
     };
-    wgmma_pipeline(gemm_smem_raw, m_tiles * n_tiles, k_tiles, load, epilogue);
-    if constexpr (!QKV) {
+    if constexpr (DQ) {
+        // Q4_0 raw rows: K tile kt is blocks 2kt, 2kt + 1 of a row, bytes [36 kt, 36 kt + 36),
+        // fetched as the 48-byte box from the 16-byte unit that holds byte 36 kt (the box's
+        // inner size must be a multiple of 16 bytes), B rows 0-127 then 128-255 (gated: Wg
+        // then Wu rows), each raw row at 48 r.
+        auto load_raw = [&](int tile, int kt, uint32_t raw, uint32_t bar) {
+            int m0, n0;
+            tile_origin(tile, m_tiles, n_tiles, TILE_N, m0, n0);
+            const int c0 = (kt * GEMM_Q4_0_TILE_BYTES) & ~15;
+            if constexpr (GATED) {
+                tma_load_2d(raw, &p.b_gate, bar, c0, n0);
+                tma_load_2d(raw + GEMM_RAW_STAGE_BYTES / 2, &p.b_up, bar, c0, n0);
+            } else {
+                tma_load_2d(raw, &p.b, bar, c0, n0);
+                tma_load_2d(raw + GEMM_RAW_STAGE_BYTES / 2, &p.b, bar, c0, n0 + GEMM_BN / 2);
+            }
+        };
+        // Producer thread t writes B rows t and t + 128: its 8 groups of 8 elements
+        // dequantized by dequant8 from the raw row (the same code and rounding as
+        // dequant_bf16_q4_0), as 16-byte chunks at their 128B-swizzle place.
+        const uint32_t smem_base = smem_addr(gemm_smem_raw);
+        auto convert = [&](int, int kt, uint32_t raw, uint32_t b_stage, int tid) {
+            const uint32_t o = (uint32_t)(kt * GEMM_Q4_0_TILE_BYTES) & 15u;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const uint32_t r = (uint32_t)tid + 128u * h;
+                const uint8_t* row = gemm_smem_raw + (raw - smem_base) + r * GEMM_Q4_0_RAW_ROW_BYTES + o;
+#pragma unroll
+                for (int g = 0; g < GEMM_BK / 8; ++g) {
+                    float v[8];
+                    dequant8<FMT_Q4_0>(row, g, v);
+                    const uint4 q = pack_bf16x8(v);
+                    st_shared_b128(b_stage + sw128_offset(r, 16u * g), q);
+                }
+            }
+        };
+        wgmma_pipeline<GEMM_RAW_STAGES>(gemm_smem_raw, m_tiles * n_tiles, k_tiles, load, epilogue, load_raw, convert);
+    } else {
+        wgmma_pipeline(gemm_smem_raw, m_tiles * n_tiles, k_tiles, load, epilogue);
+    }
+    if constexpr (!QKV && !DQ) {
         // Each consumer's leader: its last copies have written global memory (and read
         // shared memory) before the block exits.
         if (p.store_tma && threadIdx.x >= 128 && threadIdx.x % 128 == 0) bulk_wait_group<0>();
@@ -288,4 +361,20 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_bf16_wgmma_qkv(const __grid_constant__ GemmQkvParams p) {
     gemm_tiles<false, 0, true>(p);
+}
+
+// The producer-dequant variants (Q4_0 weights: p.b, or p.b_gate / p.b_up, are tensor
+// maps over the stored blocks, uint8 (row_bytes, N), box (48, 128), no swizzle).
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_q4_0_wgmma(const __grid_constant__ GemmParams p) {
+    gemm_tiles<false, 0, false, GemmParams, true>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+    gemm_q4_0_wgmma_gated_silu(const __grid_constant__ GemmGatedParams p) {
+    gemm_tiles<true, ACT_SILU, false, GemmGatedParams, true>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
+    gemm_q4_0_wgmma_gated_gelu(const __grid_constant__ GemmGatedParams p) {
+    gemm_tiles<true, ACT_GELU, false, GemmGatedParams, true>(p);
 }

@@ -217,7 +217,8 @@ MATMUL(mxfp4, FMT_MXFP4)
 
 // dequant_bf16_<fmt>: out = bf16(dequant(W)), (n_rows, n_cols) row-major, the
 // weight operand of gemm_bf16_wgmma (gemm_sm90a.cu) for block-quantized
-// formats; the same dequant8 + pack_bf16x8 rounding as matmul_bf16_<fmt>'s
+// formats (Q4_0 can skip it: gemm_q4_0_wgmma* dequantize in their producer with
+// the same dequant8, ops::GemmDequant::Producer); the same dequant8 + pack_bf16x8 rounding as matmul_bf16_<fmt>'s
 // loader, so both kernels multiply identical operands. One thread per group
 // of 8 elements: grid ceil(n_groups / 256), block 256.
 #define DEQUANT_BF16(name, id)                                                                    \

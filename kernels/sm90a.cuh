@@ -93,6 +93,15 @@ __device__ __forceinline__ void wgmma_fence_regs(float (&d)[N]) {
 // --- end moe4 ---
 
 // --- wgmma GEMM pipeline (gemm_sm90a.cu, moe_sm90a.cu) ---
+// Generic-proxy shared-memory writes made visible to the async proxy (the TMA, wgmma); each
+// writing thread, before the barrier that precedes the copy.
+__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Named barrier `id` (1..15; 0 is __syncthreads) over `n_threads` threads (a multiple of 32).
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t n_threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n_threads) : "memory");
+}
+
 // The warp-specialized main loop of both GEMM families. Block tile GEMM_BM x
 // GEMM_BN x GEMM_BK (common.cuh), GEMM_STAGES shared-memory stages of (A
 // GEMM_BM x GEMM_BK + B GEMM_BN x GEMM_BK) bf16 from 1024-byte-aligned dynamic
@@ -111,18 +120,41 @@ __device__ __forceinline__ void wgmma_fence_regs(float (&d)[N]) {
 // the consumers store this one.
 //   load(item, kt, a_stage, b_stage, full): the TMA copies of K tile kt of item
 //     into the stage at a_stage / b_stage, completing on `full`
-//     (GEMM_STAGE_BYTES in all);
+//     (GEMM_STAGE_BYTES in all; with RAW > 0 the A tile alone, GEMM_A_STAGE_BYTES);
 //   epilogue(item, c, warp, lane, d): stores consumer c's accumulators `d` of
 //     the item (the m64nNk16 layout: warp w holds rows 16w..16w+15; lane (g =
 //     lane/4, t = lane%4) rows g and g+8, columns 8j+2t, 8j+2t+1 for j < 32).
+// RAW > 0 (gemm6: the weight's stored blocks dequantized by the producer): the B
+// tile is not copied but written by the producer warpgroup. A ring of RAW raw
+// buffers of GEMM_RAW_STAGE_BYTES (after the mbarrier block, at
+// GEMM_RAW_OFFSET) holds the stored bytes of the B rows of K tiles it .. it +
+// RAW - 1, each completing on its own "raw" mbarrier (after full and empty);
+// thread 0 issues load_raw(item, kt, raw, raw_full) RAW tiles ahead and the A
+// copy of the tile; then all 128 producer threads wait on the tile's raw
+// buffer, call convert(item, kt, raw, b_stage, tid) (each writes its share of
+// the 128B-swizzled bf16 B tile with generic stores), fence those stores for the
+// async proxy (wgmma reads them) and arrive on "full" (1 + 128 arrivals); a
+// named barrier (id 3) among them frees the raw buffer for the next copy.
 #define GEMM_A_STAGE_BYTES (GEMM_BM * GEMM_BK * 2)
 #define GEMM_B_STAGE_BYTES (GEMM_BN * GEMM_BK * 2)
 #define GEMM_STAGE_BYTES (GEMM_A_STAGE_BYTES + GEMM_B_STAGE_BYTES)
 static_assert(GEMM_A_STAGE_BYTES == 16384, "A stage is 16 KiB");
 static_assert(GEMM_B_STAGE_BYTES == 32768, "B stage is 32 KiB");
 
-template <class Load, class Epilogue>
-__device__ __forceinline__ void wgmma_pipeline(uint8_t* smem_raw, int n_items, int k_tiles, Load load, Epilogue epilogue) {
+// The raw ring of RAW > 0 (see above): after the stages and the 1 KiB mbarrier block.
+#define GEMM_RAW_OFFSET (GEMM_STAGES * GEMM_STAGE_BYTES + 1024)
+#define GEMM_RAW_STAGE_BYTES 12288
+
+// The load_raw / convert of a pipeline without a producer dequant (RAW == 0): never called.
+struct NoRawLoad {
+    __device__ void operator()(int, int, uint32_t, uint32_t) const {}
+    __device__ void operator()(int, int, uint32_t, uint32_t, int) const {}
+};
+
+template <int RAW = 0, class Load, class Epilogue, class LoadRaw = NoRawLoad, class Convert = NoRawLoad>
+__device__ __forceinline__ void wgmma_pipeline(uint8_t* smem_raw, int n_items, int k_tiles, Load load, Epilogue epilogue,
+                                               LoadRaw load_raw = {}, Convert convert = {}) {
+    static_assert(RAW == 0 || 2 * GEMM_STAGES * 8 + RAW * 8 <= 1024, "the raw mbarriers fit in the mbarrier block");
     const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const uint32_t a_base = base;
     const uint32_t b_base = base + GEMM_STAGES * GEMM_A_STAGE_BYTES;
@@ -133,16 +165,49 @@ __device__ __forceinline__ void wgmma_pipeline(uint8_t* smem_raw, int n_items, i
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int s = 0; s < GEMM_STAGES; ++s) {
-            mbar_init(bar_base + 8 * s, 1);
+            mbar_init(bar_base + 8 * s, RAW > 0 ? 1 + 128 : 1);
             mbar_init(bar_base + 8 * (GEMM_STAGES + s), 2);
         }
+#pragma unroll
+        for (int r = 0; r < RAW; ++r) mbar_init(bar_base + 8 * (2 * GEMM_STAGES + r), 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
 
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-        if (tid_wg == 0) {
+        if constexpr (RAW > 0) {
+            const uint32_t raw_base = base + GEMM_RAW_OFFSET;
+            const uint32_t raw_bar = bar_base + 8 * 2 * GEMM_STAGES;
+            // This block's items are blockIdx.x + i * gridDim.x; its K tiles are numbered over all of them.
+            const int n_mine = (int)blockIdx.x < n_items ? (n_items - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+            const uint32_t total = (uint32_t)n_mine * (uint32_t)k_tiles;
+            auto issue_raw = [&](uint32_t j) {
+                const uint32_t r = j % RAW;
+                mbar_arrive_expect_tx(raw_bar + 8 * r, GEMM_RAW_STAGE_BYTES);
+                load_raw((int)blockIdx.x + (int)(j / k_tiles) * (int)gridDim.x, (int)(j % k_tiles), raw_base + r * GEMM_RAW_STAGE_BYTES,
+                         raw_bar + 8 * r);
+            };
+            if (tid_wg == 0) {
+                for (uint32_t j = 0; j < (uint32_t)RAW && j < total; ++j) issue_raw(j);
+            }
+            for (uint32_t it = 0; it < total; ++it) {
+                const int item = (int)blockIdx.x + (int)(it / k_tiles) * (int)gridDim.x, kt = (int)(it % k_tiles);
+                const uint32_t s = it % GEMM_STAGES, r = it % RAW;
+                mbar_wait(bar_base + 8 * (GEMM_STAGES + s), ((it / GEMM_STAGES) & 1) ^ 1);
+                const uint32_t full = bar_base + 8 * s;
+                if (tid_wg == 0) {
+                    mbar_arrive_expect_tx(full, GEMM_A_STAGE_BYTES);
+                    load(item, kt, a_base + s * GEMM_A_STAGE_BYTES, b_base + s * GEMM_B_STAGE_BYTES, full);
+                }
+                mbar_wait(raw_bar + 8 * r, (it / RAW) & 1);
+                convert(item, kt, raw_base + r * GEMM_RAW_STAGE_BYTES, b_base + s * GEMM_B_STAGE_BYTES, tid_wg);
+                fence_proxy_async_shared();
+                mbar_arrive(full);
+                named_barrier_sync(3, 128);  // every producer thread has read raw buffer r
+                if (tid_wg == 0 && it + RAW < total) issue_raw(it + RAW);
+            }
+        } else if (tid_wg == 0) {
             uint32_t it = 0;
             for (int item = blockIdx.x; item < n_items; item += gridDim.x) {
                 for (int kt = 0; kt < k_tiles; ++kt, ++it) {
@@ -208,14 +273,6 @@ __device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float a, float b)
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
 
-// Generic-proxy shared-memory writes made visible to the async proxy (the TMA); each
-// writing thread, before the barrier that precedes the copy.
-__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-// Named barrier `id` (1..15; 0 is __syncthreads) over `n_threads` threads (a multiple of 32).
-__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t n_threads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n_threads) : "memory");
-}
 
 // The box of a 2-D tensor map at (c0 inner, c1) from shared memory at `src`; elements
 // outside the tensor are not written.

@@ -832,7 +832,7 @@ fn gemm_tma_epilogue_bit_identical_to_direct() {
         assert!(ops::gemm_tma_store_fits(poisoned::<f32>(dev, m * ldy).view().ptr(), ldy * 4, n * 4), "{m} x {n} (ldy {ldy}) f32 takes the TMA epilogue");
         let run = |epi: ops::GemmEpilogue| -> Vec<f32> {
             let mut y = if accumulate { dev.upload(&y0).unwrap() } else { poisoned::<f32>(dev, m * ldy) };
-            ops::matmul_wgmma_with(dev, epi, xbd.view(), m, &w, y.view_mut(), ldy, accumulate).unwrap();
+            ops::matmul_wgmma_with(dev, epi, ops::GemmDequant::Scratch, xbd.view(), m, &w, y.view_mut(), ldy, accumulate).unwrap();
             dev.download(&y).unwrap()
         };
         let (tma, direct) = (run(TmaStore), run(Direct));
@@ -856,7 +856,7 @@ fn gemm_tma_epilogue_bit_identical_to_direct() {
         assert!(ops::gemm_tma_store_fits(poisoned::<bf16>(dev, m * n).view().ptr(), n * 2, n * 2), "{m} x {n} bf16 takes the TMA epilogue");
         let run = |epi: ops::GemmEpilogue| -> Vec<f32> {
             let mut out = poisoned::<bf16>(dev, m * n);
-            ops::matmul_gated_bf16_with(dev, epi, act, xbd.view(), m, &wg, &wu, out.view_mut()).unwrap();
+            ops::matmul_gated_bf16_with(dev, epi, ops::GemmDequant::Scratch, act, xbd.view(), m, &wg, &wu, out.view_mut()).unwrap();
             bf16_to_f32(&dev.download(&out).unwrap())
         };
         let (tma, direct) = (run(TmaStore), run(Direct));
@@ -865,6 +865,85 @@ fn gemm_tma_epilogue_bit_identical_to_direct() {
         let d = n_differ(&tma, &direct);
         println!("GEMM_EPILOGUE {op}: {d} of {} outputs differ from the direct epilogue", m * n);
         assert_eq!(d, 0, "{op}: the TMA epilogue must give the direct epilogue's bits");
+    }
+}
+
+/// The producer-dequant Q4_0 GEMMs (ops::GemmDequant::Producer: the producer
+/// warpgroup turns the stored blocks into the swizzled bf16 B tile, no scratch)
+/// against the scratch path (dequant_bf16_q4_0, then the bf16 GEMM), both with
+/// direct stores: bit for bit on the same operands, within the matmul tolerance
+/// of the f64 product; partial row and column tiles (the second 128-row raw box
+/// wholly past N), a row stride past N whose gap must stay NaN, the residual add,
+/// K of 256 to 4096 (the K tile's 36 bytes at offsets 0, 4, 8 and 12 of their
+/// 16-byte unit, several passes around the two raw buffers), two tiles per block
+/// (the persistent grid, on a GPU of at most 143 SMs). Then the gated GEMM likewise, and the shapes the
+/// producer kernels do not take (K % 256 != 0, Q8_0) fall back to the scratch.
+#[test]
+fn gemm_producer_dequant_bit_identical_to_scratch() {
+    let Some(dev) = device() else { return };
+    if !dev.has_function(ops::GEMM_Q4_0_KERNEL) {
+        return;
+    }
+    use ops::GemmDequant::{Producer, Scratch};
+    use ops::GemmEpilogue::Direct;
+    let mut rng = rng_for("gemm_producer_dequant");
+    let n_differ = |a: &[f32], b: &[f32]| a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+    // (m, n, k, ldy, accumulate)
+    for (m, n, k, ldy, accumulate) in [
+        (300, 520, 256, 524, false),     // 3 row tiles, last column tile 8 wide, strided rows
+        (257, 1000, 512, 1000, true),    // y += x · Wᵀ, 1 row past a tile
+        (128, 4096, 4096, 4096, false),  // 16 column tiles, 64 K tiles
+        (1152, 4096, 512, 4096, false),  // 144 tiles: blocks of the 132-SM grid take two (the raw ring runs across tiles)
+        (640, 2304, 2304, 2304, false),  // 45 tiles of 36 K tiles
+        (640, 384, 768, 386, true),      // second raw box half past N, residual add
+    ] {
+        let bytes = twin::random_matrix(TensorFormat::Q4_0, n, k, &mut rng);
+        let w = QuantMatrix::upload(dev, TensorFormat::Q4_0, n, k, &bytes).unwrap();
+        assert!(ops::gemm_producer_dequant_fits(dev, &w), "Q4_0 {n} x {k} takes the producer dequant");
+        let wb: Vec<f32> = twin::dequant_matrix(TensorFormat::Q4_0, &bytes, n, k).iter().map(|&v| twin::round_bf16(v)).collect();
+        let x = randn(&mut rng, m * k, 1.0);
+        let xb: Vec<f32> = x.iter().map(|&v| twin::round_bf16(v)).collect();
+        let xbd = upload_bf16(dev, &x);
+        let y0: Vec<f32> = randn(&mut rng, m * ldy, 4.0).iter().enumerate().map(|(i, &v)| if i % ldy < n { v } else { f32::NAN }).collect();
+        let run = |dq: ops::GemmDequant| -> Vec<f32> {
+            let mut y = if accumulate { dev.upload(&y0).unwrap() } else { poisoned::<f32>(dev, m * ldy) };
+            ops::matmul_wgmma_with(dev, Direct, dq, xbd.view(), m, &w, y.view_mut(), ldy, accumulate).unwrap();
+            dev.download(&y).unwrap()
+        };
+        let (producer, scratch) = (run(Producer), run(Scratch));
+        let op = format!("gemm producer dequant Q4_0 ({m}x{n}x{k}, ldy {ldy}, accumulate {accumulate})");
+        assert!((0..m).all(|i| producer[i * ldy + n..(i + 1) * ldy].iter().all(|v| v.is_nan())), "{op}: wrote past N into the row gap");
+        let rows = |v: &[f32]| -> Vec<f32> { (0..m).flat_map(|i| v[i * ldy..i * ldy + n].to_vec()).collect() };
+        let (producer, scratch) = (rows(&producer), rows(&scratch));
+        let prod = twin::matmul_f64(&xb, &wb, m, n, k);
+        let cpu: Vec<f64> = if accumulate { prod.iter().enumerate().map(|(i, &p)| p + y0[(i / n) * ldy + i % n] as f64).collect() } else { prod };
+        check(&op, &producer, &cpu, TOL_F32_ACC);
+        let d = n_differ(&producer, &scratch);
+        println!("GEMM_DEQUANT {op}: {d} of {} outputs differ from the scratch path", m * n);
+        assert_eq!(d, 0, "{op}: the producer dequant must give the scratch path's bits");
+    }
+    for (act, m, n, k) in [
+        (Activation::Silu, 300, 1000, 512),      // last column tile 104 wide
+        (Activation::GeluTanh, 257, 648, 1024),  // last tile 8 columns wide
+        (Activation::Silu, 640, 1536, 2304),     // whole tiles, 60 of them
+    ] {
+        let GatedCase { wg, wu, xbd, cpu } = gated_case(dev, &mut rng, TensorFormat::Q4_0, act, m, n, k);
+        let run = |dq: ops::GemmDequant| -> Vec<f32> {
+            let mut out = poisoned::<bf16>(dev, m * n);
+            ops::matmul_gated_bf16_with(dev, Direct, dq, act, xbd.view(), m, &wg, &wu, out.view_mut()).unwrap();
+            bf16_to_f32(&dev.download(&out).unwrap())
+        };
+        let (producer, scratch) = (run(Producer), run(Scratch));
+        let op = format!("gated {act:?} producer dequant Q4_0 ({m}x{n}x{k})");
+        check(&op, &producer, &cpu, TOL_BF16_OUT);
+        let d = n_differ(&producer, &scratch);
+        println!("GEMM_DEQUANT {op}: {d} of {} outputs differ from the scratch path", m * n);
+        assert_eq!(d, 0, "{op}: the producer dequant must give the scratch path's bits");
+    }
+    // Not taken: K % 256 != 0, other formats (the scratch path runs instead).
+    for (format, n, k) in [(TensorFormat::Q4_0, 256, 96), (TensorFormat::Q4_0, 256, 320), (TensorFormat::Q8_0, 256, 256)] {
+        let w = QuantMatrix::upload(dev, format, n, k, &twin::random_matrix(format, n, k, &mut rng)).unwrap();
+        assert!(!ops::gemm_producer_dequant_fits(dev, &w), "{} {n} x {k} must not take the producer dequant", format.name());
     }
 }
 

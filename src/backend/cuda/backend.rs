@@ -1169,11 +1169,13 @@ impl Backend for CudaBackend {
                     Route::Bf16TensorCore if self.dev.has_function(ops::GEMM_WGMMA_KERNEL) => format!(
                         "bf16 inputs, f32 accumulation; M >= {} and N >= {}: the weight dequantized to a bf16 scratch per matmul \
                          (stored BF16 read as is), then wgmma 128x256x64 with a TMA 4-stage pipeline (sm_90a); smaller products: \
-                         mma.sync 64x64x32 with the weight dequantized to bf16 in shared memory; wgmma epilogue: {} (f32 out), {} (gated)",
+                         mma.sync 64x64x32 with the weight dequantized to bf16 in shared memory; wgmma epilogue: {} (f32 out), {} (gated); \
+                         wgmma dequant: {}",
                         ops::GEMM_WGMMA_MIN_M,
                         ops::GEMM_WGMMA_MIN_N,
                         ops::GemmEpilogue::from_env().name(),
-                        ops::GemmEpilogue::gated_from_env().name()
+                        ops::GemmEpilogue::gated_from_env().name(),
+                        ops::GemmDequant::from_env().name()
                     ),
                     Route::Bf16TensorCore => "bf16 inputs (weights dequantized to bf16 in shared memory), mma.sync tensor cores, \
                          f32 accumulation (no sm_90a wgmma kernel on this GPU)".to_string(),

@@ -617,6 +617,68 @@ impl GemmEpilogue {
     }
 }
 
+/// Where the wgmma GEMMs expand a block-quantized weight to bf16 (the same bf16
+/// operands, so the same output bits, either way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmDequant {
+    /// `dequant_bf16_<fmt>` writes the whole weight to a bf16 scratch in device
+    /// memory, then the GEMM's TMA reads it (every format; the default).
+    Scratch,
+    /// The GEMM's producer warpgroup reads the stored blocks (TMA) and writes the
+    /// swizzled bf16 B tile itself (`gemm_q4_0_wgmma*`, kernels/gemm_sm90a.cu): no
+    /// scratch. Q4_0 weights where `gemm_producer_dequant_fits`; `Scratch` otherwise.
+    Producer,
+}
+
+/// `INFERNIX_GEMM_DEQUANT=producer` picks `GemmDequant::Producer` for the default
+/// route's wgmma GEMMs; unset or anything else, `GemmDequant::Scratch`. Off by
+/// default: written without a device run of its own (docs/performance.md, gemm6).
+pub const GEMM_DEQUANT_ENV: &str = "INFERNIX_GEMM_DEQUANT";
+
+/// Name of the producer-dequant Q4_0 GEMM (kernels/gemm_sm90a.cu).
+pub const GEMM_Q4_0_KERNEL: &str = "gemm_q4_0_wgmma";
+
+impl GemmDequant {
+    pub fn from_env() -> Self {
+        match std::env::var(GEMM_DEQUANT_ENV).as_deref() {
+            Ok("producer") => Self::Producer,
+            _ => Self::Scratch,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Scratch => "bf16 scratch (dequant_bf16 per matmul)",
+            Self::Producer => "in the GEMM's producer warpgroup for Q4_0 (K % 256 == 0), else a bf16 scratch",
+        }
+    }
+}
+
+/// Whether the producer-dequant kernels take `w`: Q4_0 with K % 256 == 0 (rows of a
+/// multiple of 16 bytes, as the tensor map over the stored blocks needs) at a
+/// 16-byte-aligned address, on a device that has them.
+pub fn gemm_producer_dequant_fits(dev: &CudaDevice, w: &QuantMatrix) -> bool {
+    w.format == TensorFormat::Q4_0
+        && w.n_cols % 256 == 0
+        && w.row_bytes % 16 == 0
+        && w.data.view().ptr() % 16 == 0
+        && dev.has_function(GEMM_Q4_0_KERNEL)
+}
+
+/// The producer-dequant kernels' dynamic shared memory (kernels/sm90a.cuh
+/// GEMM_RAW_*): the stages, the 1 KiB mbarrier block, two 12 KiB raw buffers (256
+/// rows x 48 bytes of stored Q4_0 blocks), the 1 KiB alignment slack; no epilogue
+/// buffers (direct stores only).
+const GEMM_RAW_SMEM_BYTES: usize = 1024 + GEMM_STAGES * (GEMM_BM + GEMM_BN) * GEMM_BK * 2 + 1024 + 2 * 12288;
+
+/// A tensor map over the stored blocks of a Q4_0 `w` for the producer-dequant
+/// kernels: uint8 (row_bytes, n_rows), boxes of 48 bytes x 128 rows, no swizzle.
+fn tensor_map_q4_0_raw(w: &QuantMatrix) -> Result<cudarc::driver::sys::CUtensorMap> {
+    let ptr = w.data.view().ptr();
+    ensure!(ptr % 16 == 0 && w.row_bytes % 16 == 0, "Q4_0 tensor map: base {ptr:#x} or row of {} bytes not 16-byte aligned", w.row_bytes);
+    encode_map(TmaElem::U8, false, ptr, [w.row_bytes as u64, w.n_rows as u64], [w.row_bytes as u64], [48, (GEMM_BN / 2) as u32])
+        .with_context(|| format!("tensor map of {} x {} Q4_0 blocks", w.n_rows, w.row_bytes))
+}
+
 /// `GemmParams` of kernels/common.cuh (gemm_bf16_wgmma's one `__grid_constant__` parameter).
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -703,6 +765,14 @@ pub fn gemm_gated_kernel(act: Activation) -> &'static str {
     }
 }
 
+/// Names of the producer-dequant gated Q4_0 GEMMs (kernels/gemm_sm90a.cu).
+pub fn gemm_q4_0_gated_kernel(act: Activation) -> &'static str {
+    match act {
+        Activation::Silu => "gemm_q4_0_wgmma_gated_silu",
+        Activation::GeluTanh => "gemm_q4_0_wgmma_gated_gelu",
+    }
+}
+
 /// The kernel `matmul::<bf16>` uses for an (m, n) product on this device:
 /// always mma.sync on a device pinned to one GEMM kernel (`--reproducible`,
 /// `CudaDevice::pin_one_gemm_kernel`: the two kernels sum a row's products in
@@ -759,16 +829,18 @@ pub fn matmul_bf16_with(
 fn matmul_bf16_raw(dev: &CudaDevice, kernel: MatmulKernel, xp: u64, x_len: usize, m: usize, w: &QuantMatrix, y: DevViewMut<f32>, ldy: usize) -> Result<()> {
     match kernel {
         MatmulKernel::MmaSync => matmul_portable(dev, "bf16", xp, x_len, m, w, y, ldy),
-        MatmulKernel::Wgmma => wgmma_with_scratch(dev, GemmEpilogue::from_env(), xp, x_len, m, w, y, ldy, false),
+        MatmulKernel::Wgmma => wgmma_with_scratch(dev, GemmEpilogue::from_env(), GemmDequant::from_env(), xp, x_len, m, w, y, ldy, false),
     }
 }
 
-/// The bf16 matmul on the wgmma kernel with a chosen epilogue (tests and the GEMM
-/// benchmark compare them): `matmul_bf16_with(.., MatmulKernel::Wgmma, ..)` otherwise.
+/// The bf16 matmul on the wgmma kernel with a chosen epilogue and dequant (tests and
+/// the GEMM benchmark compare them): `matmul_bf16_with(.., MatmulKernel::Wgmma, ..)`
+/// otherwise. The producer dequant stores directly (no TMA epilogue).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_wgmma_with(
     dev: &CudaDevice,
     epilogue: GemmEpilogue,
+    dequant: GemmDequant,
     x: DevView<bf16>,
     m: usize,
     w: &QuantMatrix,
@@ -776,15 +848,17 @@ pub fn matmul_wgmma_with(
     ldy: usize,
     accumulate: bool,
 ) -> Result<()> {
-    wgmma_with_scratch(dev, epilogue, x.ptr(), x.len(), m, w, y, ldy, accumulate)
+    wgmma_with_scratch(dev, epilogue, dequant, x.ptr(), x.len(), m, w, y, ldy, accumulate)
 }
 
 /// The wgmma GEMM of x (m, K) bf16 at `xp` with W, a block-quantized W first
-/// dequantized to a bf16 scratch; `accumulate`: y += the product.
+/// dequantized to a bf16 scratch (or, `GemmDequant::Producer` where it fits, inside
+/// the GEMM); `accumulate`: y += the product.
 #[allow(clippy::too_many_arguments)]
 fn wgmma_with_scratch(
     dev: &CudaDevice,
     epilogue: GemmEpilogue,
+    dequant: GemmDequant,
     xp: u64,
     x_len: usize,
     m: usize,
@@ -799,6 +873,9 @@ fn wgmma_with_scratch(
     }
     if w.format == TensorFormat::Bf16 {
         return gemm_wgmma(dev, epilogue, xp, m, w.data.view().ptr(), w.n_rows, w.n_cols, y, ldy, accumulate);
+    }
+    if dequant == GemmDequant::Producer && gemm_producer_dequant_fits(dev, w) {
+        return gemm_q4_0_wgmma(dev, xp, m, w, y, ldy, accumulate);
     }
     let mut scratch = dev.alloc_uninit::<bf16>(w.n_rows * w.n_cols)?;
     dequant_bf16(dev, w, scratch.view_mut())?;
@@ -823,15 +900,18 @@ pub fn matmul_gated_bf16(
     up: &QuantMatrix,
     out: DevViewMut<bf16>,
 ) -> Result<()> {
-    matmul_gated_bf16_with(dev, GemmEpilogue::gated_from_env(), act, x, m, gate, up, out)
+    matmul_gated_bf16_with(dev, GemmEpilogue::gated_from_env(), GemmDequant::from_env(), act, x, m, gate, up, out)
 }
 
-/// `matmul_gated_bf16` with a chosen epilogue for the wgmma kernel (tests and the
-/// GEMM benchmark compare them; the mma.sync route has none).
+/// `matmul_gated_bf16` with a chosen epilogue and dequant for the wgmma kernel (tests
+/// and the GEMM benchmark compare them; the mma.sync route has neither). The
+/// producer dequant (Wg and Wu both Q4_0 where `gemm_producer_dequant_fits`) stores
+/// directly.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_gated_bf16_with(
     dev: &CudaDevice,
     epilogue: GemmEpilogue,
+    dequant: GemmDequant,
     act: Activation,
     x: DevView<bf16>,
     m: usize,
@@ -860,9 +940,11 @@ pub fn matmul_gated_bf16_with(
         return gated::<bf16>(dev, act, g.view(), Rows::contiguous(m, n), u.view(), n, out, n);
     }
     ensure!(k % 32 == 0 && x.ptr() % 16 == 0 && out.ptr() % 4 == 0, "matmul_gated: K = {k}, or x / out unaligned");
-    // bf16 operands: stored BF16 as is, else a dequantized scratch (freed in stream order after the GEMM).
+    let producer = dequant == GemmDequant::Producer && gemm_producer_dequant_fits(dev, gate) && gemm_producer_dequant_fits(dev, up);
+    // bf16 operands: stored BF16 as is, else a dequantized scratch (freed in stream order
+    // after the GEMM); none for the producer dequant, whose maps cover the stored blocks.
     let scratch = |w: &QuantMatrix| -> Result<Option<DeviceBuffer<bf16>>> {
-        if w.format == TensorFormat::Bf16 {
+        if producer || w.format == TensorFormat::Bf16 {
             return Ok(None);
         }
         let mut s = dev.alloc_uninit::<bf16>(w.n_rows * w.n_cols)?;
@@ -870,15 +952,22 @@ pub fn matmul_gated_bf16_with(
         Ok(Some(s))
     };
     let (sg, su) = (scratch(gate)?, scratch(up)?);
-    let gp = sg.as_ref().map_or(gate.data.view().ptr(), |s| s.view().ptr());
-    let upp = su.as_ref().map_or(up.data.view().ptr(), |s| s.view().ptr());
     let half_rows = (GEMM_BN / 2) as u32;
-    // TMA stores: 64 x 64 bf16 boxes, rows of n_ffn bf16 a multiple of 16 bytes.
-    let tma = epilogue == GemmEpilogue::TmaStore && gemm_tma_store_fits(out.ptr(), n * 2, n * 2);
+    let b_map = |w: &QuantMatrix, s: &Option<DeviceBuffer<bf16>>| {
+        if producer {
+            tensor_map_q4_0_raw(w)
+        } else {
+            tensor_map_bf16(s.as_ref().map_or(w.data.view().ptr(), |s| s.view().ptr()), n, k, half_rows)
+        }
+    };
+    let (name, smem) = if producer { (gemm_q4_0_gated_kernel(act), GEMM_RAW_SMEM_BYTES) } else { (name, GEMM_EPI_SMEM_BYTES) };
+    // TMA stores: 64 x 64 bf16 boxes, rows of n_ffn bf16 a multiple of 16 bytes (not
+    // with the producer dequant, whose raw buffers take the epilogue's shared memory).
+    let tma = !producer && epilogue == GemmEpilogue::TmaStore && gemm_tma_store_fits(out.ptr(), n * 2, n * 2);
     let params = GemmGatedParams {
         a: tensor_map_bf16(x.ptr(), m, k, GEMM_BM as u32)?,
-        b_gate: tensor_map_bf16(gp, n, k, half_rows)?,
-        b_up: tensor_map_bf16(upp, n, k, half_rows)?,
+        b_gate: b_map(gate, &sg)?,
+        b_up: b_map(up, &su)?,
         out_map: if tma { output_map(TmaElem::Bf16, out.ptr(), m, n, n, 64)? } else { zero_tensor_map() },
         out: out.ptr(),
         ldo: n as i64,
@@ -887,15 +976,17 @@ pub fn matmul_gated_bf16_with(
         k: i32_of(k, "K")?,
         store_tma: i32::from(tma),
     };
-    let f = wgmma_func_with(dev, name, GEMM_EPI_SMEM_BYTES)?;
+    let f = wgmma_func_with(dev, name, smem)?;
     let grid = wgmma_grid(dev, name, m.div_ceil(GEMM_BM) * n.div_ceil(GEMM_BN / 2))?;
     let mut b = dev.stream().launch_builder(f);
     b.arg(&params);
     // SAFETY: `params` mirrors GemmGatedParams of kernels/common.cuh (size asserted); the tensor
-    // maps cover x (m, k), Wg and Wu (n, k) (shapes checked above); out holds (m, n) bf16,
-    // 4-byte aligned with n even (checked), as the epilogue's paired stores need, and
-    // out_map covers the same (16-byte aligned, n % 8 == 0) when store_tma is 1.
-    unsafe { b.launch(cfg((grid, 1, 1), GEMM_THREADS, GEMM_EPI_SMEM_BYTES as u32)) }.map_err(|e| launch_err(name, e))?;
+    // maps cover x (m, k), Wg and Wu (n, k) as bf16, or their stored Q4_0 blocks (n rows of
+    // row_bytes, K % 256 == 0: gemm_producer_dequant_fits) for the producer kernels (shapes
+    // checked above); out holds (m, n) bf16, 4-byte aligned with n even (checked), as the
+    // epilogue's paired stores need, and out_map covers the same (16-byte aligned, n % 8 == 0)
+    // when store_tma is 1.
+    unsafe { b.launch(cfg((grid, 1, 1), GEMM_THREADS, smem as u32)) }.map_err(|e| launch_err(name, e))?;
     drop((sg, su));
     Ok(())
 }
@@ -985,7 +1076,7 @@ pub fn matmul_add_bf16(dev: &CudaDevice, x: DevView<bf16>, m: usize, w: &QuantMa
     let n = w.n_rows;
     ensure!(y.len() == m * n, "matmul_add: y has {} elements, m * N = {m} * {n}", y.len());
     match bf16_kernel_for(dev, m, n) {
-        MatmulKernel::Wgmma => wgmma_with_scratch(dev, GemmEpilogue::from_env(), x.ptr(), x.len(), m, w, y, n, true),
+        MatmulKernel::Wgmma => wgmma_with_scratch(dev, GemmEpilogue::from_env(), GemmDequant::from_env(), x.ptr(), x.len(), m, w, y, n, true),
         MatmulKernel::MmaSync => {
             let mut t = dev.alloc_uninit::<f32>(m * n)?;
             matmul_portable(dev, "bf16", x.ptr(), x.len(), m, w, t.view_mut(), n)?;
@@ -1151,7 +1242,7 @@ pub(super) fn wgmma_grid(dev: &CudaDevice, name: &str, n_tiles: usize) -> Result
     Ok(n_tiles.min(dev.info().n_sms.max(1) as usize) as u32)
 }
 
-/// y = x · Wᵀ on gemm_bf16_wgmma: x (m, k) bf16 at `xp`, W (n, k) bf16 at `wp`.
+/// y = x · Wᵀ (or y += it) on gemm_bf16_wgmma: x (m, k) bf16 at `xp`, W (n, k) bf16 at `wp`.
 #[allow(clippy::too_many_arguments)]
 fn gemm_wgmma(
     dev: &CudaDevice,
@@ -1165,13 +1256,41 @@ fn gemm_wgmma(
     ldy: usize,
     accumulate: bool,
 ) -> Result<()> {
-    let smem = GEMM_EPI_SMEM_BYTES;
-    let f = wgmma_func_with(dev, GEMM_WGMMA_KERNEL, smem)?;
     // TMA stores: 64 x 32 f32 boxes, rows of ldy f32 a multiple of 16 bytes.
     let tma = epilogue == GemmEpilogue::TmaStore && gemm_tma_store_fits(y.ptr(), ldy * 4, n * 4);
+    let b = tensor_map_bf16(wp, n, k, GEMM_BN as u32)?;
+    gemm_wgmma_launch(dev, GEMM_WGMMA_KERNEL, GEMM_EPI_SMEM_BYTES, b, tma, xp, m, n, k, y, ldy, accumulate)
+}
+
+/// y = x · Wᵀ (or y += it) on gemm_q4_0_wgmma: x (m, k) bf16 at `xp`, W's stored Q4_0
+/// blocks dequantized by the GEMM's producer (`gemm_producer_dequant_fits(w)`, which
+/// the caller checked); direct stores.
+fn gemm_q4_0_wgmma(dev: &CudaDevice, xp: u64, m: usize, w: &QuantMatrix, y: DevViewMut<f32>, ldy: usize, accumulate: bool) -> Result<()> {
+    let b = tensor_map_q4_0_raw(w)?;
+    gemm_wgmma_launch(dev, GEMM_Q4_0_KERNEL, GEMM_RAW_SMEM_BYTES, b, false, xp, m, w.n_rows, w.n_cols, y, ldy, accumulate)
+}
+
+/// Launches the plain wgmma GEMM `name` (gemm_bf16_wgmma, or gemm_q4_0_wgmma with `b` over
+/// the stored blocks) with `smem` bytes of dynamic shared memory; `tma`: the TMA-store epilogue.
+#[allow(clippy::too_many_arguments)]
+fn gemm_wgmma_launch(
+    dev: &CudaDevice,
+    name: &str,
+    smem: usize,
+    b: cudarc::driver::sys::CUtensorMap,
+    tma: bool,
+    xp: u64,
+    m: usize,
+    n: usize,
+    k: usize,
+    y: DevViewMut<f32>,
+    ldy: usize,
+    accumulate: bool,
+) -> Result<()> {
+    let f = wgmma_func_with(dev, name, smem)?;
     let params = GemmParams {
         a: tensor_map_bf16(xp, m, k, GEMM_BM as u32)?,
-        b: tensor_map_bf16(wp, n, k, GEMM_BN as u32)?,
+        b,
         y_map: if tma { output_map(TmaElem::F32, y.ptr(), m, n, ldy, 64)? } else { zero_tensor_map() },
         y: y.ptr(),
         ldy: ldy as i64,
@@ -1183,13 +1302,14 @@ fn gemm_wgmma(
         store_tma: i32::from(tma),
     };
     // Persistent: one block per SM (its shared memory allows no second), each looping over tiles.
-    let grid = wgmma_grid(dev, GEMM_WGMMA_KERNEL, m.div_ceil(GEMM_BM) * n.div_ceil(GEMM_BN))?;
-    let mut b = dev.stream().launch_builder(f);
-    b.arg(&params);
+    let grid = wgmma_grid(dev, name, m.div_ceil(GEMM_BM) * n.div_ceil(GEMM_BN))?;
+    let mut lb = dev.stream().launch_builder(f);
+    lb.arg(&params);
     // SAFETY: `params` mirrors GemmParams of kernels/common.cuh (size asserted); the tensor maps
-    // cover x (m, k) and W (n, k), which the callers checked; y covers (m, ldy) with ldy >= n,
-    // and so does y_map (16-byte aligned, checked) when store_tma is 1.
-    unsafe { b.launch(cfg((grid, 1, 1), GEMM_THREADS, smem as u32)) }.map_err(|e| launch_err(GEMM_WGMMA_KERNEL, e))?;
+    // cover x (m, k) and W (n, k) as bf16, or W's n rows of stored Q4_0 blocks for
+    // gemm_q4_0_wgmma (K % 256 == 0: gemm_producer_dequant_fits), which the callers checked; y
+    // covers (m, ldy) with ldy >= n, and so does y_map (16-byte aligned, checked) when store_tma is 1.
+    unsafe { lb.launch(cfg((grid, 1, 1), GEMM_THREADS, smem as u32)) }.map_err(|e| launch_err(name, e))?;
     Ok(())
 }
 
