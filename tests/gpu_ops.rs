@@ -650,6 +650,54 @@ fn matmul_add_residual_in_the_epilogue() {
     }
 }
 
+/// The default route's residual step since e2e7 (`Backend::matmul_add`, then
+/// `Backend::rms_norm_for_matmul`): the output projection adds its product to x
+/// in the GEMM epilogue, then the norm reads x and writes bf16 alone. Bit for bit
+/// against the step it replaced: the matmul into f32, then `add_rmsnorm_dual`
+/// (x += y, the dual norm, the loop version), on the 8B shapes (attention output
+/// 4096 x 4096, down 4096 x 14336, Q4_0), SmolLM2's 576, a partial row tile, and
+/// rows of 8192 and 8320 columns (rmsnorm_bf16's register tiers of 8, 32 and 64
+/// elements a thread, and its loop past 64 * 128).
+#[test]
+fn residual_in_the_epilogue_then_bf16_norm_bit_identical() {
+    let Some(dev) = device() else { return };
+    let mut rng = rng_for("residual_epilogue_norm");
+    let eps = 1e-5f32;
+    for (format, m, n, k) in [
+        (TensorFormat::Q4_0, 512, 4096, 4096),
+        (TensorFormat::Q4_0, 384, 4096, 14336),
+        (TensorFormat::Q4_1, 300, 576, 1536),
+        (TensorFormat::Bf16, 64, 576, 576),
+        (TensorFormat::Q8_0, 130, 8192, 1024),
+        (TensorFormat::Q4_0, 129, 8320, 512),
+    ] {
+        let bytes = twin::random_matrix(format, n, k, &mut rng);
+        let w = QuantMatrix::upload(dev, format, n, k, &bytes).unwrap();
+        let a = upload_bf16(dev, &randn(&mut rng, m * k, 1.0));
+        let x0 = randn(&mut rng, m * n, 4.0);
+        let nw = randn(&mut rng, n, 1.0);
+        let wd = dev.upload(&nw).unwrap();
+        let rows = Rows::contiguous(m, n);
+        // Before: y = a · Wᵀ, then x += y and the dual norm in one pass.
+        let mut y = poisoned::<f32>(dev, m * n);
+        ops::matmul(dev, a.view(), m, &w, y.view_mut(), n).unwrap();
+        let mut xa = dev.upload(&x0).unwrap();
+        let (mut fa, mut ba) = (poisoned::<f32>(dev, m * n), poisoned::<bf16>(dev, m * n));
+        ops::add_rmsnorm_dual(dev, xa.view_mut(), y.view(), rows, wd.view(), fa.view_mut(), ba.view_mut(), eps).unwrap();
+        // Now: x += a · Wᵀ in the epilogue, then the bf16 norm of x.
+        let mut xb = dev.upload(&x0).unwrap();
+        ops::matmul_add_bf16(dev, a.view(), m, &w, xb.view_mut()).unwrap();
+        let mut bb = poisoned::<bf16>(dev, m * n);
+        ops::rmsnorm::<bf16>(dev, xb.view(), rows, wd.view(), bb.view_mut(), n, eps).unwrap();
+        let (xa, xb) = (dev.download(&xa).unwrap(), dev.download(&xb).unwrap());
+        let (ba, bb) = (bf16_to_f32(&dev.download(&ba).unwrap()), bf16_to_f32(&dev.download(&bb).unwrap()));
+        let kernel = ops::bf16_kernel_for(dev, m, n).name();
+        let diffs = [n_bits_differ(&xa, &xb), n_bits_differ(&ba, &bb)];
+        eprintln!("PARITY residual_epilogue_norm {kernel} {} ({m}x{n}x{k}): differing x / bf16 norm outputs {diffs:?} of {}", format.name(), m * n);
+        assert_eq!(diffs, [0, 0], "matmul_add + rmsnorm_bf16 differs from matmul + add_rmsnorm_dual");
+    }
+}
+
 /// The q, k and v projections in one GEMM (ops::matmul_qkv_bf16: the three
 /// weights, each in its own stored format, dequantized into one stacked bf16
 /// scratch, one wgmma GEMM whose epilogue writes each column into its

@@ -405,6 +405,14 @@ pub trait Backend {
     /// `w` of `d` elements (gemma's `1 + w` is already in the weight).
     fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f64) -> Result<Self::Act>;
 
+    /// [`rms_norm`](Self::rms_norm) of a row set that only matmuls read (the
+    /// layer norm before q/k/v or a dense gated FFN): the same numbers, which
+    /// is the default body; the CUDA default route then writes only the bf16
+    /// rounding those matmuls take (no f32 copy that nothing reads).
+    fn rms_norm_for_matmul(&self, x: &Self::Act, w: &Self::Vector, eps: f64) -> Result<Self::Act> {
+        self.rms_norm(x, w, eps)
+    }
+
     /// In place, RMSNorm of each `d_head` slice of every row of `x`
     /// `(n, n_heads * d_head)` with one shared `w` of `d_head` elements
     /// (QK norm).
@@ -412,6 +420,15 @@ pub trait Backend {
 
     /// `x (n, n_in) · wᵀ` -> `(n, n_out)`.
     fn matmul(&self, x: &Self::Act, w: &Self::Matrix) -> Result<Self::Act>;
+
+    /// The residual add folded into a matmul: in place `x (n, n_out) += a (n,
+    /// n_in) · wᵀ`; the numbers of [`matmul`](Self::matmul) then
+    /// [`add_assign`](Self::add_assign), which is the default body (the CUDA
+    /// default route adds the f32 product to `x` in the GEMM's epilogue).
+    fn matmul_add(&self, x: &mut Self::Act, a: &Self::Act, w: &Self::Matrix) -> Result<()> {
+        let y = self.matmul(a, w)?;
+        self.add_assign(x, &y)
+    }
 
     /// In place, `x[i, j] += b[j]`.
     fn add_bias(&self, x: &mut Self::Act, b: &Self::Vector) -> Result<()>;

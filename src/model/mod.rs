@@ -523,39 +523,64 @@ impl<B: Backend> Transformer<B> {
         let cache = self.cache.as_mut().context("forward: no KV cache")?;
         // (n, d_model)
         let mut x = b.embed(&self.embd, tokens, hp.embed_scale)?;
-        // The previous layer's FFN output, added to x by this layer's first norm
-        // (`add_rms_norm`: the numbers of the add then the norm).
+        // The previous layer's FFN output when it still has to be added to x: then
+        // this layer's first norm adds it (`add_rms_norm`: the numbers of the add
+        // then the norm). Without post norms the output projections add their
+        // products to x themselves (`matmul_add`: the numbers of the matmul then
+        // the add), and the norms after them only read x.
         let mut pending: Option<B::Act> = None;
         for (l, layer) in self.layers.iter().enumerate() {
             let fail = || format!("layer {l}");
+            // Attention and DeltaNet read their normed input only through matmuls.
             let h = match pending.take() {
                 Some(f) => b.add_rms_norm(&mut x, &f, &layer.attn_norm, hp.rms_eps),
-                None => b.rms_norm(&x, &layer.attn_norm, hp.rms_eps),
+                None => b.rms_norm_for_matmul(&x, &layer.attn_norm, hp.rms_eps),
             }
             .with_context(fail)?;
-            // (n, d_model)
-            let mut o = match &layer.mixer {
-                Mixer::Attention(at) => attend(b, hp, cache, l, at, &h, rows).with_context(fail)?,
+            // (n, n_heads * d_head_v) or (n, n_v_heads * d_v): the output projection's input
+            let (a, wo) = match &layer.mixer {
+                Mixer::Attention(at) => (attend(b, hp, cache, l, at, &h, rows).with_context(fail)?, &at.wo),
                 Mixer::DeltaNet(dn) => {
                     // (n, conv_channels), (n, n_v_heads * d_v), (n, 2 * n_v_heads)
                     let qkv = b.matmul(&h, &dn.qkv).with_context(fail)?;
                     let z = b.matmul(&h, &dn.z).with_context(fail)?;
                     let ba = b.matmul(&h, &dn.ba).with_context(fail)?;
                     let states = self.recurrent.get_mut(dn.slot).and_then(Option::as_mut).context("forward: no recurrent state")?;
-                    let y = b.delta_net(&qkv, &z, &ba, &dn.weights, &dn.params, states, rows).with_context(fail)?;
-                    b.matmul(&y, &dn.out).with_context(fail)?
+                    (b.delta_net(&qkv, &z, &ba, &dn.weights, &dn.params, states, rows).with_context(fail)?, &dn.out)
                 }
             };
-            if let Some([post_attn, _]) = &layer.post_norms {
-                o = b.rms_norm(&o, post_attn, hp.rms_eps)?;
-            }
-            let h = b.add_rms_norm(&mut x, &o, &layer.ffn_norm, hp.rms_eps).with_context(fail)?;
+            drop(h);
+            let dense = matches!(layer.ffn, Ffn::Dense { .. });
             // (n, d_model)
-            let mut f = match &layer.ffn {
+            let h = match &layer.post_norms {
+                Some([post_attn, _]) => {
+                    let o = b.matmul(&a, wo).with_context(fail)?;
+                    let o = b.rms_norm(&o, post_attn, hp.rms_eps)?;
+                    b.add_rms_norm(&mut x, &o, &layer.ffn_norm, hp.rms_eps)
+                }
+                None => {
+                    b.matmul_add(&mut x, &a, wo).with_context(fail)?;
+                    // A dense FFN reads h only through its gated GEMM; the MoE path may read f32.
+                    if dense {
+                        b.rms_norm_for_matmul(&x, &layer.ffn_norm, hp.rms_eps)
+                    } else {
+                        b.rms_norm(&x, &layer.ffn_norm, hp.rms_eps)
+                    }
+                }
+            }
+            .with_context(fail)?;
+            drop(a);
+            match &layer.ffn {
                 Ffn::Dense { gate, up, down } => {
                     // (n, d_ffn)
                     let g = b.gated_ffn(&h, gate, up, hp.activation).with_context(fail)?;
-                    b.matmul(&g, down).with_context(fail)?
+                    match &layer.post_norms {
+                        Some([_, post_ffn]) => {
+                            let f = b.matmul(&g, down).with_context(fail)?;
+                            pending = Some(b.rms_norm(&f, post_ffn, hp.rms_eps)?);
+                        }
+                        None => b.matmul_add(&mut x, &g, down).with_context(fail)?,
+                    }
                 }
                 Ffn::Moe { router, experts, routing, shared } => {
                     // (n, n_experts)
@@ -569,13 +594,12 @@ impl<B: Backend> Transformer<B> {
                         b.sigmoid_mul(&mut sh, &b.matmul(&h, &s.gate_inp)?).with_context(fail)?;
                         b.add_assign(&mut y, &sh)?;
                     }
-                    y
+                    pending = Some(match &layer.post_norms {
+                        Some([_, post_ffn]) => b.rms_norm(&y, post_ffn, hp.rms_eps)?,
+                        None => y,
+                    });
                 }
-            };
-            if let Some([_, post_ffn]) = &layer.post_norms {
-                f = b.rms_norm(&f, post_ffn, hp.rms_eps)?;
             }
-            pending = Some(f);
         }
         if let Some(f) = pending {
             b.add_assign(&mut x, &f)?;
@@ -584,7 +608,8 @@ impl<B: Backend> Transformer<B> {
     }
 }
 
-/// Attention of one layer over the KV cache: `h` `(n, d_model)` -> `(n, d_model)`.
+/// Attention of one layer over the KV cache: `h` `(n, d_model)` -> `(n, n_heads
+/// * d_head_v)`, the output projection's input (the caller applies `wo`).
 fn attend<B: Backend>(
     b: &B,
     hp: &HParams,
@@ -608,8 +633,7 @@ fn attend<B: Backend>(
     if let Some(gate) = &layer.gate {
         b.sigmoid_mul(&mut a, &b.matmul(h, gate)?).with_context(fail)?;
     }
-    // (n, d_model)
-    b.matmul(&a, &layer.wo).with_context(fail)
+    Ok(a)
 }
 
 /// What the scorer holds: a loaded model on some backend, behind one

@@ -53,9 +53,11 @@
 //! GEMMs on the 8B shapes with block-quantized weights and 8 % with BF16 (the
 //! stacked copy), and no faster end to end (benches/gemm.rs `QKV` lines,
 //! docs/performance.md). The
-//! residual add is not in the GEMM epilogue: that add (`ops::matmul_add_bf16`)
-//! measured 5-11 % slower than the GEMM then the add on the 8B shapes (gpu_ops
-//! `fusion_timing_report`, docs/performance.md); it is folded into the next
+//! residual add is in the output projections' GEMM epilogue ([`Backend::matmul_add`],
+//! `ops::matmul_add_bf16`: a TMA f32 reduce-add of the product into x, the bits of
+//! the GEMM then `add_f32`), and the norm after it, read only by matmuls, writes
+//! only its bf16 rounding ([`Backend::rms_norm_for_matmul`], `rmsnorm_bf16`: the
+//! bf16 bits of `rmsnorm_dual`); a layer with post norms (gemma3) adds in the next
 //! RMSNorm instead ([`Backend::add_rms_norm`], `add_rmsnorm_dual`: the bits of
 //! `add_f32` then `rmsnorm_dual`). RoPE reads (cos, sin) from one table per
 //! set of frequencies, built once by `rope_table_f32` with `rope_f32`'s f64
@@ -750,6 +752,20 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
+    fn rms_norm_for_matmul(&self, x: &CudaAct, w: &DeviceBuffer<f32>, eps: f64) -> Result<CudaAct> {
+        if !self.bf16_matmul_inputs() {
+            return self.rms_norm(x, w, eps);
+        }
+        let _prof = self.prof.scope(&self.dev, "rms_norm")?;
+        ensure!(w.len() == x.n_cols, "rms_norm: weight has {} elements, rows have {}", w.len(), x.n_cols);
+        // Only matmuls read it: the bf16 rounding alone (rmsnorm_dual's bf16 bits).
+        let mut out = self.new_act_bf16(x.n_rows, x.n_cols)?;
+        let rows = Rows::contiguous(x.n_rows, x.n_cols);
+        let ov = out.bf16.as_mut().context("rms_norm: bf16 output")?.view_mut();
+        ops::rmsnorm::<bf16>(&self.dev, x.f32("rms_norm")?.view(), rows, w.view(), ov, x.n_cols, eps as f32)?;
+        Ok(out)
+    }
+
     fn rms_norm_heads(&self, x: &mut CudaAct, w: &DeviceBuffer<f32>, d_head: usize, eps: f64) -> Result<()> {
         let _prof = self.prof.scope(&self.dev, "rms_norm")?;
         ensure!(w.len() == d_head, "rms_norm_heads: weight has {} elements, d_head is {d_head}", w.len());
@@ -782,6 +798,29 @@ impl Backend for CudaBackend {
         };
         run().with_context(|| format!("matmul {}", w.name))?;
         Ok(y)
+    }
+
+    fn matmul_add(&self, x: &mut CudaAct, a: &CudaAct, w: &CudaMatrix) -> Result<()> {
+        if !self.bf16_matmul_inputs() {
+            let y = self.matmul(a, w)?;
+            return self.add_assign(x, &y);
+        }
+        let _prof = self.prof.scope(&self.dev, "matmul")?;
+        ensure!(
+            a.n_cols == w.q.n_cols && x.n_rows == a.n_rows && x.n_cols == w.q.n_rows,
+            "matmul_add {}: a is {} x {}, x {} x {}, the weight {} x {}",
+            w.name,
+            a.n_rows,
+            a.n_cols,
+            x.n_rows,
+            x.n_cols,
+            w.q.n_rows,
+            w.q.n_cols
+        );
+        let mut tmp = None;
+        let ab = self.bf16_input(a, &mut tmp)?;
+        let xv = x.f32_mut("matmul_add")?.view_mut();
+        ops::matmul_add_bf16(&self.dev, ab, a.n_rows, &w.q, xv).with_context(|| format!("matmul_add {}", w.name))
     }
 
     fn qkv(&self, h: &CudaAct, w: [&CudaMatrix; 3], bias: Option<&[DeviceBuffer<f32>; 3]>) -> Result<[CudaAct; 3]> {
@@ -1185,15 +1224,18 @@ impl Backend for CudaBackend {
                     Route::Bf16TensorCore if self.dev.one_gemm_kernel() => "numbers unchanged (the route rounds every matmul input to \
                          bf16 anyway): RMSNorm writes f32 and its bf16 rounding in one pass (rmsnorm_dual); attention and the gated \
                          product are written in bf16; --reproducible: gate and up as two mma.sync matmuls then gated_<act>_bf16 (no \
-                         wgmma GEMM, so no fused gated epilogue or fused q/k/v); the residual add folded into the next RMSNorm \
-                         (add_rmsnorm_dual); RoPE's (cos, sin) from one table per base and scale (rope_table_f32)"
+                         wgmma GEMM, so no fused gated epilogue or fused q/k/v); the output projections' residual add after their \
+                         matmul (add_f32), a norm read only by matmuls in bf16 alone (rmsnorm_bf16), with post norms the add \
+                         folded into the next RMSNorm (add_rmsnorm_dual); RoPE's (cos, sin) from one table per base and scale (rope_table_f32)"
                         .to_string(),
                     Route::Bf16TensorCore => format!(
                         "numbers unchanged (the route rounds every matmul input to bf16 anyway): RMSNorm writes f32 and its bf16 \
                          rounding in one pass (rmsnorm_dual); attention and the gated product are written in bf16 (matmul inputs only); \
                          M >= {} and d_ffn >= {}: gate and up in one wgmma GEMM with act(gate) * up in its epilogue \
-                         (gemm_bf16_wgmma_gated_<act>); {}; the residual add folded into the next RMSNorm (add_rmsnorm_dual, the bits of \
-                         add_f32 then rmsnorm_dual; the last layer's add a separate add_f32); RoPE's (cos, sin) from one table per \
+                         (gemm_bf16_wgmma_gated_<act>); {}; the residual add in the output projections' GEMM epilogue (x += a·Wᵀ, a TMA \
+                         f32 reduce-add: the bits of the GEMM then add_f32) and the norm after it, read only by matmuls, in bf16 alone \
+                         (rmsnorm_bf16: rmsnorm_dual's bf16 bits); with post norms (gemma3) the add folded into the next RMSNorm \
+                         (add_rmsnorm_dual, the bits of add_f32 then rmsnorm_dual; the last layer's add a separate add_f32); RoPE's (cos, sin) from one table per \
                          base and scale (rope_table_f32, the same f64 expression as rope_f32), the rotation reading it",
                         ops::GEMM_WGMMA_MIN_M,
                         ops::GEMM_WGMMA_MIN_N,

@@ -1065,9 +1065,10 @@ pub fn matmul_qkv_bf16(
     Ok(())
 }
 
-/// y += x · Wᵀ (the residual add fused into the matmul; not used by the backend:
-/// measured 5-11 % slower than `matmul` then `add_inplace` on the 8B shapes, gpu_ops
-/// `fusion_timing_report`; kept, parity-tested, for an epilogue that prefetches y):
+/// y += x · Wᵀ (the residual add fused into the matmul; the default route's
+/// attention output and down projections, `Backend::matmul_add`, since gemm5's TMA
+/// reduce-add made it 3-6 % over the plain product and the norm after it then only
+/// reads the residual, docs/performance.md "e2e7"):
 /// x (m, w.n_cols) bf16, y (m, w.n_rows) f32 contiguous. On the wgmma kernel the
 /// epilogue adds the f32 product to y (one correctly rounded add per element,
 /// the numbers of `matmul` then `add_inplace`); on mma.sync the product goes
