@@ -9,6 +9,8 @@
 // writes it, after the reduction.
 //
 // Launch: grid (n_rows), block 128. Strides are in elements between rows.
+// rmsnorm_f32 / rmsnorm_bf16 keep a row of up to 64 * 128 columns in registers
+// (rmsnorm_row_cached: one read of the row, the loop's bits).
 // Variants: rmsnorm_f32 writes f32, rmsnorm_bf16 writes bf16 (the default
 // route's matmul input), rmsnorm_dual writes both from the same f32 value (the
 // default route: f32 for a residual add after a post norm, its bf16 rounding
@@ -32,13 +34,45 @@ __device__ __forceinline__ void normalize_dual(const float* xr, const float* __r
     }
 }
 
-template <typename OUT>
-__device__ void rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w, OUT* out,
-                             int n_cols, long long x_stride, long long out_stride, float eps) {
-    // x: (n_rows, x_stride); w: (n_cols); out: (n_rows, out_stride)
+// A row of at most PER * blockDim.x columns held in registers (e2e7): thread t keeps
+// elements t + j * blockDim.x, j < PER, loaded all at once (PER loads in flight, the
+// row read once), then sums and scales them in the loop version's order: the same
+// fmaf chain (a padding zero adds +0 to a sum of squares, which leaves it as it is),
+// the same block_sum, the same two products, so the same bits. Before, the loop
+// read each element twice with one load in flight at a time: 1.7-2.0 TB/s on the 8B
+// shapes (docs/performance.md, e2e7).
+template <typename OUT, int PER>
+__device__ __forceinline__ void rmsnorm_row_cached(const float* xr, const float* __restrict__ w, OUT* yr, int n_cols,
+                                                   float eps) {
     __shared__ float scratch[32];
+    float v[PER];
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        const int i = threadIdx.x + j * blockDim.x;
+        v[j] = i < n_cols ? xr[i] : 0.0f;
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PER; j++) ss = fmaf(v[j], v[j], ss);
+    const float scale = rms_scale(ss, n_cols, eps, scratch);
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < n_cols) yr[i] = from_f32<OUT>(fmul(fmul(v[j], scale), w[i]));
+    }
+}
+
+template <typename OUT>
+__device__ void rmsnorm_rows(const float* x, const float* __restrict__ w, OUT* out,
+                             int n_cols, long long x_stride, long long out_stride, float eps) {
+    // x: (n_rows, x_stride); w: (n_cols); out: (n_rows, out_stride); out may be x (in place).
     const float* xr = x + blockIdx.x * x_stride;
     OUT* yr = out + blockIdx.x * out_stride;
+    const int n_block = (int)blockDim.x;
+    if (n_cols <= 8 * n_block) return rmsnorm_row_cached<OUT, 8>(xr, w, yr, n_cols, eps);
+    if (n_cols <= 32 * n_block) return rmsnorm_row_cached<OUT, 32>(xr, w, yr, n_cols, eps);
+    if (n_cols <= 64 * n_block) return rmsnorm_row_cached<OUT, 64>(xr, w, yr, n_cols, eps);
+    __shared__ float scratch[32];
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n_cols; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
     const float scale = rms_scale(ss, n_cols, eps, scratch);
