@@ -206,7 +206,8 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
     // Size memory from the model and the plan before the first window.
     let PlanSizes { n_max_window, n_most_windows } = sizes;
     let pass_tokens = cfg.prefill_chunk.min(n_max_window);
-    let max_seqs = windows_per_pass(cfg.batch_tokens, pass_tokens).min(n_most_windows);
+    let batch_tokens = cfg.batch_tokens.unwrap_or_else(|| crate::config::default_batch_tokens(matches!(kinds[0], BackendKind::Cuda { .. })));
+    let max_seqs = windows_per_pass(batch_tokens, pass_tokens).min(n_most_windows);
     // One model copy per worker (--devices); the batch is what every worker's memory admits.
     let mut scorers = Vec::with_capacity(kinds.len());
     let mut n_seqs = max_seqs;
@@ -230,7 +231,7 @@ pub fn evaluate(cfg: &RunConfig, on_event: &mut dyn FnMut(Event<'_>)) -> Result<
         map.insert("pass_tokens".into(), cfg.prefill_chunk.min(n_max_window).into());
         map.insert("max_window_tokens".into(), n_max_window.into());
         map.insert("passes_per_max_window".into(), n_max_window.div_ceil(cfg.prefill_chunk).into());
-        map.insert("batch_tokens".into(), cfg.batch_tokens.into());
+        map.insert("batch_tokens".into(), batch_tokens.into());
         map.insert("windows_per_pass".into(), n_seqs.into());
     }
     report.execution = Some(Execution {
