@@ -381,8 +381,10 @@ static_assert(sizeof(AttnArgs) == 104, "AttnArgs layout differs from ops::AttnAr
 // Parameters of kv_encode_<codec> (kernels/kv_codec.cu), mirrored by `ops::KvEncodeArgs`.
 // src: (n_seqs * n_tokens, src_stride) f32, head h of token row r at r * src_stride + h * d;
 // cache: (n_seqs_cache, n_kv_heads, n_ctx) rows of row_bytes; n_bad: one u64 counter;
-// rotate: 1 = Hadamard-rotate each row before coding; book: the vq2 codebook (256 x 4
-// f32, kv::vq::codebook) or null.
+// rotate: 1 = Hadamard-rotate each row before coding; n_tokens, n_seqs: the rows
+// (n_seqs * n_tokens token rows of n_kv_heads heads each); book: the vq2 codebook (256
+// x 4 f32, kv::vq::codebook) or null. Blocks hold at most KV_ROWS_MAX_THREADS threads
+// (a warp a row).
 struct KvEncodeArgs {
     const float* src;
     unsigned char* cache;
@@ -394,9 +396,12 @@ struct KvEncodeArgs {
     int pos0;
     int row_bytes;
     int rotate;
+    int n_tokens;
+    int n_seqs;
     const float* book;
 };
-static_assert(sizeof(KvEncodeArgs) == 64, "KvEncodeArgs layout differs from ops::KvEncodeArgs");
+static_assert(sizeof(KvEncodeArgs) == 72, "KvEncodeArgs layout differs from ops::KvEncodeArgs");
+constexpr int KV_ROWS_MAX_THREADS = 256;
 
 // ---------------------------------------------------------------- KV element codes (src/kv/scalar.rs)
 

@@ -30,8 +30,13 @@
 //   poisoned row: all codes 0, every f32 scale field NaN 0x7FC00000, block scales 0.
 // A row's n_bad is added to the cache's device counter (*n_bad, u64 atomics), which
 // the backend keeps per cache, as the CPU backend's cache counts what its codecs report.
-// Launch: grid (n_tokens, n_kv_heads, n_seqs), block 32 (one warp per row), dynamic
-// shared memory (d + d/16) * 4 bytes (the row y, then group scales or nvfp4's eff_b).
+// Launch: one warp per row, R = blockDim.x / 32 rows a block (kv_rows: the rows in
+// (window, token, KV head) order, so a block's warps read neighbouring heads of one
+// token row; grid.x = ceil(n_seqs * n_tokens * n_kv_heads / R)), dynamic shared memory
+// R * (d + d/16) * 4 bytes (each warp's row y, then its group scales or nvfp4's eff_b).
+// The rotation's butterflies run with d a compile-time constant at d 64, 128 and 256
+// (hadamard_rows_d: shifts where a run-time d costs integer divisions per butterfly;
+// the same pairs in the same order, so the same bits).
 //
 // kv_roundtrip_<codec>(KvEncodeArgs), codec = the six above | bf16 | fp16: the
 // `--reference` route's store (CPU twin: src/backend/cpu/mod.rs CpuBackend::kv_store,
@@ -47,7 +52,7 @@
 // inputs overflow the inverse rotation: IEEE leaves those bits to the machine).
 // bf16 / fp16 round each element and back (kv_roundtrip_half). a.row_bytes is the
 // codec's encoded row (the shared scratch). Launch as kv_encode, shared memory
-// (d + d/16) * 4 + row_bytes bytes; non-finite counts as kv_encode.
+// R * ((d + d/16) * 4 + row_bytes) bytes; non-finite counts as kv_encode.
 #include "common.cuh"
 
 namespace kvc {
@@ -125,6 +130,39 @@ __device__ __forceinline__ uint32_t elem_code(float y, float s) {
 template <int C>
 __device__ constexpr uint32_t zero_code() { return C == INT4G32 ? 8u : C == INT2G32 ? 2u : 0u; }
 
+// y = H y (one row of d in shared memory, the calling warp): hadamard_rows with d a
+// compile-time constant where the model's head sizes are (the same butterflies).
+__device__ __forceinline__ void rotate_row(float* y, int d, int lane) {
+    auto warp_sync = [] { __syncwarp(); };
+    switch (d) {
+    case 64: hadamard_rows_d<64>(y, 1, lane, 32, warp_sync); break;
+    case 128: hadamard_rows_d<128>(y, 1, lane, 32, warp_sync); break;
+    case 256: hadamard_rows_d<256>(y, 1, lane, 32, warp_sync); break;
+    default: hadamard_rows(y, 1, d, lane, 32, warp_sync);
+    }
+}
+
+// The row of the calling warp (see the header's launch): its window s, token t and KV
+// head h, its shared scratch of `smem_floats` f32; false past the last row.
+struct KvRow {
+    const float* x;
+    long long slot;  // (s * n_kv_heads + h) * n_ctx + pos0 + t: the cache row
+    float* sm;
+};
+__device__ __forceinline__ bool kv_row(const KvEncodeArgs& a, int smem_floats, KvRow& r) {
+    extern __shared__ float sm_rows[];
+    const int warp = threadIdx.x / 32;
+    const long long i = (long long)blockIdx.x * (blockDim.x / 32) + warp;
+    const long long tr = i / a.n_kv_heads;  // s * n_tokens + t
+    if (tr >= (long long)a.n_seqs * a.n_tokens) return false;
+    const int h = (int)(i - tr * a.n_kv_heads);
+    const int s = (int)(tr / a.n_tokens), t = (int)(tr - (long long)s * a.n_tokens);
+    r.x = a.src + tr * a.src_stride + (long long)h * a.d;
+    r.slot = ((long long)s * a.n_kv_heads + h) * a.n_ctx + a.pos0 + t;
+    r.sm = sm_rows + warp * smem_floats;
+    return true;
+}
+
 // One row x (d values) encoded into `row` (row_bytes bytes, 4-byte aligned) by the
 // calling warp; y (d f32) and gsc (d/16 f32) are its shared scratch. Returns the row's
 // non-finite count (the same on every lane); `poison` tells whether the row was poisoned.
@@ -142,7 +180,7 @@ __device__ __forceinline__ int encode_row(const float* x, unsigned char* row, in
     n_bad = warp_sum(n_bad);
     poison = n_bad > 0;
     if (!poison && rotate) {
-        hadamard_rows(y, 1, d, lane, 32, warp_sync);
+        rotate_row(y, d, lane);
         int nf = 0;
         for (int i = lane; i < d; i += 32) nf += isfinite(y[i]) ? 0 : 1;
         if (warp_sum(nf) > 0) {
@@ -230,15 +268,14 @@ __device__ __forceinline__ int encode_row(const float* x, unsigned char* row, in
 
 template <int C>
 __device__ __forceinline__ void kv_encode(const KvEncodeArgs& a) {
-    const int t = blockIdx.x, h = blockIdx.y, seq = blockIdx.z, lane = threadIdx.x;
-    const int d = a.d;
-    const float* x = a.src + ((long long)seq * gridDim.x + t) * a.src_stride + (long long)h * d;
-    unsigned char* row = a.cache + (((long long)seq * a.n_kv_heads + h) * a.n_ctx + a.pos0 + t) * a.row_bytes;
-    extern __shared__ float sm[];
-    float* y = sm;        // (d) the row, rotated in place
-    float* gsc = sm + d;  // (d / 16) group scales (int4, int2) or nvfp4's eff per block
+    const int d = a.d, lane = threadIdx.x % 32;
+    KvRow r;
+    if (!kv_row(a, d + d / 16, r)) return;
+    unsigned char* row = a.cache + r.slot * a.row_bytes;
+    float* y = r.sm;        // (d) the row, rotated in place
+    float* gsc = r.sm + d;  // (d / 16) group scales (int4, int2) or nvfp4's eff per block
     bool poison;
-    const int n_bad = encode_row<C>(x, row, a.d, a.row_bytes, a.rotate != 0, a.book, y, gsc, lane, poison);
+    const int n_bad = encode_row<C>(r.x, row, d, a.row_bytes, a.rotate != 0, a.book, y, gsc, lane, poison);
     if (lane == 0 && n_bad > 0) atomicAdd(a.n_bad, (unsigned long long)n_bad);
 }
 
@@ -273,16 +310,15 @@ __device__ __forceinline__ float decode_elem(const unsigned char* row, int d, in
 // as f32 into the cache row.
 template <int C>
 __device__ __forceinline__ void kv_roundtrip(const KvEncodeArgs& a) {
-    const int t = blockIdx.x, h = blockIdx.y, seq = blockIdx.z, lane = threadIdx.x;
-    const int d = a.d;
-    const float* x = a.src + ((long long)seq * gridDim.x + t) * a.src_stride + (long long)h * d;
-    float* out = reinterpret_cast<float*>(a.cache) + (((long long)seq * a.n_kv_heads + h) * a.n_ctx + a.pos0 + t) * d;
-    extern __shared__ float sm[];
-    float* y = sm;                                                     // (d) the row, then its decode
-    float* gsc = sm + d;                                               // (d / 16) scales
-    unsigned char* code = reinterpret_cast<unsigned char*>(sm + d + d / 16);  // (row_bytes) the encoded row
+    const int d = a.d, lane = threadIdx.x % 32;
+    KvRow r;
+    if (!kv_row(a, d + d / 16 + a.row_bytes / 4, r)) return;
+    float* out = reinterpret_cast<float*>(a.cache) + r.slot * d;
+    float* y = r.sm;                                                         // (d) the row, then its decode
+    float* gsc = r.sm + d;                                                   // (d / 16) scales
+    unsigned char* code = reinterpret_cast<unsigned char*>(r.sm + d + d / 16);  // (row_bytes) the encoded row
     bool poison;
-    const int n_bad = encode_row<C>(x, code, d, a.row_bytes, a.rotate != 0, a.book, y, gsc, lane, poison);
+    const int n_bad = encode_row<C>(r.x, code, d, a.row_bytes, a.rotate != 0, a.book, y, gsc, lane, poison);
     __syncwarp();
     if (poison) {
         // Codes 0 and NaN scales decode to the scale's NaN, and the rotation keeps it.
@@ -290,7 +326,7 @@ __device__ __forceinline__ void kv_roundtrip(const KvEncodeArgs& a) {
     } else {
         for (int i = lane; i < d; i += 32) y[i] = decode_elem<C>(code, d, i, a.book);
         if (a.rotate) {
-            hadamard_rows(y, 1, d, lane, 32, [] { __syncwarp(); });
+            rotate_row(y, d, lane);
             const float inv_n = 1.0f / (float)(d & -d);  // a power of two: exact
             for (int i = lane; i < d; i += 32) y[i] = __fmul_rn(y[i], inv_n);
         }
@@ -306,13 +342,13 @@ __device__ __forceinline__ void kv_roundtrip(const KvEncodeArgs& a) {
 // elements whose code has an all-ones exponent (±Inf, NaN) are counted.
 template <bool FP16>
 __device__ __forceinline__ void kv_roundtrip_half(const KvEncodeArgs& a) {
-    const int t = blockIdx.x, h = blockIdx.y, seq = blockIdx.z, lane = threadIdx.x;
-    const int d = a.d;
-    const float* x = a.src + ((long long)seq * gridDim.x + t) * a.src_stride + (long long)h * d;
-    float* out = reinterpret_cast<float*>(a.cache) + (((long long)seq * a.n_kv_heads + h) * a.n_ctx + a.pos0 + t) * d;
+    const int d = a.d, lane = threadIdx.x % 32;
+    KvRow r;
+    if (!kv_row(a, 0, r)) return;
+    float* out = reinterpret_cast<float*>(a.cache) + r.slot * d;
     int n_bad = 0;
     for (int i = lane; i < d; i += 32) {
-        const float v = x[i];
+        const float v = r.x[i];
         float r;
         if (isnan(v)) r = __uint_as_float(FP16 ? 0x7FFFE000u : 0x7FFF0000u);
         else if constexpr (FP16) r = __half2float(__float2half_rn(v));
@@ -326,7 +362,7 @@ __device__ __forceinline__ void kv_roundtrip_half(const KvEncodeArgs& a) {
 }  // namespace kvc
 
 #define KV_ENCODE(name, C) \
-    extern "C" __global__ void __launch_bounds__(32) kv_encode_##name(const KvEncodeArgs a) { kvc::kv_encode<C>(a); }
+    extern "C" __global__ void __launch_bounds__(KV_ROWS_MAX_THREADS) kv_encode_##name(const KvEncodeArgs a) { kvc::kv_encode<C>(a); }
 KV_ENCODE(int8, kvc::INT8)
 KV_ENCODE(fp8, kvc::FP8)
 KV_ENCODE(nvfp4, kvc::NVFP4)
@@ -334,12 +370,12 @@ KV_ENCODE(int4g32, kvc::INT4G32)
 KV_ENCODE(int2g32, kvc::INT2G32)
 KV_ENCODE(vq2, kvc::VQ2)
 #define KV_ROUNDTRIP(name, C) \
-    extern "C" __global__ void __launch_bounds__(32) kv_roundtrip_##name(const KvEncodeArgs a) { kvc::kv_roundtrip<C>(a); }
+    extern "C" __global__ void __launch_bounds__(KV_ROWS_MAX_THREADS) kv_roundtrip_##name(const KvEncodeArgs a) { kvc::kv_roundtrip<C>(a); }
 KV_ROUNDTRIP(int8, kvc::INT8)
 KV_ROUNDTRIP(fp8, kvc::FP8)
 KV_ROUNDTRIP(nvfp4, kvc::NVFP4)
 KV_ROUNDTRIP(int4g32, kvc::INT4G32)
 KV_ROUNDTRIP(int2g32, kvc::INT2G32)
 KV_ROUNDTRIP(vq2, kvc::VQ2)
-extern "C" __global__ void __launch_bounds__(32) kv_roundtrip_bf16(const KvEncodeArgs a) { kvc::kv_roundtrip_half<false>(a); }
-extern "C" __global__ void __launch_bounds__(32) kv_roundtrip_fp16(const KvEncodeArgs a) { kvc::kv_roundtrip_half<true>(a); }
+extern "C" __global__ void __launch_bounds__(KV_ROWS_MAX_THREADS) kv_roundtrip_bf16(const KvEncodeArgs a) { kvc::kv_roundtrip_half<false>(a); }
+extern "C" __global__ void __launch_bounds__(KV_ROWS_MAX_THREADS) kv_roundtrip_fp16(const KvEncodeArgs a) { kvc::kv_roundtrip_half<true>(a); }

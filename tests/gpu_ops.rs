@@ -1747,6 +1747,9 @@ fn kv_encode_every_codec_bit_exact_random_and_adversarial() {
         kv_encode_case(dev, &mut rng, codec, &book, 128, 2, 1);
         kv_encode_case(dev, &mut rng, codec, &book, 256, 1, 3);
         kv_encode_case(dev, &mut rng, codec, &book, 96, 2, 2);
+        // 8 KV heads (an 8B body): whole blocks of 8 rows; d 2048: 5 rows a block (48 KiB of shared memory).
+        kv_encode_case(dev, &mut rng, codec, &book, 128, 8, 2);
+        kv_encode_case(dev, &mut rng, codec, &book, 2048, 1, 2);
     }
     // A head length the codec refuses is an error naming it; vq2 without its codebook is one too.
     let shape = KvShape { n_seqs: 1, n_kv_heads: 1, n_ctx: 4, d_head: 80 };
@@ -1830,6 +1833,9 @@ fn kv_roundtrip_every_codec_bit_exact_random_and_adversarial() {
         kv_roundtrip_case(dev, &mut rng, codec, &book, 128, 2, 1);
         kv_roundtrip_case(dev, &mut rng, codec, &book, 256, 1, 3);
         kv_roundtrip_case(dev, &mut rng, codec, &book, 96, 2, 2);
+        // 8 KV heads (an 8B body): whole blocks of 8 rows; d 2048: 5 rows a block (48 KiB of shared memory).
+        kv_roundtrip_case(dev, &mut rng, codec, &book, 128, 8, 2);
+        kv_roundtrip_case(dev, &mut rng, codec, &book, 2048, 1, 2);
     }
     // f32 rows have no round trip (kv_store_f32 stores them); a refused head length names itself.
     let shape = KvShape { n_seqs: 1, n_kv_heads: 1, n_ctx: 4, d_head: 80 };

@@ -1445,14 +1445,21 @@ struct KvEncodeArgs {
     pos0: i32,
     row_bytes: i32,
     rotate: i32,
+    n_tokens: i32,
+    n_seqs: i32,
     book: u64,
 }
-const _: () = assert!(size_of::<KvEncodeArgs>() == 64, "KvEncodeArgs must match kernels/common.cuh");
+const _: () = assert!(size_of::<KvEncodeArgs>() == 72, "KvEncodeArgs must match kernels/common.cuh");
 // SAFETY: plain data of fixed C layout (asserted above), passed by value as the kernel's parameter.
 unsafe impl cudarc::driver::DeviceRepr for KvEncodeArgs {}
 
-/// Largest row the encode kernels take (their shared memory holds one row).
+/// Largest row the encode kernels take (their shared memory holds one row a warp).
 const KV_ENCODE_MAX_D: usize = 4096;
+/// Most rows (warps) in one block of the row kernels: `KV_ROWS_MAX_THREADS` / 32 in
+/// kernels/common.cuh.
+const KV_ROWS_MAX_WARPS: usize = 8;
+/// The row kernels' dynamic shared memory per block stays within the default 48 KiB.
+const KV_ROWS_MAX_SMEM_BYTES: usize = 48 * 1024;
 
 /// Encodes rows into a cache of `codec` rows exactly as `kv::RowCodec::encode_row`
 /// (kernels/kv_codec.cu `kv_encode_<codec>`, rotation included when the codec
@@ -1478,7 +1485,7 @@ pub fn kv_encode(
     let need = shape.coded_bytes(codec);
     ensure!(cache.len() == need, "{name}: cache has {} bytes, shape {shape:?} needs {need}", cache.len());
     let rows = KvRowsLaunch { name, codec, src, n_seqs, n_tokens, src_stride, shape, pos0 };
-    // Shared memory: the row and its scales.
+    // Shared memory per row: the row and its scales.
     rows.launch(dev, cache.ptr(), n_bad, book, (shape.d_head + shape.d_head / 16) * 4)
 }
 
@@ -1522,14 +1529,15 @@ pub fn kv_roundtrip(
     let name = kv_roundtrip_kernel(codec.elem)?;
     ensure!(cache.len() == shape.len(), "{name}: cache has {} f32, shape {shape:?} needs {}", cache.len(), shape.len());
     let rows = KvRowsLaunch { name, codec, src, n_seqs, n_tokens, src_stride, shape, pos0 };
-    // Shared memory: the row, its scales, then the encoded row (scaled codecs only).
+    // Shared memory per row: the row, its scales, then the encoded row (scaled codecs only).
     let d = shape.d_head;
     let smem = if codec.elem.is_scaled() { (d + d / 16) * 4 + codec.row_bytes(d) } else { 0 };
     rows.launch(dev, cache.ptr(), n_bad, book, smem)
 }
 
 /// One launch of a kv_codec.cu row kernel (`kv_encode_*`, `kv_roundtrip_*`): the
-/// rows (s, t, h) of `src` into cache slots `(s, h, pos0 + t)`, one warp per row.
+/// rows (s, t, h) of `src` into cache slots `(s, h, pos0 + t)`, one warp per row, up
+/// to [`KV_ROWS_MAX_WARPS`] rows a block in (s, t, h) order.
 struct KvRowsLaunch<'a> {
     name: &'static str,
     codec: RowCodec,
@@ -1543,8 +1551,9 @@ struct KvRowsLaunch<'a> {
 
 impl KvRowsLaunch<'_> {
     /// Checks the rows, the cache pointer (its size the caller checked), the
-    /// counter and the codebook, then launches with `smem` bytes of shared memory.
-    fn launch(&self, dev: &CudaDevice, cache_ptr: u64, n_bad: DevViewMut<u64>, book: Option<&VqBook>, smem: usize) -> Result<()> {
+    /// counter and the codebook, then launches with `row_smem` bytes of shared
+    /// memory for each row of a block.
+    fn launch(&self, dev: &CudaDevice, cache_ptr: u64, n_bad: DevViewMut<u64>, book: Option<&VqBook>, row_smem: usize) -> Result<()> {
         let Self { name, codec, n_seqs, n_tokens, src_stride, shape, pos0, .. } = *self;
         let d = shape.d_head;
         codec.check_len(d).with_context(|| name.to_string())?;
@@ -1558,7 +1567,9 @@ impl KvRowsLaunch<'_> {
         if n_tokens == 0 || n_seqs == 0 {
             return Ok(());
         }
-        ensure!(shape.n_kv_heads <= 65535 && n_seqs <= 65535, "{name}: {} KV heads x {n_seqs} windows exceed the grid", shape.n_kv_heads);
+        let n_rows = n_seqs * n_tokens * shape.n_kv_heads;
+        let rows_per_block = (KV_ROWS_MAX_SMEM_BYTES / row_smem.max(1)).clamp(1, KV_ROWS_MAX_WARPS);
+        let n_blocks = u32::try_from(n_rows.div_ceil(rows_per_block)).with_context(|| format!("{name}: {n_rows} rows exceed the grid"))?;
         let args = KvEncodeArgs {
             src: self.src.ptr(),
             cache: cache_ptr,
@@ -1570,6 +1581,8 @@ impl KvRowsLaunch<'_> {
             pos0: i32_of(pos0, "pos0")?,
             row_bytes: i32_of(codec.row_bytes(d), "row_bytes")?,
             rotate: i32::from(codec.rotate),
+            n_tokens: i32_of(n_tokens, "n_tokens")?,
+            n_seqs: i32_of(n_seqs, "n_seqs")?,
             book,
         };
         let f = func(dev, name)?;
@@ -1578,9 +1591,10 @@ impl KvRowsLaunch<'_> {
         // SAFETY: the one KvEncodeArgs of the row kernels in kernels/kv_codec.cu; src rows, the
         // cache (its size checked by the caller for the kernel's element type, 16-byte aligned),
         // the counter, d % 32 == 0 for the scaled codecs, the codebook (vq2) and the shared
-        // memory the caller sized for the kernel checked above.
-        let grid = (u32::try_from(n_tokens)?, shape.n_kv_heads as u32, n_seqs as u32);
-        unsafe { b.launch(cfg(grid, 32, u32::try_from(smem)?)) }.map_err(|e| launch_err(name, e))?;
+        // memory the caller sized per row for the kernel checked above, times the block's rows
+        // (at most KV_ROWS_MAX_THREADS threads, the kernels' launch bound).
+        let smem = u32::try_from(rows_per_block * row_smem)?;
+        unsafe { b.launch(cfg((n_blocks, 1, 1), (32 * rows_per_block) as u32, smem)) }.map_err(|e| launch_err(name, e))?;
         Ok(())
     }
 }
