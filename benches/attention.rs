@@ -8,15 +8,14 @@
 //! in ../shared/research/speed-and-kv-facts.md). Also the two real models'
 //! attention shapes (SmolLM2: 9/3 heads of 64; Gemma-3-270M: 4/1 heads of 256,
 //! sliding window 512). Kernel v3 (wgmma, kernels/attention_sm90a.cu) first, on
-//! the shapes and caches it covers (bf16, fp8, int8; d_head 64/128), then kernel v2
+//! the shapes and caches it covers (bf16, fp8, int8, k8v4; d_head 64/128), then kernel v2
 //! (exactly v2: `ops::attention_exact`, `ops::attention_coded_exact`) on bf16 and on a
 //! cache of each quantized format (src/kv's rows, encoded by `kv_encode` from the
 //! same kind of random values; its tile loads decode and round to bf16, rotated
 //! formats rotate q and the output in the kernel) on the same shapes, for the
 //! quantized formats' target (within 20 % of bf16). Prints one `BENCH` line per row.
 //! For one device call, `INFERNIX_BENCH_SHAPES`, `INFERNIX_BENCH_FORMATS` and
-//! `INFERNIX_BENCH_V3_ONLY=1` narrow the rows, and `INFERNIX_BENCH_PRODUCER_VARIANTS`
-//! times kernel v3's producer variants for a coded cache on the same data (main()).
+//! `INFERNIX_BENCH_V3_ONLY=1` narrow the rows (main()).
 //!
 //!   cargo bench --bench attention --no-run   (here; carry the executable)
 //!   ./attention                             (on the GPU machine)
@@ -65,11 +64,8 @@ fn time_ms(dev: &CudaDevice, reps: usize, mut launch: impl FnMut() -> Result<()>
     Ok(times[reps / 2])
 }
 
-/// One row per entry of `variants`: `format` bf16 or a quantized format, on exactly
-/// `kernel`, on the same data; a variant is kernel v3's producer variant for a coded
-/// cache (kernels/attention_sm90a.cu `PV_*`; 0: the shipped one; bits 1 and 2 compute
-/// something else than the format, so their outputs are not checked).
-fn bench(dev: &CudaDevice, s: &Shape, kernel: AttnKernel, format: KvFormat, variants: &[u8], book: &ops::VqBook, rng: &mut ChaCha8Rng) -> Result<()> {
+/// One row: `format` bf16 or a quantized format, on exactly `kernel`.
+fn bench(dev: &CudaDevice, s: &Shape, kernel: AttnKernel, format: KvFormat, book: &ops::VqBook, rng: &mut ChaCha8Rng) -> Result<()> {
     let kv = KvShape { n_seqs: s.n_seqs, n_kv_heads: s.n_kv_heads, n_ctx: s.n_tokens, d_head: s.d_head };
     let width = s.n_heads * s.d_head;
     let n_rows = s.n_seqs * s.n_tokens;
@@ -106,59 +102,37 @@ fn bench(dev: &CudaDevice, s: &Shape, kernel: AttnKernel, format: KvFormat, vari
         out_stride: width,
     };
     let reps = if kernel == AttnKernel::V1 { 5 } else { 20 };
-    // The first variant's output: every exact variant must give the same bits.
-    let mut first: Option<Vec<f32>> = None;
-    for &variant in variants {
-        ops::set_attn_v3_producer_variant(variant);
-        let ms = if quantized {
-            time_ms(dev, reps, || ops::attention_coded_exact::<f32>(dev, kernel, format, qd.view(), kcq.view(), vcq.view(), kv, out.view_mut(), &p, Some(book)))?
-        } else {
-            time_ms(dev, reps, || ops::attention_exact::<bf16, f32>(dev, kernel, qd.view(), kc.view(), vc.view(), kv, out.view_mut(), &p))?
-        };
-        ops::set_attn_v3_producer_variant(0);
-        let sample = dev.download_range(&out, 0..n_rows * width)?;
-        let bad = sample.iter().filter(|v| !v.is_finite()).count();
-        let exact = variant & 3 == 0;
-        if bad > 0 && exact {
-            bail!("{} {} ({format}): {bad} outputs not finite", s.name, kernel.name());
-        }
-        let same = match (&first, exact) {
-            (_, false) => " (inexact: measurement only)".to_string(),
-            (None, true) => String::new(),
-            (Some(f), true) => {
-                let n_diff = f.iter().zip(&sample).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-                if n_diff > 0 {
-                    bail!("{} {} ({format}) producer variant {variant}: {n_diff} outputs differ from the first variant's", s.name, kernel.name());
-                }
-                " (bit-identical to the first)".to_string()
-            }
-        };
-        if first.is_none() && exact {
-            first = Some(sample);
-        }
-        // FlashAttention's count: 4 * b * s^2 * h * d, halved for causal. With a window, the
-        // visible pairs instead (each query sees min(pos + 1, window) keys).
-        let pairs: f64 = if s.window == 0 {
-            (s.n_tokens * s.n_tokens) as f64 / 2.0
-        } else {
-            (0..s.n_tokens).map(|t| (t + 1).min(s.window) as f64).sum()
-        };
-        let flop = 4.0 * s.n_seqs as f64 * pairs * s.n_heads as f64 * s.d_head as f64;
-        let tflops = flop / (ms * 1e-3) / 1e12;
-        let refs = match s.targets {
-            Some((t, fa2, fa3)) => format!("target >= {t:.0}, FA2 (H100) {fa2:.0}, FA3 (H100) {fa3:.0}"),
-            None => "-".to_string(),
-        };
-        let var = if quantized && kernel == AttnKernel::V3 { format!(" pv{variant:<2}") } else { String::new() };
-        println!(
-            "BENCH attention {:<34} kernel {} {:<5}{var} : {:9.3} ms  {:7.1} TFLOP/s   [{refs}]{same}",
-            s.name,
-            kernel.name(),
-            format.name(),
-            ms,
-            tflops
-        );
+    let ms = if quantized {
+        time_ms(dev, reps, || ops::attention_coded_exact::<f32>(dev, kernel, format, qd.view(), kcq.view(), vcq.view(), kv, out.view_mut(), &p, Some(book)))?
+    } else {
+        time_ms(dev, reps, || ops::attention_exact::<bf16, f32>(dev, kernel, qd.view(), kc.view(), vc.view(), kv, out.view_mut(), &p))?
+    };
+    let sample = dev.download_range(&out, 0..n_rows * width)?;
+    let bad = sample.iter().filter(|v| !v.is_finite()).count();
+    if bad > 0 {
+        bail!("{} {} ({format}): {bad} outputs not finite", s.name, kernel.name());
     }
+    // FlashAttention's count: 4 * b * s^2 * h * d, halved for causal. With a window, the
+    // visible pairs instead (each query sees min(pos + 1, window) keys).
+    let pairs: f64 = if s.window == 0 {
+        (s.n_tokens * s.n_tokens) as f64 / 2.0
+    } else {
+        (0..s.n_tokens).map(|t| (t + 1).min(s.window) as f64).sum()
+    };
+    let flop = 4.0 * s.n_seqs as f64 * pairs * s.n_heads as f64 * s.d_head as f64;
+    let tflops = flop / (ms * 1e-3) / 1e12;
+    let refs = match s.targets {
+        Some((t, fa2, fa3)) => format!("target >= {t:.0}, FA2 (H100) {fa2:.0}, FA3 (H100) {fa3:.0}"),
+        None => "-".to_string(),
+    };
+    println!(
+        "BENCH attention {:<34} kernel {} {:<5} : {:9.3} ms  {:7.1} TFLOP/s   [{refs}]",
+        s.name,
+        kernel.name(),
+        format.name(),
+        ms,
+        tflops
+    );
     Ok(())
 }
 
@@ -184,8 +158,7 @@ fn main() -> Result<()> {
     let book = ops::VqBook::upload(&dev)?;
     // Narrowing for one device call (all optional): INFERNIX_BENCH_SHAPES (indices into
     // `shapes`), INFERNIX_BENCH_FORMATS (names), INFERNIX_BENCH_V3_ONLY=1 (no v2 / v1
-    // rows), INFERNIX_BENCH_PRODUCER_VARIANTS (kernel v3's producer variants for a coded
-    // cache, kernels/attention_sm90a.cu PV_*; default 0).
+    // rows).
     let list = |name: &str| std::env::var(name).ok().map(|v| v.split(',').map(|x| x.trim().to_string()).collect::<Vec<_>>());
     let shape_ix: Vec<usize> = match list("INFERNIX_BENCH_SHAPES") {
         Some(v) => v.iter().map(|x| x.parse().with_context(|| format!("INFERNIX_BENCH_SHAPES: {x:?}"))).collect::<Result<_>>()?,
@@ -193,18 +166,13 @@ fn main() -> Result<()> {
     };
     let formats = list("INFERNIX_BENCH_FORMATS");
     let wanted = |f: KvFormat| formats.as_ref().is_none_or(|v| v.iter().any(|x| x == f.name()));
-    let variants: Vec<u8> = match list("INFERNIX_BENCH_PRODUCER_VARIANTS") {
-        Some(v) => v.iter().map(|x| x.parse().with_context(|| format!("INFERNIX_BENCH_PRODUCER_VARIANTS: {x:?}"))).collect::<Result<_>>()?,
-        None => vec![0],
-    };
     let v3_only = std::env::var("INFERNIX_BENCH_V3_ONLY").is_ok_and(|v| v == "1");
     let chosen = || shape_ix.iter().filter_map(|&i| shapes.get(i));
     // Kernel v3 (wgmma, sm_90a) where it covers the shape and the cache.
-    for format in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Int8].into_iter().filter(|f| wanted(*f)) {
+    for format in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Int8, KvFormat::K8v4].into_iter().filter(|f| wanted(*f)) {
         for s in chosen() {
             if AttnKernel::covers(&dev, format.name(), s.d_head) {
-                let vs: &[u8] = if format.is_quantized() { &variants } else { &[0] };
-                bench(&dev, s, AttnKernel::V3, format, vs, &book, &mut rng)?;
+                bench(&dev, s, AttnKernel::V3, format, &book, &mut rng)?;
             }
         }
     }
@@ -213,10 +181,10 @@ fn main() -> Result<()> {
     }
     for format in KvFormat::ALL.into_iter().filter(|f| (*f == KvFormat::Bf16 || f.is_quantized()) && wanted(*f)) {
         for s in chosen() {
-            bench(&dev, s, AttnKernel::V2, format, &[0], &book, &mut rng)?;
+            bench(&dev, s, AttnKernel::V2, format, &book, &mut rng)?;
         }
     }
-    bench(&dev, &shapes[0], AttnKernel::V1, KvFormat::Bf16, &[0], &book, &mut rng)?;
-    bench(&dev, &shapes[1], AttnKernel::V1, KvFormat::Bf16, &[0], &book, &mut rng)?;
+    bench(&dev, &shapes[0], AttnKernel::V1, KvFormat::Bf16, &book, &mut rng)?;
+    bench(&dev, &shapes[1], AttnKernel::V1, KvFormat::Bf16, &book, &mut rng)?;
     Ok(())
 }

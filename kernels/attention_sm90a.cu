@@ -1,12 +1,14 @@
 // attention_sm90a.cu: causal prefill attention on Hopper's wgmma tensor cores
 // (kernel v3, sm_90a only), FlashAttention-3's design, for a bf16 cache and for
-// the caches of one byte per element and one f32 scale per row (fp8, int8).
+// the caches whose K rows are one byte per element and one f32 scale per row (fp8,
+// int8, k8v4).
 //
 // attn_wgmma_d<D>_bf16_<out>(AttnWgmmaArgs), D = 64 or 128, and
-// attn_wgmma_d<D>_<fmt>_<out>(AttnWgmmaCodedArgs), fmt = fp8 (out f32, bf16) or
-// int8 (out f32), K and V rows of src/kv's layout (D codes, the f32 row scale at
-// byte D, zeros to coded_row_bytes(D) = 80 / 144 bytes), Hadamard-rotated or not
-// as AttnWgmmaCodedArgs::rot says: the contract of
+// attn_wgmma_d<D>_<fmt>_<out>(AttnWgmmaCodedArgs), fmt = fp8 (out f32, bf16),
+// int8 or k8v4 (out f32), K rows of src/kv's layout (D codes, the f32 row scale at
+// byte D, zeros to coded_row_bytes(D) = 80 / 144 bytes), V rows the same (fp8,
+// int8) or int4-g32 (k8v4: D / 2 bytes of nibbles, D / 32 f32 group scales, 48 / 80
+// bytes), Hadamard-rotated or not as AttnWgmmaCodedArgs::rot says: the contract of
 // attn_flash_* (kernels/attention.cu): query t of window s (position pos0 + t)
 // of head h attends to the cached keys kp of KV head h / (n_heads / n_kv_heads)
 // with kp <= pos0 + t and, when window > 0, pos0 + t - kp < window; the cache
@@ -18,7 +20,9 @@
 // in f32 (row max over the quad, exp2 by ex2.approx, l sums the unrounded f32
 // probabilities); P rounded to bf16 for P·V; O in f32; output O / l. Only the
 // order of f32 sums differs from v2: inside the MMAs, and each thread's share
-// of a row sum l, added in 4 partial sums.
+// of a row sum l, added in 4 partial sums. A coded cache: K's row scale folded
+// into S's column as v2 folds it (below); V decoded and rounded to bf16 (v2 folds
+// fp8 / int8 V's scale into P's column instead: there v3's V operand differs).
 //
 // Algorithm: a work item is BM = 128 queries of one head of one window; it
 // walks the key tiles of BN = 128 keys that any of its queries can see. The
@@ -67,53 +71,57 @@
 // instructions unmasked and 570 masked (plus about 100 for the rescale of O and
 // the packing of P), and the no-instruction stalls are gone (0.04 cycles, tensor
 // pipe 50 % busy at d 128; docs/performance.md, "Prefill attention kernels", attn4).
-// A coded cache (fp8, int8): the producer warpgroup is 128 decoding threads
+// A coded cache (fp8, int8, k8v4): the producer warpgroup is 128 decoding threads
 // (setmaxnreg 40 for them, 232 for the consumers, against 24 / 240 for a bf16
 // cache). Thread 0 brings the stored K rows and V rows of the tiles, as stored, by
 // TMA (a 3-D byte map over the rows, box (row bytes, BN, 1), no swizzle, rows past
 // kv_len zero-filled) into raw stages: two for K (tile g in stage g % 2, so tile
 // g + 1's rows land while tile g decodes) and one for V (raw_k[2] / raw_v
 // mbarriers); all 128 threads wait for bf16 stage g % ST to be released (empty_k),
-// decode tile g into it (decode_tile: each element code value * row scale in f32,
-// __fmul_rn, rounded to bf16 nearest even: src/kv's decode, then the rounding a
-// bf16 cache gets; written in the same 128-byte swizzle the TMA gives a bf16 tile,
-// so the consumers read it unchanged; each thread keeps one 8-column chunk and
-// issues the shared loads of 8 rows' chunks back to back before it converts and
-// stores them, since its loads and stores are volatile asm that the compiler keeps
-// in order), issue fence.proxy.async.shared::cta (their st.shared made visible to
-// wgmma's async proxy) and arrive on full_k (count 128); after a named barrier
-// among the 128 (the raw stage read) thread 0 fetches tile g + 2's K rows into
-// it; the same for V (tile g + 1). attnq5's producer (one raw K stage, one chunk
-// at a time) waited out a shared load's latency per chunk and the TMA of tile
-// g + 1 behind tile g's decode; it stays as producer variant PV_RAW1 | PV_BATCH1
-// (below) for benches/attention.rs, which ranks the variants
-// (docs/performance.md, "Issue 11/12: quantized attention speed on v3 (attn6)").
-// No dequantized copy of the cache exists; a poisoned row (NaN scale, or a NaN
-// code) decodes to NaN as on the CPU. Unlike v2, v3 does not fold the row scale
-// into S's or P's columns: folding would add per-key factor loads and multiplies
-// to the consumers' softmax (the critical path) to save the producer one FMUL of
-// about 4.4 instructions per element (a folding variant of v3 was not built;
-// PV_NOMUL measures the multiply's share). Rotated
-// rows stay in the rotated basis, as in v2: a rotated K is met by staging q as
-// (H q) / n (n = D; the f32 butterflies of hadamard_frag in its order: column
+// decode tile g into it (decode_tile, written in the same 128-byte swizzle the TMA
+// gives a bf16 tile, so the consumers read it unchanged; each thread keeps one
+// 8-column chunk and issues the shared loads of 8 rows' chunks back to back before
+// it converts and stores them, since its loads and stores are volatile asm that the
+// compiler keeps in order), issue fence.proxy.async.shared::cta (their st.shared
+// made visible to wgmma's async proxy) and arrive on full_k (count 128); after a
+// named barrier among the 128 (the raw stage read) thread 0 fetches tile g + 2's K
+// rows into it; the same for V (tile g + 1).
+// K (one-byte codes) is folded as kernel v2 folds it (attention.cu DecByte): the
+// bf16 K tile holds the exact code values (every E4M3 value and every int8 is a
+// bf16), and beside it the producer stores the tile's 128 column factors kfac =
+// row scale * (scale * log2 e) (the row scale alone under a soft-cap), in the order
+// the consumer lanes read them (store_kfac); a consumer multiplies S's column by its
+// factor where a bf16 cache multiplies by scale * log2 e (no extra multiply: 8
+// 16-byte shared loads per thread per tile, issued while S's wgmmas run, before the
+// K stage is released), q·(c s) = (q·c) s. This drops the decode's
+// multiply and scale load for K (attn6 measured the multiply of K and V together at
+// 13 % of the fp8 kernel's time: no multiply at all ran at 361 against 323.5
+// TFLOP/s). V is decoded to code value * scale in f32 (__fmul_rn), rounded to bf16
+// nearest even: src/kv's decode, then the rounding a bf16 cache gets. Folding V too
+// would move 64 multiplies per tile onto each consumer thread (P's columns, before
+// P's rounding): per SM sub-partition two consumer warps would pay for what one
+// producer warp saves, so it is not done. No dequantized copy of the cache exists; a
+// poisoned row (NaN scale, or a NaN code) gives NaN as on the CPU. Rotated rows
+// stay in the rotated basis, as in v2: a rotated K is met by staging q as (H q) / n (n = D; the f32 butterflies of hadamard_frag in its order: column
 // bits 0-2 in a thread's 8-element chunk, the higher ones across the lanes of a
 // row by shuffles; times the exact 1/n, then the bf16 rounding), a rotated V by
 // rotating the output back, O = (H O') / n with O' = Σ p y / l in f32
 // (hadamard_frag on the accumulator layout, v2's code).
 // Not covered here (the launcher sends them to v2): the other quantized formats
-// (nvfp4, k8v4, k4v2, vq2), d_head 96 and 256, misaligned q / out.
+// (nvfp4, k4v2, vq2), d_head 96 and 256, misaligned q / out.
 // Launch: grid (min(n_items, n_SMs), 1, 1), n_items = ceil(n_tokens / 128) *
 // n_heads * n_seqs; block 384, dynamic
 // shared memory 1024 (alignment slack) + 128 * D * 2 (Q) + 2 * ST * 128 * D * 2
 // (K, V) + 4 * ST * 8 (barriers): d 128 164928 bytes, d 64 148608; a coded
-// cache adds 3 * 128 * coded_row_bytes(D) (raw K x 2, V) + 32 (their barriers): fp8 /
-// int8 d 128 220256 bytes, d 64 179360.
+// cache adds 128 * (2 * K row bytes + V row bytes) (raw K x 2, V) + 32 (their
+// barriers) + ST * 128 * 4 (K's column factors): fp8 / int8 d 128 221280 bytes, d 64
+// 181408; k8v4 d 128 213088, d 64 177312.
 // The launcher (ops::attention_v3) mirrors BM, BN and stages(D).
 // CPU twin: backend::cpu::attention::attention on the same bf16-rounded q, k, v
 // (tests/gpu_ops.rs attention_case); a coded cache: the CPU backend's attention op
-// with the same format, and the CPU attention on v3's own operands (decoded
-// elements rounded to bf16, (H q) / n rounded; tests/gpu_ops.rs
-// attention_coded_case, V2Operands with v2 = false).
+// with the same format, and the CPU attention on v3's own operands (K: the exact
+// decoded values, the row scale in f32 as v2; V: decoded elements rounded to bf16;
+// (H q) / n rounded; tests/gpu_ops.rs attention_coded_case, V2Operands for V3).
 #include "sm90a.cuh"
 
 namespace attn3 {
@@ -223,57 +231,104 @@ __device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
     asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
     return v;
 }
+__device__ __forceinline__ void st_shared_f32(uint32_t addr, float v) {
+    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
+}
 
-// The cache's element type: a bf16 cache (TMA straight into the swizzled stages), or
-// rows of one-byte codes with an f32 row scale at byte D (fp8: CodeE4m3, int8:
-// CodeInt8; src/kv/codec.rs), decoded by the producer warpgroup.
-struct CacheBf16 {
-    static constexpr bool CODED = false;
-};
-template <typename CODE>
-struct CacheBytes {
-    static constexpr bool CODED = true;
-    using Code = CODE;
-};
-// Bytes of one coded row (src/kv: D codes, the f32 scale, zeros to a multiple of 16).
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
+    uint32_t v;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
+
+// Bytes of one row of one-byte codes (src/kv: D codes, the f32 scale, zeros to a multiple of 16).
 __host__ __device__ constexpr int coded_row_bytes(int d) { return (d + 4 + 15) / 16 * 16; }
 
-// One tile of BN coded rows (raw stage at `raw`, rows of coded_row_bytes(D), as the TMA
-// box lands them) into the bf16 stage at `dst` in the layout the consumers read (the
+// The stored rows the producer decodes (src/kv/codec.rs), one struct per row codec:
+// bytes(D) per row, `load(row, c)` the codes of elements 8c .. 8c + 7 (row = the
+// row's shared address), `scale_at(c)` the byte offset of their f32 scale, `cvt8`
+// their code values in f32, exactly.
+// D one-byte codes (fp8: CodeE4m3, int8: CodeInt8), the f32 row scale at byte D.
+template <typename CODE>
+struct RowBytes {
+    static __host__ __device__ constexpr int bytes(int d) { return coded_row_bytes(d); }
+    using Raw = uint2;
+    static __device__ __forceinline__ Raw load(uint32_t row, int c) { return ld_shared_v2(row + 8 * c); }
+    template <int D>
+    static __device__ __forceinline__ int scale_at(int) { return D; }
+    static __device__ __forceinline__ void cvt8(Raw q, float v[8]) {
+        CODE::cvt4(q.x, v);
+        CODE::cvt4(q.y, v + 4);
+    }
+};
+// int4-g32 (k8v4's V): D/2 bytes of nibbles q + 8 (element i in byte i / 2, the low
+// nibble first), D/32 f32 group scales at byte D/2, zeros to a multiple of 16; value
+// (q - 8) * s (kernels/attention.cu DecInt4G32). The nibble as the low mantissa bits of
+// 2^23 is the float 2^23 + q exactly; subtracting 2^23 + 8 (exact) leaves q - 8.
+struct RowInt4G32 {
+    static __host__ __device__ constexpr int bytes(int d) { return (d / 2 + 4 * (d / 32) + 15) / 16 * 16; }
+    using Raw = uint32_t;
+    static __device__ __forceinline__ Raw load(uint32_t row, int c) { return ld_shared_u32(row + 4 * c); }
+    template <int D>
+    static __device__ __forceinline__ int scale_at(int c) { return D / 2 + 4 * (c / 4); }
+    static __device__ __forceinline__ void cvt8(Raw q, float v[8]) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = __fsub_rn(__uint_as_float(0x4B000000u | ((q >> (4 * j)) & 0xFu)), 8388616.0f);
+    }
+};
+
+// The cache's element type: a bf16 cache (TMA straight into the swizzled stages), or
+// coded rows decoded by the producer warpgroup: K rows of one-byte codes and an f32 row
+// scale (KCODE: CodeE4m3 or CodeInt8), V rows of VROW (RowBytes<...> or RowInt4G32).
+struct CacheBf16 {
+    static constexpr bool CODED = false;
+    using KRow = RowBytes<CodeE4m3>;  // unused
+    using VRow = RowBytes<CodeE4m3>;
+};
+template <typename KCODE, typename VROW>
+struct CacheCoded {
+    static constexpr bool CODED = true;
+    using KRow = RowBytes<KCODE>;
+    using VRow = VROW;
+};
+
+// One tile of BN coded rows (raw stage at `raw`, rows of RC::bytes(D), as the TMA box
+// lands them) into the bf16 stage at `dst` in the layout the consumers read (the
 // 128-byte swizzle of a TMA box: box c / 8 of BN rows x 128 bytes, 16-byte chunk c % 8
-// of row r at ((c % 8) ^ (r % 8)) * 16). Element: code value * row scale (one f32
-// multiply, __fmul_rn), rounded to bf16 nearest even: src/kv's decode, then the
-// rounding a bf16 cache gets. 128 threads; thread tid takes chunks tid + 128 k (8
-// elements each, consecutive threads along a row, so a half-warp reads 128
-// contiguous bytes at d 128). Rows past the cached positions arrive as zeros (TMA's
-// fill; scale 0): they decode to 0, never NaN.
-template <int D, typename CODE, int NT, int MODE, int B>
+// of row r at ((c % 8) ^ (r % 8)) * 16). MUL (V): element = code value * its scale (one
+// f32 multiply, __fmul_rn), rounded to bf16 nearest even: src/kv's decode, then the
+// rounding a bf16 cache gets. !MUL (K, one-byte codes): the code value itself, exact in
+// bf16 (every E4M3 value, NaN included, and every int8), the row scale folded into S's
+// column by the consumers (kfac, store_kfac). 128 threads; thread tid takes chunks tid +
+// 128 k (8 elements each, consecutive threads along a row). Rows past the cached
+// positions arrive as zeros (TMA's fill; scale 0): they decode to 0 (int4: -8 * 0), never NaN.
+template <int D, typename RC, bool MUL>
 __device__ __forceinline__ void decode_tile(uint32_t raw, uint32_t dst, int tid) {
-    constexpr int CH = D / 8, RB = coded_row_bytes(D), IT = BN * CH / NT;
+    constexpr int NT = 128, B = 8;  // decoding threads; chunks whose loads go out together
+    constexpr int CH = D / 8, RB = RC::bytes(D), IT = BN * CH / NT;
     static_assert(NT % CH == 0 && IT % B == 0, "decode_tile: a thread keeps one column chunk");
     const int c = tid % CH, r0 = tid / CH;  // rows r0 + (NT / CH) k
-    const uint32_t src = raw + r0 * RB + 8 * c;
+    const uint32_t src = raw + r0 * RB;
     const uint32_t out = dst + (c / 8) * (BN * 128) + r0 * 128;
     // B chunks at a time: their shared loads issued back to back (the loads and stores
     // are volatile asm, so the compiler keeps their order: one chunk at a time would
     // wait out a load's latency per chunk), then converted and stored.
-#pragma unroll(B == 1 ? 4 : 1)
+#pragma unroll 1
     for (int k0 = 0; k0 < IT; k0 += B) {
-        uint2 q[B];
+        typename RC::Raw q[B];
         float sc[B];
 #pragma unroll
         for (int b = 0; b < B; ++b) {
             const uint32_t row = src + (k0 + b) * (NT / CH) * RB;
-            q[b] = ld_shared_v2(row);
-            if constexpr (MODE == 0) sc[b] = ld_shared_f32(row - 8 * c + D);
+            q[b] = RC::load(row, c);
+            if constexpr (MUL) sc[b] = ld_shared_f32(row + RC::template scale_at<D>(c));
         }
 #pragma unroll
         for (int b = 0; b < B; ++b) {
             const int r = r0 + (k0 + b) * (NT / CH);
             float v[8];
-            CODE::cvt4(q[b].x, v);
-            CODE::cvt4(q[b].y, v + 4);
-            if constexpr (MODE == 0) {
+            RC::cvt8(q[b], v);
+            if constexpr (MUL) {
 #pragma unroll
                 for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(v[j], sc[b]);
             }
@@ -282,15 +337,24 @@ __device__ __forceinline__ void decode_tile(uint32_t raw, uint32_t dst, int tid)
     }
 }
 
-// The producer variants of a coded cache (AttnWgmmaCodedArgs::rot bits 8..15, set only
-// by benches/attention.rs through ops::set_attn_v3_producer_variant; 0 in every other
-// call), as deviations from the default (0: two raw K stages, so tile g + 1's K rows
-// land while tile g's decode; 8 chunks' loads at a time). Measurement only (inexact):
-// 1 = decode without the row-scale multiply, 2 = no decode (the stage keeps what it
-// held). Layout: 4 = one raw K stage; 8 = K decoded by warps 0-1 and V by warps 2-3,
-// each pair on its own (64 threads per operand); 16 = loads of 4 chunks at a time,
-// 32 = one chunk at a time. attnq5's producer = 4 | 32.
-constexpr int PV_NOMUL = 1, PV_NODECODE = 2, PV_RAW1 = 4, PV_SPLIT = 8, PV_BATCH4 = 16, PV_BATCH1 = 32;
+// K's column factors of one tile (kernel v2's folding, kernels/attention.cu DecByte):
+// row r's f32 scale (raw stage, byte D of the row) times kmul (scale * log2 e, or 1
+// under a soft-cap), one __fmul_rn, as v2's kfac. Stored where the consumer lane that
+// multiplies key column r = 8 j + 2 q + e (j = 0..15 the 8-column chunk, q = lane % 4,
+// e = 0, 1) reads it with one 16-byte load per chunk pair: float 16 (j / 2) + 4 q +
+// 2 (j % 2) + e, so the four lanes of a quad read 64 consecutive bytes per load (no
+// bank conflict; a layout of 128 bytes per q put all four in banks 0-3) and the 128
+// threads' stores are conflict-free. Thread tid (of 128) takes row tid.
+template <int D>
+__device__ __forceinline__ void store_kfac(uint32_t raw, uint32_t kf, int tid, float kmul) {
+    const float s = ld_shared_f32(raw + tid * coded_row_bytes(D) + D);
+    const int j = tid / 8, q = (tid % 8) / 2, e = tid % 2;
+    st_shared_f32(kf + 4 * (16 * (j / 2) + 4 * q + 2 * (j % 2) + e), __fmul_rn(s, kmul));
+}
+
+// Whether K's row scale of a coded cache is folded into S's columns (kfac) rather than
+// multiplied into the decoded K elements; mirrored by ops::ATTN_V3_FOLDS_K.
+constexpr bool FOLD_K = false;
 
 // K/V stages: 4 at d_head 64, 2 at 128 (shared memory: Q 32 KiB plus four 32 KiB
 // stages at d 128 fill the 227 KiB a block may have).
@@ -300,10 +364,6 @@ __host__ __device__ constexpr int stages(int d) { return d <= 64 ? 4 : 2; }
 template <bool B>
 struct Flag {
     static constexpr bool value = B;
-};
-template <int V>
-struct IntFlag {
-    static constexpr int value = V;
 };
 
 // The block's w-th work item, longest causal rows first: query tile qt (of n_qt),
@@ -327,6 +387,8 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     constexpr int VS = BN / 16;           // k-steps of P·V
     constexpr int NS = BN / 8;            // 8-column accumulator chunks of S
     constexpr int NO = D / 8;             // of O
+    constexpr bool KF = CODED && FOLD_K;  // K's row scale folded into S's columns
+    constexpr int KQ = KF ? BN / 16 : 1;  // float4s of K factors per consumer lane and tile
     constexpr uint32_t Q_BYTES = BM * D * 2;
     constexpr uint32_t KV_BYTES = BN * D * 2;  // one stage of K (or of V)
     extern __shared__ uint8_t attn3_smem[];
@@ -335,14 +397,16 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     const uint32_t sq = base;                 // (NB boxes, BM rows, 64) bf16, swizzled
     const uint32_t sk = sq + Q_BYTES;         // (ST, NB, BN, 64) bf16, swizzled
     const uint32_t sv = sk + ST * KV_BYTES;   // (ST, NB, BN, 64) bf16, swizzled
-    // A coded cache: one raw stage of K rows and one of V rows (the TMA boxes as stored).
-    constexpr uint32_t RAW_BYTES = CODED ? BN * coded_row_bytes(D) : 0;
-    // Two raw K stages (PV_RAW1: the first alone), one raw V stage.
-    const uint32_t rk = sv + ST * KV_BYTES, rv = rk + 2 * RAW_BYTES;
+    // A coded cache: two raw stages of K rows and one of V rows (the TMA boxes as stored).
+    constexpr uint32_t RAW_K_BYTES = CODED ? BN * coded_row_bytes(D) : 0;
+    constexpr uint32_t RAW_V_BYTES = CODED ? BN * CACHE::VRow::bytes(D) : 0;
+    const uint32_t rk = sv + ST * KV_BYTES, rv = rk + 2 * RAW_K_BYTES;
     // full_k[ST], full_v[ST], empty_k[ST], empty_v[ST]; coded: raw_k[2], raw_v, one spare.
-    const uint32_t bars = rv + RAW_BYTES;
+    const uint32_t bars = rv + RAW_V_BYTES;
     const uint32_t raw_full_k = bars + 8 * 4 * ST, raw_full_v = raw_full_k + 16;
-    const int pvar = CODED ? (rot >> 8) & 0xff : 0;  // the producer variant (bench only)
+    // Coded: K's column factors of each bf16 K stage (BN f32, store_kfac's order), read
+    // by the consumers before they release the stage (empty_k).
+    const uint32_t kfac = bars + 8 * 4 * ST + 32;
     auto full_k = [&](int s) { return bars + 8 * s; };
     auto full_v = [&](int s) { return bars + 8 * (ST + s); };
     auto empty_k = [&](int s) { return bars + 8 * (2 * ST + s); };
@@ -367,7 +431,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
 #pragma unroll
         for (int s = 0; s < ST; ++s) {
             // bf16: the producer thread's expect_tx; coded: each of the 128 decoding threads.
-            const uint32_t n_arrive = !CODED ? 1 : (pvar & PV_SPLIT) ? 64 : 128;
+            const uint32_t n_arrive = CODED ? 128 : 1;
             mbar_init(full_k(s), n_arrive);
             mbar_init(full_v(s), n_arrive);
             mbar_init(empty_k(s), 8);  // one arrival per consumer warp
@@ -391,7 +455,8 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             // full_v; after a named barrier (every thread done reading the raw stage) thread 0
             // fetches tile g + 1's rows into it, so that copy runs while the consumers work.
             asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-            using CODE = typename CACHE::Code;
+            using KRow = typename CACHE::KRow;
+            using VRow = typename CACHE::VRow;
             struct Cursor {
                 int w, i, first, n, slab;
             };
@@ -408,73 +473,51 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                     seek(cur);
                 }
             };
-            auto fetch = [&](Cursor& cur, const TmaDesc* map, uint32_t dst, uint32_t bar) {  // then cur moves on
-                mbar_arrive_expect_tx(bar, RAW_BYTES);
+            auto fetch = [&](Cursor& cur, const TmaDesc* map, uint32_t bytes, uint32_t dst, uint32_t bar) {  // then cur moves on
+                mbar_arrive_expect_tx(bar, bytes);
                 tma_load_3d(dst, map, bar, 0, (cur.first + cur.i) * BN, cur.slab);
                 advance(cur);
             };
-            // One producer per variant (compile-time, so each keeps within its 40 registers).
-            auto produce = [&](auto pv_flag) {
-                constexpr int PV = decltype(pv_flag)::value;
-                constexpr bool SPLIT = (PV & PV_SPLIT) != 0;
-                constexpr int NRK = (PV & PV_RAW1) ? 1 : 2;
-                constexpr int MODE = PV & 3;
-                constexpr int NT = SPLIT ? 64 : 128;  // decoding threads per operand
-                constexpr int NB = (PV & PV_BATCH1) ? 1 : (PV & PV_BATCH4) ? 4 : 8;
-                const bool do_k = !SPLIT || tid < 64, do_v = !SPLIT || tid >= 64;
-                const int rt = SPLIT ? tid % 64 : tid;  // this thread's index among its operand's decoders
-                // The block's tiles in all (the decode loop's length).
-                int n_g = 0;
-                for (int w = blockIdx.x; w < n_items; w += gridDim.x) {
-                    int first, n;
-                    tiles_of(item_of(w, n_qt, a.n_heads, a.n_seqs), first, n);
-                    n_g += n;
-                }
-                // The fetching threads' cursors run their operand's raw stages ahead of the decode.
-                Cursor fk{(int)blockIdx.x, 0, 0, 0, 0};
-                seek(fk);
-                Cursor fv = fk;
-                if (rt == 0) {
-                    if (do_k)
+            // K's column factor multiplier (kernel v2's kmul): scale * log2 e, or 1 under a
+            // soft-cap (the consumers then multiply by scale inside the tanh).
+            const float kmul = a.softcap > 0.f ? 1.0f : a.scale * LOG2E;
+            // The block's tiles in all (the decode loop's length).
+            int n_g = 0;
+            for (int w = blockIdx.x; w < n_items; w += gridDim.x) {
+                int first, n;
+                tiles_of(item_of(w, n_qt, a.n_heads, a.n_seqs), first, n);
+                n_g += n;
+            }
+            // Thread 0's cursors run the raw stages ahead of the decode: tiles 0 and 1 of K
+            // (tile g in raw K stage g % 2), tile 0 of V.
+            Cursor fk{(int)blockIdx.x, 0, 0, 0, 0};
+            seek(fk);
+            Cursor fv = fk;
+            if (tid == 0) {
 #pragma unroll
-                        for (int r = 0; r < NRK; ++r)
-                            if (fk.w < n_items) fetch(fk, &a.k, rk + r * RAW_BYTES, raw_full_k + 8 * r);
-                    if (do_v && fv.w < n_items) fetch(fv, &a.v, rv, raw_full_v);
-                }
-                for (int g = 0; g < n_g; ++g) {
-                    const int s = g % ST;
-                    const uint32_t ph = ((g / ST) & 1) ^ 1;
-                    if (do_k) {
-                        const int slot = NRK == 2 ? (g & 1) : 0;
-                        mbar_wait(raw_full_k + 8 * slot, (g / NRK) & 1);
-                        mbar_wait(empty_k(s), ph);
-                        if constexpr (MODE != PV_NODECODE) decode_tile<D, CODE, NT, MODE, NB>(rk + slot * RAW_BYTES, sk + s * KV_BYTES, rt);
-                        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                        mbar_arrive(full_k(s));
-                        asm volatile("bar.sync 3, %0;\n" ::"n"(NT) : "memory");
-                        if (rt == 0 && fk.w < n_items) fetch(fk, &a.k, rk + slot * RAW_BYTES, raw_full_k + 8 * slot);
-                    }
-                    if (do_v) {
-                        mbar_wait(raw_full_v, g & 1);
-                        mbar_wait(empty_v(s), ph);
-                        if constexpr (MODE != PV_NODECODE) decode_tile<D, CODE, NT, MODE, NB>(rv, sv + s * KV_BYTES, rt);
-                        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                        mbar_arrive(full_v(s));
-                        asm volatile("bar.sync %0, %1;\n" ::"n"(SPLIT ? 4 : 3), "n"(NT) : "memory");
-                        if (rt == 0 && fv.w < n_items) fetch(fv, &a.v, rv, raw_full_v);
-                    }
-                }
-            };
-            switch (pvar) {  // the variants built (any other value runs the default)
-                case PV_BATCH1 | PV_RAW1: produce(IntFlag<PV_BATCH1 | PV_RAW1>{}); break;
-                case PV_RAW1: produce(IntFlag<PV_RAW1>{}); break;
-                case PV_SPLIT: produce(IntFlag<PV_SPLIT>{}); break;
-                case PV_SPLIT | PV_RAW1: produce(IntFlag<PV_SPLIT | PV_RAW1>{}); break;
-                case PV_BATCH4: produce(IntFlag<PV_BATCH4>{}); break;
-                case PV_BATCH1: produce(IntFlag<PV_BATCH1>{}); break;
-                case PV_NOMUL: produce(IntFlag<PV_NOMUL>{}); break;
-                case PV_NODECODE: produce(IntFlag<PV_NODECODE>{}); break;
-                default: produce(IntFlag<0>{}); break;
+                for (int r = 0; r < 2; ++r)
+                    if (fk.w < n_items) fetch(fk, &a.k, RAW_K_BYTES, rk + r * RAW_K_BYTES, raw_full_k + 8 * r);
+                if (fv.w < n_items) fetch(fv, &a.v, RAW_V_BYTES, rv, raw_full_v);
+            }
+            for (int g = 0; g < n_g; ++g) {
+                const int s = g % ST;
+                const uint32_t ph = ((g / ST) & 1) ^ 1;
+                const int slot = g & 1;
+                mbar_wait(raw_full_k + 8 * slot, (g / 2) & 1);
+                mbar_wait(empty_k(s), ph);
+                decode_tile<D, KRow, !FOLD_K>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, tid);
+                if constexpr (FOLD_K) store_kfac<D>(rk + slot * RAW_K_BYTES, kfac + s * BN * 4, tid, kmul);
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                mbar_arrive(full_k(s));
+                asm volatile("bar.sync 3, 128;\n" ::: "memory");
+                if (tid == 0 && fk.w < n_items) fetch(fk, &a.k, RAW_K_BYTES, rk + slot * RAW_K_BYTES, raw_full_k + 8 * slot);
+                mbar_wait(raw_full_v, g & 1);
+                mbar_wait(empty_v(s), ph);
+                decode_tile<D, VRow, true>(rv, sv + s * KV_BYTES, tid);
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                mbar_arrive(full_v(s));
+                asm volatile("bar.sync 3, 128;\n" ::: "memory");
+                if (tid == 0 && fv.w < n_items) fetch(fv, &a.v, RAW_V_BYTES, rv, raw_full_v);
             }
             return;
         }
@@ -518,7 +561,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     const uint64_t dq = sw128_desc(sq + c * 64 * 128);
     // Rotated rows (src/kv/hadamard.rs; coded caches only): K rotated -> q staged as
     // (H q) / n; V rotated -> the output rotated back, (H O') / n. n = D (a power of two).
-    const bool rot_k = CODED && (rot & 1), rot_v = CODED && (rot & 2);  // bits 8.. : pvar
+    const bool rot_k = CODED && (rot & 1), rot_v = CODED && (rot & 2);
     constexpr float inv_n = 1.0f / D;
 
     // The consumer's whole walk, compiled once without and once with the soft-cap (a
@@ -529,6 +572,8 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
         float m_run[2], l_run[2];
         float sc[BN / 2];     // S of the tile being scored, then its probabilities
         uint32_t pa[VS][4];   // P of the previous tile, bf16, as the A fragments of its P·V
+        float4 kq[KQ];        // a folded K: its column factors of the tile being scored (load_kf)
+        (void)kq;
         int gt = 0;           // tiles consumed so far by this block (the producer's g)
         for (int w = blockIdx.x; w < n_items; w += gridDim.x) {
             const Item it = item_of(w, n_qt, a.n_heads, a.n_seqs);
@@ -628,10 +673,17 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 }
                 wgmma_commit();
             };
+            // One arrival per consumer warp on a stage's empty barrier.
+            auto release = [&](uint32_t bar) {
+                __syncwarp();
+                if (lane == 0) mbar_arrive(bar);
+            };
             // Scale, soft-cap, mask S of key tile `tile` (v2's arithmetic); the online
             // softmax update of m and l; the probabilities left in sc; corr = the factor
             // O needs. MASK false: every key of the tile is visible to every row of the
-            // warp (no compare at all). Straight-line code: no branch per element.
+            // warp (no compare at all). Straight-line code: no branch per element. A coded
+            // cache: S's columns times K's factors (kq, load_kf: row scale * scale * log2 e,
+            // or the row scale under a soft-cap, as kernel v2).
             auto softmax = [&](auto mask_flag, int tile, float corr[2]) {
                 constexpr bool MASK = decltype(mask_flag)::value;
                 const int kbase = tile * BN;
@@ -656,8 +708,17 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         float x;
-                        if constexpr (CAP) x = cap * tanhf(sc[4 * j + e] * scale / cap) * LOG2E;
-                        else x = sc[4 * j + e] * scale_l2;
+                        if constexpr (KF) {
+                            const float4& k4 = kq[KF ? j / 2 : 0];
+                            const float kf = (j % 2 == 0) ? ((e & 1) ? k4.y : k4.x) : ((e & 1) ? k4.w : k4.z);
+                            // q·(c s) = (q·c) s: kernel v2's expressions (attention.cu, KF).
+                            if constexpr (CAP) x = cap * tanhf(sc[4 * j + e] * kf * scale / cap) * LOG2E;
+                            else x = sc[4 * j + e] * kf;
+                        } else if constexpr (CAP) {
+                            x = cap * tanhf(sc[4 * j + e] * scale / cap) * LOG2E;
+                        } else {
+                            x = sc[4 * j + e] * scale_l2;
+                        }
                         if constexpr (MASK) {
                             const int k = 8 * j + (e & 1);
                             x = (k >= lo[e >> 1] && k <= hi[e >> 1]) ? x : -INFINITY;
@@ -700,6 +761,16 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 if (full_tile(tile)) softmax(Flag<false>{}, tile, corr);
                 else softmax(Flag<true>{}, tile, corr);
             };
+            // A coded cache: this lane's K factors of stage `st` (columns 8 j + cq + e, j =
+            // 0..15, store_kfac's order) into registers, loaded while S's wgmmas run (the
+            // stage is full: full_k was waited for), before the K stage is released.
+            auto load_kf = [&](int st) {
+                if constexpr (KF) {
+                    const float4* kfp = reinterpret_cast<const float4*>(attn3_smem + (kfac + st * BN * 4 - smem_addr(attn3_smem))) + (lane & 3);
+#pragma unroll
+                    for (int i = 0; i < KQ; ++i) kq[i] = kfp[4 * i];
+                }
+            };
             // P of the scored tile as the A fragments of the 16-key steps: chunks 2kk and 2kk + 1.
             auto pack_p = [&]() {
 #pragma unroll
@@ -719,10 +790,6 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                     o[4 * j + 3] *= corr[1];
                 }
             };
-            auto release = [&](uint32_t bar) {
-                __syncwarp();
-                if (lane == 0) mbar_arrive(bar);
-            };
 
             // Software pipeline (FlashAttention-3's intra-warpgroup overlap): while tile i's
             // softmax runs on the CUDA cores, tile i - 1's P·V runs on the tensor cores.
@@ -730,6 +797,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             float corr[2];
             mbar_wait(full_k(gt % ST), (gt / ST) & 1);
             issue_s(gt);
+            load_kf(gt % ST);
             wgmma_wait<0>();
             fence_regs(sc);
             release(empty_k(gt % ST));
@@ -742,6 +810,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 issue_s(j);
                 mbar_wait(full_v(sp), ((j - 1) / ST) & 1);
                 issue_pv(j - 1);
+                load_kf(s);
                 wgmma_wait<1>();  // S of tile i done (groups retire in order); P·V of i - 1 may run
                 fence_regs(sc);
                 release(empty_k(s));
@@ -811,16 +880,18 @@ ATTN_WGMMA(64, bf16, bf16)
 ATTN_WGMMA(128, f32, float)
 ATTN_WGMMA(128, bf16, bf16)
 
-// attn_wgmma_d<D>_<fmt>_<out>: a cache of rows of one-byte codes and a row scale
-// (fmt = fp8 | int8, kv::KvFormat::name; K and V of the same codec).
-#define ATTN_WGMMA_CODED(D, fmt, CODE, outn, OUT)                                                                \
+// attn_wgmma_d<D>_<fmt>_<out>: a coded cache (fmt = kv::KvFormat::name): fp8 and int8
+// (K and V rows of one-byte codes and a row scale), k8v4 (K int8 rows, V int4-g32 rows).
+#define ATTN_WGMMA_CODED(D, fmt, KCODE, VROW, outn, OUT)                                                         \
     extern "C" __global__ void __launch_bounds__(attn3::THREADS, 1) attn_wgmma_d##D##_##fmt##_##outn(            \
         const __grid_constant__ AttnWgmmaCodedArgs a) {                                                          \
-        attn3::attn_wgmma_impl<D, OUT, attn3::CacheBytes<CODE>>(a.a, a.rot);                                    \
+        attn3::attn_wgmma_impl<D, OUT, attn3::CacheCoded<KCODE, VROW>>(a.a, a.rot);                             \
     }
-ATTN_WGMMA_CODED(64, fp8, CodeE4m3, f32, float)
-ATTN_WGMMA_CODED(64, fp8, CodeE4m3, bf16, bf16)
-ATTN_WGMMA_CODED(128, fp8, CodeE4m3, f32, float)
-ATTN_WGMMA_CODED(128, fp8, CodeE4m3, bf16, bf16)
-ATTN_WGMMA_CODED(64, int8, CodeInt8, f32, float)
-ATTN_WGMMA_CODED(128, int8, CodeInt8, f32, float)
+ATTN_WGMMA_CODED(64, fp8, CodeE4m3, attn3::RowBytes<CodeE4m3>, f32, float)
+ATTN_WGMMA_CODED(64, fp8, CodeE4m3, attn3::RowBytes<CodeE4m3>, bf16, bf16)
+ATTN_WGMMA_CODED(128, fp8, CodeE4m3, attn3::RowBytes<CodeE4m3>, f32, float)
+ATTN_WGMMA_CODED(128, fp8, CodeE4m3, attn3::RowBytes<CodeE4m3>, bf16, bf16)
+ATTN_WGMMA_CODED(64, int8, CodeInt8, attn3::RowBytes<CodeInt8>, f32, float)
+ATTN_WGMMA_CODED(128, int8, CodeInt8, attn3::RowBytes<CodeInt8>, f32, float)
+ATTN_WGMMA_CODED(64, k8v4, CodeInt8, attn3::RowInt4G32, f32, float)
+ATTN_WGMMA_CODED(128, k8v4, CodeInt8, attn3::RowInt4G32, f32, float)

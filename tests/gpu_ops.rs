@@ -1407,7 +1407,7 @@ fn attention_v3_wgmma_against_cpu_backend() {
     let mut o = dev.alloc_zeros::<f32>(96).unwrap();
     let p = AttnParams { n_seqs: 1, n_tokens: 1, n_heads: 1, pos0: 0, window: 0, scale: 1.0, softcap: 0.0, q_stride: 64, out_stride: 64 };
     let err = ops::attention_exact::<f32, f32>(dev, V3, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p).unwrap_err();
-    assert!(format!("{err:#}").contains("v3 reads a bf16, fp8 or int8 cache"), "{err:#}");
+    assert!(format!("{err:#}").contains("v3 reads a bf16, fp8, int8 or k8v4 cache"), "{err:#}");
     let shape = KvShape { d_head: 96, ..shape };
     let kb = dev.alloc_zeros::<bf16>(shape.len()).unwrap();
     let p = AttnParams { q_stride: 96, out_stride: 96, ..p };
@@ -1416,10 +1416,11 @@ fn attention_v3_wgmma_against_cpu_backend() {
     assert!(!AttnKernel::covers(dev, "bf16", 96) && !AttnKernel::covers(dev, "nvfp4", 128) && AttnKernel::covers(dev, "bf16", 64));
 }
 
-/// Kernel v3 on the caches of one byte per element and one f32 scale per row (fp8,
-/// int8; kernels/attention_sm90a.cu's decoding producer warpgroup), d_head 64 and
-/// 128, through [`attention_coded_case`] (the CPU backend's op with the same format
-/// and the tolerance v2 has for it; v3's own operands; the routed call bit-equal):
+/// Kernel v3 on the caches whose K rows are one byte per element and one f32 scale per
+/// row (fp8, int8, k8v4 with its int4-g32 V; kernels/attention_sm90a.cu's decoding
+/// producer warpgroup), d_head 64 and 128, through [`attention_coded_case`] (the CPU
+/// backend's op with the same format and the tolerance v2 has for it; v3's own
+/// operands; the routed call bit-equal):
 /// the quantized formats' cases at those head sizes, plus long rows over two passes
 /// (1024 then 70 tokens, 3 windows, d 64) and a 128-d window of 300 over passes of
 /// 700 and 333 (GQA 4/1), fp8 with both outputs. Formats v3 does not read, d_head 96
@@ -1438,7 +1439,7 @@ fn attention_v3_coded_against_cpu_backend() {
     cases.push(AttnCase { n_seqs: 3, n_heads: 6, n_kv_heads: 3, d_head: 64, n_ctx: 1100, passes: vec![1024, 70], window: 0, softcap: 0.0 });
     cases.push(AttnCase { n_seqs: 2, n_heads: 4, n_kv_heads: 1, d_head: 128, n_ctx: 1100, passes: vec![700, 333], window: 300, softcap: 0.0 });
     assert_eq!(cases.len(), 5);
-    for format in [KvFormat::Fp8, KvFormat::Int8] {
+    for format in [KvFormat::Fp8, KvFormat::Int8, KvFormat::K8v4] {
         for (i, c) in cases.iter().enumerate() {
             attention_coded_case::<f32>(dev, &mut rng, V3, format, c, &book);
             if format == KvFormat::Fp8 && i % 2 == 1 {
@@ -1454,7 +1455,7 @@ fn attention_v3_coded_against_cpu_backend() {
     let mut o = dev.alloc_zeros::<f32>(96).unwrap();
     let p = AttnParams { n_seqs: 1, n_tokens: 1, n_heads: 1, pos0: 0, window: 0, scale: 1.0, softcap: 0.0, q_stride: 64, out_stride: 64 };
     let err = ops::attention_coded_exact::<f32>(dev, V3, nv, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p, None).unwrap_err();
-    assert!(format!("{err:#}").contains("v3 reads a bf16, fp8 or int8 cache"), "{err:#}");
+    assert!(format!("{err:#}").contains("v3 reads a bf16, fp8, int8 or k8v4 cache"), "{err:#}");
     let shape = KvShape { d_head: 96, ..shape };
     let kc = dev.alloc_zeros::<u8>(shape.coded_bytes(KvFormat::Fp8.k())).unwrap();
     let p = AttnParams { q_stride: 96, out_stride: 96, ..p };
@@ -1852,7 +1853,8 @@ fn kv_roundtrip_every_codec_bit_exact_random_and_adversarial() {
 /// quantized cache, against the CPU backend's attention op with the same format
 /// (`CpuBackend::with_kv(format)`: encode, decode, f32 attention), through `check`
 /// with [`tol_attn_coded`]; and, tighter, against the CPU attention on exactly the
-/// operands the kernel multiplies ([`V2Operands`]; v3 never folds a row scale) with
+/// operands the kernel multiplies ([`V2Operands`]; v3 folds K's row scale as v2 does
+/// where `ops::ATTN_V3_FOLDS_K`, never V's) with
 /// [`TOL_ATTN_OWN_OPERANDS`] (what is left: P's bf16 rounding and the f32 accumulation
 /// order). Kernel v3 where `ops::attention_coded` routes the call to it: the routed
 /// call gives the same bits.
@@ -1868,7 +1870,7 @@ fn attention_coded_case<O: Elem + Poison + ops::OutElem>(dev: &CudaDevice, rng: 
     let cpu = CpuBackend::with_kv(format);
     let g = KvGeometry { n_layers: 1, n_kv_heads: c.n_kv_heads, d_head: d, d_head_v: d, max_pos: c.n_ctx, n_seqs: c.n_seqs };
     let mut cpu_cache = cpu.new_kv_cache(g).unwrap();
-    let mut ops_ref = V2Operands::new(c, format, kernel == AttnKernel::V2);
+    let mut ops_ref = V2Operands::new(c, format, kernel);
     let scale = 1.0 / (d as f32).sqrt();
     let kv_w = c.n_kv_heads * d;
     let width = c.n_heads * d;
@@ -1943,21 +1945,23 @@ fn cpu_attn_params(c: &AttnCase, scale: f32) -> infernix_perplexity::backend::At
     }
 }
 
-/// What attention v2 multiplies for a quantized format, computed on the CPU from
-/// the CPU codec's bytes: K and V rows decoded in the basis they are stored in
+/// What attention v2 (or v3) multiplies for a quantized format, computed on the CPU
+/// from the CPU codec's bytes: K and V rows decoded in the basis they are stored in
 /// (no inverse rotation: the codec's decode with `rotate: false`) and rounded to
 /// bf16, except the codecs of one scale per row (fp8, int8 up to d 128: [`v2_folds_scale`]),
 /// whose exact code values v2 multiplies, the scale applied to S's or P's column in
-/// f32; q rounded to bf16 after `(H q) / n` when K is rotated; the attention
-/// output `(H o) / n` when V is rotated. These are v2's operands exactly, so only
-/// P's bf16 rounding (for a folded V: of p * s) and the accumulation order separate
-/// v2 from `attend`.
+/// f32 (v3: K's alone, where `ops::ATTN_V3_FOLDS_K`; its V elements are always code *
+/// scale rounded to bf16); q rounded to bf16 after `(H q) / n` when K is rotated; the
+/// attention output `(H o) / n` when V is rotated. These are the kernel's operands exactly, so only P's bf16 rounding
+/// (for a folded V: of p * s) and the accumulation order separate it from `attend`.
 struct V2Operands<'a> {
     c: &'a AttnCase,
     format: KvFormat,
-    /// Kernel v2's operands (row scales folded where [`v2_folds_scale`]); false: kernel
-    /// v3's (every element code * scale rounded to bf16).
-    v2: bool,
+    /// Whether K's (V's) row scale is folded out of the decoded element (the exact code
+    /// value kept, the scale applied to S's (P's) column): kernel v2 for both where
+    /// [`v2_folds_scale`]; kernel v3 for K there where `ops::ATTN_V3_FOLDS_K`, never V.
+    fold_k: bool,
+    fold_v: bool,
     /// (n_seqs, n_kv_heads, n_ctx, d) in the GPU layout.
     k: Vec<f32>,
     v: Vec<f32>,
@@ -1971,15 +1975,21 @@ fn v2_folds_scale(codec: RowCodec, d: usize) -> bool {
 }
 
 impl<'a> V2Operands<'a> {
-    fn new(c: &'a AttnCase, format: KvFormat, v2: bool) -> Self {
+    fn new(c: &'a AttnCase, format: KvFormat, kernel: AttnKernel) -> Self {
         let n = c.n_seqs * c.n_kv_heads * c.n_ctx * c.d_head;
-        Self { c, format, v2, k: vec![f32::NAN; n], v: vec![f32::NAN; n] }
+        let fold_k = match kernel {
+            AttnKernel::V1 => false,
+            AttnKernel::V2 => v2_folds_scale(format.k(), c.d_head),
+            AttnKernel::V3 => ops::ATTN_V3_FOLDS_K && v2_folds_scale(format.k(), c.d_head),
+        };
+        let fold_v = kernel == AttnKernel::V2 && v2_folds_scale(format.v(), c.d_head);
+        Self { c, format, fold_k, fold_v, k: vec![f32::NAN; n], v: vec![f32::NAN; n] }
     }
 
     /// Stores rows (n_seqs * n_tokens, kv_stride) of k and v at pos0.
     fn store(&mut self, k: &[f32], v: &[f32], kv_stride: usize, n_tokens: usize, pos0: usize) {
         let (c, d) = (self.c, self.c.d_head);
-        for (x, codec, out) in [(k, self.format.k(), &mut self.k), (v, self.format.v(), &mut self.v)] {
+        for (x, codec, folds, out) in [(k, self.format.k(), self.fold_k, &mut self.k), (v, self.format.v(), self.fold_v, &mut self.v)] {
             let stored_basis = RowCodec::new(codec.elem, false);
             let mut row = vec![0u8; codec.row_bytes(d)];
             let mut dec = vec![0f32; d];
@@ -1990,7 +2000,6 @@ impl<'a> V2Operands<'a> {
                         codec.encode_row(&x[src..src + d], &mut row).unwrap();
                         stored_basis.decode_row(&row, &mut dec).unwrap();
                         let dst = ((s * c.n_kv_heads + h) * c.n_ctx + pos0 + t) * d;
-                        let folds = self.v2 && v2_folds_scale(codec, d);
                         for i in 0..d {
                             out[dst + i] = if folds { dec[i] } else { twin::round_bf16(dec[i]) };
                         }
@@ -2111,7 +2120,7 @@ fn v2_operand_rounding_stays_within_its_budget() {
             let cpu = CpuBackend::with_kv(format);
             let g = KvGeometry { n_layers: 1, n_kv_heads: c.n_kv_heads, d_head: d, d_head_v: d, max_pos: c.n_ctx, n_seqs: c.n_seqs };
             let mut cache = cpu.new_kv_cache(g).unwrap();
-            let mut ops_ref = V2Operands::new(c, format, true);
+            let mut ops_ref = V2Operands::new(c, format, AttnKernel::V2);
             let (kv_w, width, scale) = (c.n_kv_heads * d, c.n_heads * d, 1.0 / (d as f32).sqrt());
             let mut pos0 = 0;
             for &n_tokens in &c.passes {

@@ -1639,7 +1639,7 @@ pub enum AttnKernel {
     /// `attn_wgmma_*` (kernels/attention_sm90a.cu, sm_90a only): FlashAttention-3's
     /// design, wgmma for QKᵀ (Q and K from swizzled shared memory) and PV (P from
     /// registers), K/V stages filled by TMA from a producer warp, two consumer
-    /// warpgroups; v2's numerics. A bf16 cache at d_head 64 or 128 only
+    /// warpgroups; v2's numerics. A cache of [`ATTN_V3_KV`] at d_head 64 or 128 only
     /// ([`AttnKernel::covers`]); [`attention`] sends v2's calls there when it does
     /// at the head sizes of [`ATTN_V3_DEFAULT_HEAD_DIMS`].
     V3,
@@ -1655,7 +1655,7 @@ impl AttnKernel {
     }
     /// Whether kernel v3 runs this case: the sm_90a module is loaded (a compute
     /// capability 9.0 device, nvcc present at build time), a cache of one of
-    /// [`ATTN_V3_KV`] (bf16, fp8, int8), d_head 64 or 128.
+    /// [`ATTN_V3_KV`] (bf16, fp8, int8, k8v4), d_head 64 or 128.
     pub fn covers(dev: &CudaDevice, kv: &str, d_head: usize) -> bool {
         ATTN_V3_KV.contains(&kv) && ATTN_V3_HEAD_DIMS.contains(&d_head) && dev.has_function(&attn_v3_name(d_head, kv, "f32"))
     }
@@ -1687,8 +1687,8 @@ impl AttnKernel {
                  consumer warpgroups, S = Q·Kᵀ with Q and K from 128-byte-swizzled shared memory, P from \
                  registers for P·V, 128-key K/V stages filled by TMA from a producer warp through mbarriers, \
                  a persistent grid of one block per SM walking the query tiles longest first); v2's numerics \
-                 (q and P rounded to bf16, f32 scores, softmax and accumulation); a bf16 cache, or fp8 / int8 \
-                 rows brought raw by TMA and decoded by the producer warpgroup into the same bf16 stages \
+                 (q and P rounded to bf16, f32 scores, softmax and accumulation); a bf16 cache, or fp8 / int8 / \
+                 k8v4 rows brought raw by TMA and decoded by the producer warpgroup into the same bf16 stages \
                  (src/kv's decode, code * scale, rounded to bf16; rotated K: q rotated (f32) before its \
                  rounding; rotated V: the output rotated back (f32)); d_head 64/128"
             }
@@ -1751,10 +1751,17 @@ pub const ATTN_V3_DEFAULT_KV: &[&str] = &["bf16", "fp8", "int8"];
 
 /// Head sizes of kernel v3 (`attn_wgmma_d<D>_<kv>_<out>`).
 const ATTN_V3_HEAD_DIMS: [usize; 2] = [64, 128];
-/// Caches kernel v3 reads: bf16 (TMA into the swizzled stages) and the formats of one
-/// byte per element and one f32 scale per row, K and V alike (decoded by its producer
-/// warpgroup).
-pub const ATTN_V3_KV: &[&str] = &["bf16", "fp8", "int8"];
+/// Caches kernel v3 reads: bf16 (TMA into the swizzled stages) and, decoded by its
+/// producer warpgroup, the formats whose K rows are one byte per element and one f32
+/// scale per row: fp8, int8 (V alike) and k8v4 (V int4 in groups of 32).
+pub const ATTN_V3_KV: &[&str] = &["bf16", "fp8", "int8", "k8v4"];
+/// Whether kernel v3 folds the row scale of a coded cache's K rows (one-byte codes) into
+/// S's columns as kernel v2 does, its K tile holding the exact code values
+/// (kernels/attention_sm90a.cu `FOLD_K`), rather than rounding code * scale to bf16.
+/// Off: measured on the H200 (attn7, 2026-12-02 07:31 UTC, same call, ctx 4096,
+/// TFLOP/s folded / not): fp8 d 128 310.3, 313.7 / 314.1, 316.0; d 64 245.8, 247.5 /
+/// 259.2, 259.4 (docs/performance.md, "Issue 11/12: the K fold and k8v4 on v3 (attn7)").
+pub const ATTN_V3_FOLDS_K: bool = false;
 /// Queries per block and keys per K/V stage of kernel v3 (BM, BN in kernels/attention_sm90a.cu).
 const ATTN_V3_BM: usize = 128;
 const ATTN_V3_BN: usize = 128;
@@ -1771,11 +1778,12 @@ fn attn_v3_name(d_head: usize, kv: &str, out: &str) -> String {
 
 /// Dynamic shared memory of kernel v3: 1 KiB alignment slack, Q (BM x d_head bf16),
 /// the stages of K and of V (BN x d_head bf16 each), 4 mbarriers per stage; a coded
-/// cache (`raw_row_bytes` = the stored row's bytes, K's and V's alike) adds two raw
-/// stages of BN stored rows for K and one for V and four mbarriers.
-fn attn_v3_smem_bytes(d_head: usize, raw_row_bytes: Option<usize>) -> usize {
+/// cache (`raw_row_bytes` = the stored rows' bytes, K's and V's) adds two raw stages
+/// of BN stored K rows and one of V rows, four mbarriers, and K's column factors (one
+/// f32 per key) for each bf16 K stage.
+fn attn_v3_smem_bytes(d_head: usize, raw_row_bytes: Option<(usize, usize)>) -> usize {
     let st = attn_v3_stages(d_head);
-    let raw = raw_row_bytes.map_or(0, |rb| 3 * ATTN_V3_BN * rb + 4 * 8);
+    let raw = raw_row_bytes.map_or(0, |(kb, vb)| ATTN_V3_BN * (2 * kb + vb) + 4 * 8 + st * ATTN_V3_BN * 4);
     1024 + ATTN_V3_BM * d_head * 2 + 2 * st * ATTN_V3_BN * d_head * 2 + 4 * st * 8 + raw
 }
 
@@ -1811,20 +1819,8 @@ unsafe impl cudarc::driver::DeviceRepr for AttnWgmmaArgs {}
 #[derive(Clone, Copy)]
 struct AttnWgmmaCodedArgs {
     a: AttnWgmmaArgs,
-    /// Bit 0: K rows Hadamard-rotated; bit 1: V rows; bits 8..15: the producer
-    /// variant ([`set_attn_v3_producer_variant`], 0 outside benches/attention.rs).
+    /// Bit 0: K rows Hadamard-rotated; bit 1: V rows.
     rot: i32,
-}
-
-/// Kernel v3's producer variant for a coded cache (kernels/attention_sm90a.cu, `PV_*`):
-/// a measuring knob for benches/attention.rs only (bits 1 and 2 compute something
-/// else than the format's definition); every other caller leaves it 0.
-static ATTN_V3_PRODUCER_VARIANT: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
-
-/// Sets [`ATTN_V3_PRODUCER_VARIANT`] for the calls that follow (benches/attention.rs).
-#[doc(hidden)]
-pub fn set_attn_v3_producer_variant(variant: u8) {
-    ATTN_V3_PRODUCER_VARIANT.store(variant as i32, std::sync::atomic::Ordering::Relaxed);
 }
 const _: () = assert!(size_of::<AttnWgmmaCodedArgs>() == 512);
 // SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
@@ -2121,13 +2117,13 @@ fn attention_launch<O: OutElem>(
     Ok(())
 }
 
-/// Kernel v3 (`attn_wgmma_d<D>_<kv>_<out>`, kv = bf16, fp8, int8) for a call `attention_launch` checked
+/// Kernel v3 (`attn_wgmma_d<D>_<kv>_<out>`, kv = bf16, fp8, int8, k8v4) for a call `attention_launch` checked
 /// (shapes, GQA, positions, q and out lengths).
 fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef, shape: KvShape, out: DevViewMut<O>, p: &AttnParams) -> Result<()> {
     let d = shape.d_head;
     ensure!(
         ATTN_V3_KV.contains(&cache.kv),
-        "attention kernel v3 reads a bf16, fp8 or int8 cache ({ATTN_V3_KV:?}); a {} cache runs kernel v2",
+        "attention kernel v3 reads a bf16, fp8, int8 or k8v4 cache ({ATTN_V3_KV:?}); a {} cache runs kernel v2",
         cache.kv
     );
     ensure!(ATTN_V3_HEAD_DIMS.contains(&d), "attention kernel v3: d_head {d} has no kernel (built: {ATTN_V3_HEAD_DIMS:?}); it runs kernel v2");
@@ -2139,17 +2135,19 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
     );
     ensure!(q.ptr() % 16 == 0 && p.q_stride % 4 == 0, "attention v3: q must be 16-byte aligned with a stride that is a multiple of 4");
     ensure!(out.ptr() % 8 == 0 && p.out_stride % 2 == 0, "attention v3: out must be 8-byte aligned with an even stride");
-    // A coded cache: K and V rows of the same length, d_head codes and an f32 scale.
-    let row_bytes = (d + 4).div_ceil(16) * 16;
+    // A coded cache: K rows of d_head one-byte codes and an f32 scale; V rows the same,
+    // or (k8v4) d_head / 2 bytes of nibbles and d_head / 32 f32 group scales.
+    let k_row_bytes = (d + 4).div_ceil(16) * 16;
+    let v_row_bytes = if cache.kv == "k8v4" { (d / 2 + 4 * (d / 32)).div_ceil(16) * 16 } else { k_row_bytes };
     ensure!(
-        !coded || (cache.k_row_bytes == row_bytes && cache.v_row_bytes == row_bytes),
-        "attention kernel v3: {} rows of ({}, {}) bytes, expected {row_bytes} (d_head one-byte codes and an f32 scale)",
+        !coded || (cache.k_row_bytes == k_row_bytes && cache.v_row_bytes == v_row_bytes),
+        "attention kernel v3: {} rows of ({}, {}) bytes, expected ({k_row_bytes}, {v_row_bytes})",
         cache.kv,
         cache.k_row_bytes,
         cache.v_row_bytes
     );
     let f = func(dev, &name)?;
-    let smem = attn_v3_smem_bytes(d, coded.then_some(row_bytes));
+    let smem = attn_v3_smem_bytes(d, coded.then_some((k_row_bytes, v_row_bytes)));
     ensure!(
         smem <= dev.info().max_smem_per_block_bytes as usize,
         "attention: {name} needs {smem} bytes of shared memory, the device allows {}",
@@ -2159,7 +2157,7 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
         .map_err(|e| anyhow!("{name}: raising dynamic shared memory to {smem} bytes: {e}"))?;
     let kv_len = p.pos0 + p.n_tokens;
     let n_slabs = p.n_seqs * shape.n_kv_heads;
-    let map = |ptr| {
+    let map = |ptr, row_bytes| {
         if coded {
             tensor_map_kv_coded(ptr, row_bytes, kv_len, shape.n_ctx, n_slabs)
         } else {
@@ -2167,8 +2165,8 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
         }
     };
     let args = AttnWgmmaArgs {
-        k: map(cache.k)?,
-        v: map(cache.v)?,
+        k: map(cache.k, k_row_bytes)?,
+        v: map(cache.v, v_row_bytes)?,
         q: q.ptr(),
         out: out.ptr(),
         q_stride: p.q_stride as i64,
@@ -2187,8 +2185,7 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
     let n_items = p.n_tokens.div_ceil(ATTN_V3_BM) * p.n_heads * p.n_seqs;
     ensure!(n_items <= i32::MAX as usize, "attention: {n_items} work items exceed kernel v3's 32-bit item index");
     let grid = (n_items.min(dev.info().n_sms.max(1) as usize) as u32, 1, 1);
-    let variant = ATTN_V3_PRODUCER_VARIANT.load(std::sync::atomic::Ordering::Relaxed);
-    let coded_args = AttnWgmmaCodedArgs { a: args, rot: cache.rot | (variant << 8) };
+    let coded_args = AttnWgmmaCodedArgs { a: args, rot: cache.rot };
     let mut b = dev.stream().launch_builder(f);
     if coded {
         b.arg(&coded_args);
