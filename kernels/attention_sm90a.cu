@@ -20,9 +20,10 @@
 // in f32 (row max over the quad, exp2 by ex2.approx, l sums the unrounded f32
 // probabilities); P rounded to bf16 for P·V; O in f32; output O / l. Only the
 // order of f32 sums differs from v2: inside the MMAs, and each thread's share
-// of a row sum l, added in 4 partial sums. A coded cache: K's row scale folded
-// into S's column as v2 folds it (below); V decoded and rounded to bf16 (v2 folds
-// fp8 / int8 V's scale into P's column instead: there v3's V operand differs).
+// of a row sum l, added in 4 partial sums. A coded cache: K and V decoded (code
+// value * row scale in f32) and rounded to bf16, the rounding a bf16 cache gets
+// (v2 folds fp8 / int8 scales into S's and P's columns instead: there v3's operands
+// differ); K's fold is built behind FOLD_K, off (below).
 //
 // Algorithm: a work item is BM = 128 queries of one head of one window; it
 // walks the key tiles of BN = 128 keys that any of its queries can see. The
@@ -86,7 +87,9 @@
 // made visible to wgmma's async proxy) and arrive on full_k (count 128); after a
 // named barrier among the 128 (the raw stage read) thread 0 fetches tile g + 2's K
 // rows into it; the same for V (tile g + 1).
-// K (one-byte codes) is folded as kernel v2 folds it (attention.cu DecByte): the
+// With FOLD_K (off: attn7 measured it no faster, 310-314 against 314-316 TFLOP/s
+// for fp8 at d 128, docs/performance.md), K (one-byte codes) is folded as kernel
+// v2 folds it (attention.cu DecByte): the
 // bf16 K tile holds the exact code values (every E4M3 value and every int8 is a
 // bf16), and beside it the producer stores the tile's 128 column factors kfac =
 // row scale * (scale * log2 e) (the row scale alone under a soft-cap), in the order
@@ -96,8 +99,9 @@
 // K stage is released), q·(c s) = (q·c) s. This drops the decode's
 // multiply and scale load for K (attn6 measured the multiply of K and V together at
 // 13 % of the fp8 kernel's time: no multiply at all ran at 361 against 323.5
-// TFLOP/s). V is decoded to code value * scale in f32 (__fmul_rn), rounded to bf16
-// nearest even: src/kv's decode, then the rounding a bf16 cache gets. Folding V too
+// TFLOP/s). Without it (the build), K is decoded as V is: code value * scale in
+// f32 (__fmul_rn), rounded to bf16 nearest even: src/kv's decode, then the rounding
+// a bf16 cache gets. Folding V too
 // would move 64 multiplies per tile onto each consumer thread (P's columns, before
 // P's rounding): per SM sub-partition two consumer warps would pay for what one
 // producer warp saves, so it is not done. No dequantized copy of the cache exists; a
