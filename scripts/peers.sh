@@ -583,7 +583,11 @@ load_s = float(m.group(1)) / 1e3 if m else None
 _, m = find(r"tokenization took ([0-9.]+) ms", required=False)
 tokenize_s = float(m.group(1)) / 1e3 if m else None
 _, m = find(r"Device \d+: (.+?), compute capability ([0-9.]+)", required=False)
-device = f"{m.group(1)} (compute capability {m.group(2)})" if m else "cpu"
+device = f"{m.group(1)} (compute capability {m.group(2)})" if m else None
+if device is None:
+    # b11434 logs the device only as llama_prepare_model_devices' "using device CUDA0 (NAME) ...".
+    _, m = find(r"using device (\w+) \((.+?)\)", required=False)
+    device = f"{m.group(2)} ({m.group(1)})" if m else "cpu"
 _, m = find(r"system_info: (.+)$", required=False)
 system_info = m.group(1).strip() if m else None
 
