@@ -112,6 +112,12 @@ pub struct Args {
     /// (Parsed by config, so a bad name is a one-line error.)
     #[arg(long, value_name = "FORMAT")]
     pub kv_dtype: Option<String>,
+    /// Hadamard rotation of the K and V rows of a quantized --kv-dtype: auto
+    /// (the format table's per-format choice, docs/kv-formats.md), on or off
+    /// (forced for K and V). bf16 and f32 rows are never rotated: on/off with
+    /// them is an error. (Parsed by config.)
+    #[arg(long, value_name = "auto|on|off")]
+    pub kv_rotation: Option<String>,
     /// The lossless route with the --kv-dtype codec applied exactly as the CPU
     /// reference defines it (under bf16, V stored as fp16). Implies --lossless.
     #[arg(long)]

@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 
 use crate::backend::{effective_prefill_chunk, ExecutionSpec, Precision, PrefillChunk, FAST_PATHS};
 use crate::cli::{Args, BackendArg, MethodArg};
-use crate::kv::KvFormat;
+use crate::kv::{KvFormat, KvRotation};
 use crate::plan::{validate_prefill_chunk, Method, Shard};
 
 /// Where the streams come from.
@@ -272,6 +272,16 @@ fn execution_spec(args: &Args) -> Result<ExecutionSpec> {
         ),
         (Some(f), false) => f,
     };
+    let kv_rotation = match &args.kv_rotation {
+        Some(name) => name.parse::<KvRotation>().with_context(|| format!("--kv-rotation {name}"))?,
+        None => KvRotation::Auto,
+    };
+    if kv_rotation != KvRotation::Auto && !kv_format.is_quantized() {
+        bail!(
+            "--kv-rotation {kv_rotation} with --kv-dtype {kv_format}: {kv_format} rows are never rotated \
+             (the flag applies to the quantized formats; drop it or use auto)"
+        );
+    }
     for name in &args.fast_paths {
         if !FAST_PATHS.contains(&name.as_str()) {
             let valid = if FAST_PATHS.is_empty() { "none exist yet".to_string() } else { format!("valid: {}", FAST_PATHS.join(", ")) };
@@ -305,6 +315,7 @@ fn execution_spec(args: &Args) -> Result<ExecutionSpec> {
         matmul_inputs: if args.emulate_bf16_tc { Precision::Bf16 } else { Precision::F32 },
         lm_head_inputs: if args.emulate_bf16_tc { Precision::Bf16 } else { Precision::F32 },
         kv_format,
+        kv_rotation,
         fast_paths: args.fast_paths.clone(),
         original_int8_prefill_kernel: args.use_original_int8_prefill_kernel,
         original_nvfp4_prefill_kernel: args.use_original_nvfp4_prefill_kernel,

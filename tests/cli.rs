@@ -126,7 +126,7 @@ fn bad_input_is_one_line_exit_2_and_no_report() {
     assert_rejected(&with(&["--emulate-bf16-tc"]), &fresh("i"), &["--emulate-bf16-tc", "--backend cpu"]);
     assert_rejected(&with(&["--backend", "cpu", "--emulate-bf16-tc", "--lossless"]), &fresh("j"), &["--emulate-bf16-tc", "--lossless"]);
     // The numeric-route flags (issue 11).
-    let route_cases: [(&str, &[&str], &[&str]); 9] = [
+    let route_cases: [(&str, &[&str], &[&str]); 13] = [
         ("k1", &["--kv-dtype", "fp4"], &["--kv-dtype fp4", "unknown KV format", "nvfp4"]),
         ("k2", &["--lossless", "--kv-dtype", "int8"], &["--kv-dtype int8 with --lossless", "--reference"]),
         ("k3", &["--fast-path", "int8-attn"], &["--fast-path int8-attn", "no such fast path (valid: delta-chunk-tf32, delta-chunk-3xtf32)"]),
@@ -136,6 +136,11 @@ fn bad_input_is_one_line_exit_2_and_no_report() {
         ("k7", &["--rope-yarn-factor", "NaN"], &["--rope-yarn-factor NaN"]),
         ("k8", &["--backend", "cpu", "--reference", "--emulate-bf16-tc"], &["--emulate-bf16-tc with --reference"]),
         ("k9", &["--rope-yarn-factor", "0.9"], &["--rope-yarn-factor 0.9"]),
+        // --kv-rotation forces the rotation of quantized rows only.
+        ("r1", &["--kv-dtype", "bf16", "--kv-rotation", "on"], &["--kv-rotation on with --kv-dtype bf16", "never rotated"]),
+        ("r2", &["--lossless", "--kv-rotation", "off"], &["--kv-rotation off with --kv-dtype f32", "never rotated"]),
+        ("r3", &["--kv-rotation", "yes"], &["--kv-rotation yes", "unknown KV rotation", "auto, on, off"]),
+        ("r4", &["--reference", "--kv-dtype", "bf16", "--kv-rotation", "on"], &["--kv-rotation on with --kv-dtype bf16"]),
     ];
     // The trained context (SmolLM2: 8192), raised only by --rope-yarn-factor.
     assert_rejected(&with(&["--context", "9000", "--stride", "1000"]), &fresh("t1"), &["--context 9000", "8192", "--rope-yarn-factor"]);
@@ -246,6 +251,49 @@ fn two_identical_cpu_runs_give_bit_identical_results() {
     let ppl_fp8 = results[3]["overall"]["perplexity"].as_f64().unwrap();
     assert!((ppl_fp8 / ppl - 1.0).abs() < 0.05, "ppl {ppl} fp8 KV {ppl_fp8}");
     assert!(ppl.is_finite() && ppl > 1.0 && ppl < 1000.0, "ppl {ppl}");
+}
+
+/// Issue 11: `--kv-rotation auto|on|off` reaches the codec and the scores, and
+/// report.json records it (`execution.kv_rotation`, the codec names in
+/// `details`); `auto` is the format table's choice.
+#[test]
+fn kv_rotation_changes_the_codec_and_the_scores() {
+    use infernix_perplexity::kv::KvFormat;
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model(SMOLLM2);
+    let text = data_root().join("wikitext-2-raw/wiki.test.raw");
+    for (format, f) in [("int8", KvFormat::Int8), ("fp8", KvFormat::Fp8)] {
+        let mut results = std::collections::BTreeMap::new();
+        for rotation in ["auto", "on", "off"] {
+            let dir = tmp.path().join(format!("{format}-{rotation}"));
+            let o = run(&[
+                os(&model), os("--text"), os(&text), os("--method"), os("chunks"), os("--context"), os("128"),
+                os("--chunks"), os("2"), os("--backend"), os("cpu"), os("--kv-dtype"), os(format),
+                os("--kv-rotation"), os(rotation), os("--output"), os(&dir),
+            ]);
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+            let mut r = read_report(&dir);
+            let e = &r["execution"];
+            assert_eq!(e["kv_format"], format);
+            assert_eq!(e["kv_rotation"], rotation);
+            let rotated = match rotation {
+                "on" => (true, true),
+                "off" => (false, false),
+                _ => (f.k().rotate, f.v().rotate),
+            };
+            let name = |rot: bool, elem: &str| if rot { format!("{elem}+hadamard") } else { elem.to_string() };
+            let elem = if format == "fp8" { "fp8-e4m3" } else { "int8" };
+            assert_eq!(e["details"]["kv_k_codec"], name(rotated.0, elem), "{format} {rotation}");
+            assert_eq!(e["details"]["kv_v_codec"], name(rotated.1, elem), "{format} {rotation}");
+            for w in r["results"]["streams"][0]["windows"].as_array_mut().unwrap() {
+                w.as_object_mut().unwrap().remove("seconds");
+            }
+            results.insert(rotation, r["results"].clone());
+        }
+        assert_ne!(results["on"], results["off"], "{format}: the rotation changes the scores");
+        let table = if f.k().rotate { "on" } else { "off" };
+        assert_eq!(results["auto"], results[table], "{format}: auto is the table's rotation ({table})");
+    }
 }
 
 /// Issue 17: with no input flag the corpus compiled into the binary is scored,

@@ -707,7 +707,7 @@ fn reproducible_scores_do_not_depend_on_batching_or_prefill_chunk() {
         let first = 1;
         let inputs: Vec<WindowInput> = tokens.iter().map(|tk| WindowInput { tokens: tk, first_target: first, extra_ids: &[] }).collect();
         for pinned in [true, false] {
-            let opts = cuda::RouteOptions { reference: false, reproducible: pinned };
+            let opts = cuda::RouteOptions { reference: false, reproducible: pinned, ..Default::default() };
             let backend = CudaBackend::open_with(device_index(), route, kv, opts).expect("open GPU");
             if pinned {
                 let exec = backend.execution();

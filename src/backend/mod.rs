@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::artifact::meta::{Activation, RopeStyle};
 use crate::artifact::TensorView;
-use crate::kv::{ElemCodec, KvFormat, RowCodec};
+use crate::kv::{ElemCodec, KvCodecs, KvFormat, KvRotation, RowCodec};
 
 /// Rotary embedding of one layer.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -672,6 +672,12 @@ pub struct ExecutionSpec {
     /// `--kv-dtype` (resolved: fp8 by default, f32 under `--lossless`).
     #[serde(serialize_with = "serialize_name", deserialize_with = "deserialize_name")]
     pub kv_format: KvFormat,
+    /// `--kv-rotation` as asked (`auto`: the format table's choice); the
+    /// effective rotation of K and V is in [`ExecutionSpec::kv_k`] /
+    /// [`ExecutionSpec::kv_v`] (the report's codec names end in `+hadamard`).
+    /// Absent in reports written before it existed: `auto`.
+    #[serde(default, serialize_with = "serialize_rotation", deserialize_with = "deserialize_rotation")]
+    pub kv_rotation: KvRotation,
     /// Forced fast paths (`--fast-path`), by name.
     pub fast_paths: Vec<String>,
     pub original_int8_prefill_kernel: bool,
@@ -703,6 +709,15 @@ fn deserialize_name<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Resu
     name.parse().map_err(serde::de::Error::custom)
 }
 
+fn serialize_rotation<S: serde::Serializer>(r: &KvRotation, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_str(r.name())
+}
+
+fn deserialize_rotation<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<KvRotation, D::Error> {
+    let name = <String as serde::Deserialize>::deserialize(d)?;
+    name.parse().map_err(serde::de::Error::custom)
+}
+
 impl ExecutionSpec {
     /// The exact reference: f32 everywhere, f32 KV, one chunk size as given.
     pub fn lossless(prefill_chunk: usize) -> Self {
@@ -710,6 +725,7 @@ impl ExecutionSpec {
             matmul_inputs: Precision::F32,
             lm_head_inputs: Precision::F32,
             kv_format: KvFormat::F32,
+            kv_rotation: KvRotation::Auto,
             fast_paths: Vec::new(),
             original_int8_prefill_kernel: false,
             original_nvfp4_prefill_kernel: false,
@@ -721,9 +737,9 @@ impl ExecutionSpec {
         }
     }
 
-    /// The codec of stored K rows.
+    /// The codec of stored K rows (the format's under `--kv-rotation`).
     pub fn kv_k(&self) -> RowCodec {
-        self.kv_format.k()
+        self.kv_format.k_with(self.kv_rotation)
     }
 
     /// The codec of stored V rows: the format's, but fp16 under `--reference --kv-dtype bf16`.
@@ -731,8 +747,14 @@ impl ExecutionSpec {
         if self.reference && self.kv_format == KvFormat::Bf16 {
             RowCodec::new(ElemCodec::Fp16, false)
         } else {
-            self.kv_format.v()
+            self.kv_format.v_with(self.kv_rotation)
         }
+    }
+
+    /// The stored codecs of the default route's quantized cache: the format
+    /// under `--kv-rotation` (what the CUDA encoders and attention are given).
+    pub fn kv_codecs(&self) -> KvCodecs {
+        self.kv_format.codecs(self.kv_rotation)
     }
 
     /// The route's name: `fp32` (f32 matmul inputs) or `bf16-tc`.

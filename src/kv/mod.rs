@@ -9,7 +9,13 @@
 //!   `FromStr` (the `--kv-dtype` names), [`KvFormat::name`],
 //!   [`KvFormat::ALL`], [`KvFormat::k`] / [`KvFormat::v`] (the row codec of
 //!   K and of V), [`KvFormat::is_quantized`],
-//!   [`KvFormat::bytes_per_position_per_layer`].
+//!   [`KvFormat::bytes_per_position_per_layer`], [`KvFormat::k_with`] /
+//!   [`KvFormat::v_with`] (the codecs under a [`KvRotation`]).
+//! - [`KvCodecs`] `{ format, k, v }`: [`KvFormat::codecs`]`(rotation)`;
+//!   `From<KvFormat>` (the table's rotation).
+//! - [`KvRotation`]: `auto | on | off` (`--kv-rotation`): the table's
+//!   per-format rotation, or rotation forced on or off for K and V of a
+//!   quantized format; [`KvRotation::apply`].
 //! - [`RowCodec`] `{ elem: ElemCodec, rotate: bool }`: [`RowCodec::row_bytes`]`(d)`,
 //!   [`RowCodec::check_len`]`(d)`, [`RowCodec::encode_row`]`(&[f32], &mut [u8]) ->
 //!   Result<usize>` (the count of non-finite elements),
@@ -109,6 +115,60 @@ use anyhow::Result;
 
 pub use codec::{ElemCodec, RowCodec, ScaleType};
 
+/// `--kv-rotation`: whether the rows of a quantized format are Hadamard-rotated
+/// before they are coded. `Auto` is the table's per-format choice
+/// ([`KvFormat::k`], [`KvFormat::v`]); `On` / `Off` force it for K and V
+/// alike. Unscaled rows (f32, bf16, fp16) are never rotated: config refuses
+/// `on` / `off` with them, and [`KvRotation::apply`] leaves them alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum KvRotation {
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl KvRotation {
+    pub const ALL: [KvRotation; 3] = [Self::Auto, Self::On, Self::Off];
+
+    /// The `--kv-rotation` name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::On => "on",
+            Self::Off => "off",
+        }
+    }
+
+    /// `c` under this setting: a scaled codec rotated as forced (`On`, `Off`)
+    /// or as the table says (`Auto`); an unscaled codec unchanged.
+    pub fn apply(self, c: RowCodec) -> RowCodec {
+        match self {
+            _ if !c.elem.is_scaled() => c,
+            Self::Auto => c,
+            Self::On => RowCodec { rotate: true, ..c },
+            Self::Off => RowCodec { rotate: false, ..c },
+        }
+    }
+}
+
+impl fmt::Display for KvRotation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for KvRotation {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|r| r.name() == s)
+            .ok_or_else(|| anyhow::anyhow!("unknown KV rotation '{s}' (valid: auto, on, off)"))
+    }
+}
+
 /// A KV-cache format: the codec of K rows and of V rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KvFormat {
@@ -171,6 +231,21 @@ impl KvFormat {
         }
     }
 
+    /// [`KvFormat::k`] under `--kv-rotation r`.
+    pub fn k_with(self, r: KvRotation) -> RowCodec {
+        r.apply(self.k())
+    }
+
+    /// [`KvFormat::v`] under `--kv-rotation r`.
+    pub fn v_with(self, r: KvRotation) -> RowCodec {
+        r.apply(self.v())
+    }
+
+    /// Both codecs under `--kv-rotation r`, with the format.
+    pub fn codecs(self, r: KvRotation) -> KvCodecs {
+        KvCodecs { format: self, k: self.k_with(r), v: self.v_with(r) }
+    }
+
     /// Whether the format loses more than bf16 rounding (scaled codes).
     pub fn is_quantized(self) -> bool {
         self.k().elem.is_scaled() || self.v().elem.is_scaled()
@@ -190,6 +265,22 @@ impl KvFormat {
     /// The valid names, for error messages.
     pub fn names() -> String {
         Self::ALL.iter().map(|f| f.name()).collect::<Vec<_>>().join(", ")
+    }
+}
+
+/// A format's K and V row codecs as a run stores them ([`KvFormat::codecs`]):
+/// what the encoders and the attention tile loaders are given. A bare
+/// [`KvFormat`] converts with the table's rotation (`--kv-rotation auto`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvCodecs {
+    pub format: KvFormat,
+    pub k: RowCodec,
+    pub v: RowCodec,
+}
+
+impl From<KvFormat> for KvCodecs {
+    fn from(f: KvFormat) -> Self {
+        f.codecs(KvRotation::Auto)
     }
 }
 

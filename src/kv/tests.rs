@@ -379,3 +379,52 @@ fn sum_sq_lanes_is_the_warp_order() {
     }
     assert_eq!(sum_sq_lanes(&v).to_bits(), p[0].to_bits());
 }
+
+#[test]
+fn kv_rotation_forces_scaled_codecs_only() {
+    for r in KvRotation::ALL {
+        assert_eq!(r.name().parse::<KvRotation>().unwrap(), r);
+    }
+    assert_eq!(KvRotation::default(), KvRotation::Auto);
+    let err = "yes".parse::<KvRotation>().unwrap_err().to_string();
+    assert!(err.contains("'yes'") && err.contains("auto, on, off"), "{err}");
+    for f in KvFormat::ALL {
+        // auto is the table.
+        assert_eq!((f.k_with(KvRotation::Auto), f.v_with(KvRotation::Auto)), (f.k(), f.v()), "{f}");
+        assert_eq!(KvCodecs::from(f), f.codecs(KvRotation::Auto));
+        for (r, want) in [(KvRotation::On, true), (KvRotation::Off, false)] {
+            let c = f.codecs(r);
+            assert_eq!(c.format, f);
+            for (got, table) in [(c.k, f.k()), (c.v, f.v())] {
+                // The element code and so the row layout never change; only scaled codes rotate.
+                assert_eq!(got.elem, table.elem, "{f} {r}");
+                assert_eq!(got.row_bytes(256), table.row_bytes(256), "{f} {r}");
+                assert_eq!(got.rotate, want && table.elem.is_scaled(), "{f} {r}: {}", got.name());
+            }
+        }
+    }
+    // The names the report records say which rows are rotated.
+    assert_eq!(KvFormat::Fp8.k_with(KvRotation::On).name(), "fp8-e4m3+hadamard");
+    assert_eq!(KvFormat::Fp8.k_with(KvRotation::Off).name(), "fp8-e4m3");
+    assert_eq!(KvFormat::K8v4.v_with(KvRotation::Off).name(), "int4-g32");
+}
+
+#[test]
+fn every_quantized_format_round_trips_unrotated_and_rotated() {
+    // The CPU path of every format under --kv-rotation on and off: rows within the
+    // codec's bound, and the two rotations really code differently.
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    for f in KvFormat::ALL.into_iter().filter(|f| f.is_quantized()) {
+        for d in [64, 256] {
+            let x = gaussian_row(&mut rng, d, 1.0);
+            for pick in [KvFormat::k_with, KvFormat::v_with] {
+                let (on, off) = (pick(f, KvRotation::On), pick(f, KvRotation::Off));
+                assert_within_bound(&on, &x, 0.16);
+                assert_within_bound(&off, &x, 0.16);
+                let (bytes_on, _, _) = round_trip(&on, &x);
+                let (bytes_off, _, _) = round_trip(&off, &x);
+                assert_ne!(bytes_on, bytes_off, "{f} d {d}: rotation changes the stored row");
+            }
+        }
+    }
+}

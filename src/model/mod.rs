@@ -734,7 +734,7 @@ pub fn cuda_route(spec: &ExecutionSpec) -> Result<(Route, RouteOptions)> {
         "--reference on CUDA: the route has {} matmul inputs; --reference implies --lossless (f32)",
         spec.matmul_inputs.name()
     );
-    Ok((route, RouteOptions { reference: spec.reference, reproducible: spec.reproducible }))
+    Ok((route, RouteOptions { reference: spec.reference, reproducible: spec.reproducible, kv_rotation: spec.kv_rotation }))
 }
 
 /// Loads `artifact` on the chosen backend, with YaRN of `rope_yarn_factor`

@@ -465,6 +465,35 @@ fn quantized_kv_scores_do_not_depend_on_chunking_or_batching() {
 }
 
 #[test]
+fn every_quantized_format_scores_with_kv_rotation_on_and_off() {
+    // --kv-rotation on the CPU backend (the spec's codecs): every format's
+    // unrotated and rotated paths score finitely, the two differ, and `auto`
+    // is whichever of them the format table names.
+    use crate::backend::ExecutionSpec;
+    use crate::kv::{KvFormat, KvRotation};
+    let mut hp = hparams(Architecture::Llama);
+    (hp.d_head, hp.d_head_v, hp.rope_dim, hp.attn_scale) = (64, 64, 64, 1.0 / 8.0);
+    let t = tiny_from(hp, 17);
+    let toks = tokens(21, t.hp.n_vocab);
+    let opts = ScoreOptions { top_k: 3, prefill_chunk: None };
+    for f in KvFormat::ALL.into_iter().filter(|f| f.is_quantized()) {
+        let score = |r: KvRotation| {
+            let spec = ExecutionSpec { kv_format: f, kv_rotation: r, lossless: false, ..ExecutionSpec::lossless(1024) };
+            let b = CpuBackend::from_spec(&spec).unwrap();
+            assert_eq!((b.kv_k, b.kv_v), (f.k_with(r), f.v_with(r)), "{f} {r}");
+            load_on(b, Architecture::Llama, &t).score_window(&toks, 2, &opts, &[]).unwrap()
+        };
+        let (on, off, auto) = (score(KvRotation::On), score(KvRotation::Off), score(KvRotation::Auto));
+        assert!(on.iter().chain(&off).all(|s| s.nll.is_finite()), "{f}: finite scores");
+        assert_ne!(on, off, "{f}: rotation changes the scores");
+        let table = if f.k().rotate || f.v().rotate { &on } else { &off };
+        if f.k().rotate == f.v().rotate {
+            assert_eq!(&auto, table, "{f}: auto is the table's choice");
+        }
+    }
+}
+
+#[test]
 fn cuda_runs_reference_and_reproducible_and_refuses_a_reference_off_the_fp32_route() {
     use crate::backend::cuda::{Route, RouteOptions};
     use clap::Parser;
@@ -473,7 +502,7 @@ fn cuda_runs_reference_and_reproducible_and_refuses_a_reference_off_the_fp32_rou
         argv.extend_from_slice(extra);
         crate::config::RunConfig::from_args(&crate::cli::Args::try_parse_from(argv).unwrap()).unwrap().spec_for_cuda()
     };
-    let both = |reference, reproducible| RouteOptions { reference, reproducible };
+    let both = |reference, reproducible| RouteOptions { reference, reproducible, ..RouteOptions::default() };
     // --reference implies --lossless: the FP32 route, with the codec applied exactly.
     let s = spec(&["--reference", "--kv-dtype", "int8"]);
     assert_eq!(cuda_route(&s).unwrap(), (Route::Fp32, both(true, false)));

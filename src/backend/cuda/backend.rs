@@ -178,7 +178,7 @@ enum KvLayers {
 }
 
 /// The route settings beside [`Route`] and the KV format (`ExecutionSpec`'s
-/// `reference` and `reproducible`).
+/// `reference`, `reproducible` and `kv_rotation`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RouteOptions {
     /// `--reference`: the FP32 route with the KV codec applied exactly (the CPU's
@@ -186,6 +186,9 @@ pub struct RouteOptions {
     pub reference: bool,
     /// `--reproducible`: deterministic kernels, one GEMM kernel for every M.
     pub reproducible: bool,
+    /// `--kv-rotation`: the quantized codecs' rotation (`auto`: the format table's),
+    /// given to the encoders and the attention kernels (their `rotate` / `rot` flags).
+    pub kv_rotation: crate::kv::KvRotation,
 }
 
 /// The KV cache of the windows of one pass on the device.
@@ -397,8 +400,27 @@ impl CudaBackend {
         if !self.opts.reference {
             return None;
         }
-        let spec = crate::backend::ExecutionSpec { kv_format: self.kv_dtype, reference: true, ..crate::backend::ExecutionSpec::lossless(1) };
+        let spec = crate::backend::ExecutionSpec {
+            kv_format: self.kv_dtype,
+            kv_rotation: self.opts.kv_rotation,
+            reference: true,
+            ..crate::backend::ExecutionSpec::lossless(1)
+        };
         Some((spec.kv_k(), spec.kv_v()))
+    }
+
+    /// The K and V codecs of the quantized cache: the format's under `--kv-rotation`.
+    fn kv_codecs(&self) -> crate::kv::KvCodecs {
+        self.kv_dtype.codecs(self.opts.kv_rotation)
+    }
+
+    /// The codecs every stored K and V row went through, for the report (as the CPU
+    /// backend's `kv_k_codec` / `kv_v_codec`): `--reference`'s, else the cache's.
+    fn stored_codecs(&self) -> (crate::kv::RowCodec, crate::kv::RowCodec) {
+        self.reference_codecs().unwrap_or_else(|| {
+            let c = self.kv_codecs();
+            (c.k, c.v)
+        })
     }
 
     pub(super) fn new_act(&self, n_rows: usize, n_cols: usize) -> Result<CudaAct> {
@@ -501,11 +523,11 @@ impl CudaBackend {
         p: &ops::AttnParams,
     ) -> Result<()> {
         let [kc, vc] = kv;
-        let (n_seqs, n, f) = (p.n_seqs, p.n_tokens, self.kv_dtype);
-        ops::kv_encode(&self.dev, f.k(), k.f32("attention")?.view(), n_seqs, n, k.n_cols, kc.view_mut(), shape, p.pos0, n_bad.view_mut(), book)
-            .with_context(|| format!("attention: store K ({f})"))?;
-        ops::kv_encode(&self.dev, f.v(), v.f32("attention")?.view(), n_seqs, n, v.n_cols, vc.view_mut(), shape, p.pos0, n_bad.view_mut(), book)
-            .with_context(|| format!("attention: store V ({f})"))?;
+        let (n_seqs, n, f) = (p.n_seqs, p.n_tokens, self.kv_codecs());
+        ops::kv_encode(&self.dev, f.k, k.f32("attention")?.view(), n_seqs, n, k.n_cols, kc.view_mut(), shape, p.pos0, n_bad.view_mut(), book)
+            .with_context(|| format!("attention: store K ({})", f.format))?;
+        ops::kv_encode(&self.dev, f.v, v.f32("attention")?.view(), n_seqs, n, v.n_cols, vc.view_mut(), shape, p.pos0, n_bad.view_mut(), book)
+            .with_context(|| format!("attention: store V ({})", f.format))?;
         ops::attention_coded::<O>(&self.dev, f, q.f32("attention")?.view(), kc.view(), vc.view(), shape, out.view_mut(), p, book)
     }
 
@@ -619,7 +641,7 @@ impl CudaBackend {
         if !f.is_quantized() {
             return format!("stored by kv_store_{f} (round to nearest even); read by {reader}");
         }
-        let (k, v) = (f.k(), f.v());
+        let crate::kv::KvCodecs { k, v, .. } = self.kv_codecs();
         let enc = |c: crate::kv::RowCodec| ops::kv_encode_kernel(c.elem).unwrap_or("none");
         format!(
             "K ({}) stored by {}, V ({}) stored by {} (kernels/kv_codec.cu: src/kv's rows, bit-identical to the CPU codec); \
@@ -705,12 +727,14 @@ impl Backend for CudaBackend {
             KvFormat::F32 => KvLayers::F32(self.kv_buffers(g.n_layers, shape.len())?),
             f if f.is_quantized() && ops::kv_format_has_kernels(f) => {
                 f.check_dims(g.d_head, g.d_head_v).context("kv cache on CUDA")?;
-                let (nk, nv) = (shape.coded_bytes(f.k()), shape.coded_bytes(f.v()));
+                let c = self.kv_codecs();
+                let (nk, nv) = (shape.coded_bytes(c.k), shape.coded_bytes(c.v));
                 KvLayers::Coded((0..g.n_layers).map(|_| Ok([self.dev.alloc_zeros(nk)?, self.dev.alloc_zeros(nv)?])).collect::<Result<_>>()?)
             }
             other => bail!("kv cache on CUDA: format {other} is not implemented"),
         };
-        let uses_book = [self.kv_dtype.k(), self.kv_dtype.v()].iter().any(|c| c.elem == crate::kv::ElemCodec::Vq2);
+        let c = self.kv_codecs();
+        let uses_book = [c.k, c.v].iter().any(|c| c.elem == crate::kv::ElemCodec::Vq2);
         let book = if uses_book { Some(ops::VqBook::upload(&self.dev)?) } else { None };
         Ok(CudaKvCache { geometry: g, layers, n_bad: self.dev.alloc_zeros(1)?, book })
     }
@@ -1274,6 +1298,8 @@ impl Backend for CudaBackend {
                 "attention_kernel": self.attention_kernel().name(),
                 "attention": self.attention_description(),
                 "kv_cache": self.kv_cache_kernels(),
+                "kv_k_codec": self.stored_codecs().0.name(),
+                "kv_v_codec": self.stored_codecs().1.name(),
                 "lm_head": format!("{} in tiles of {LM_HEAD_TILE_ROWS} rows; max, f64 sum of exp, target, top-k on the GPU", match self.route {
                     Route::Bf16TensorCore => "bf16 rows x head on the tensor cores (f32 accumulation, f32 logits)",
                     Route::Fp32 => "f32 rows x head (FFMA, f32 logits)",

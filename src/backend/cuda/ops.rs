@@ -15,7 +15,7 @@ use half::bf16;
 use super::buffer::{DevView, DevViewMut, DeviceBuffer, Elem, QuantMatrix};
 use super::device::CudaDevice;
 use crate::artifact::format::TensorFormat;
-use crate::kv::{ElemCodec, KvFormat, RowCodec};
+use crate::kv::{ElemCodec, KvCodecs, KvFormat, RowCodec};
 
 /// Element types a kernel can write as its activation output (f32 or bf16).
 pub trait OutElem: Elem {}
@@ -1927,19 +1927,20 @@ pub fn attention_exact<KV: KvElem, O: OutElem>(
 }
 
 /// The same attention over a cache of a quantized format (K rows of
-/// `format.k()`, V rows of `format.v()`, as `kv_encode` writes them), with
+/// `kv.k`, V rows of `kv.v`, as `kv_encode` writes them; a bare `KvFormat`
+/// gives the table's codecs, `KvFormat::codecs` another `--kv-rotation`), with
 /// kernel v2 `attn_flash_d<D>_<format>_<out>`: its K/V tile loads decode each
 /// element as src/kv decodes it and round it to bf16; a rotated K is met by
 /// rotating q in the kernel, a rotated V by rotating the output back. Where
 /// [`AttnKernel::routes_to_v3`] says so (fp8 at d_head 64/128 on sm_90a), kernel
 /// v3 instead (`attn_wgmma_d<D>_<format>_<out>`: its producer warpgroup decodes,
 /// code * scale rounded to bf16; the same rotations).
-/// k_cache, v_cache: `shape.coded_bytes(format.k())` / `(format.v())` bytes;
+/// k_cache, v_cache: `shape.coded_bytes(kv.k)` / `(kv.v)` bytes;
 /// `book`: the codebook, for vq2.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_coded<O: OutElem>(
     dev: &CudaDevice,
-    format: KvFormat,
+    kv: impl Into<KvCodecs>,
     q: DevView<f32>,
     k_cache: DevView<u8>,
     v_cache: DevView<u8>,
@@ -1948,8 +1949,9 @@ pub fn attention_coded<O: OutElem>(
     p: &AttnParams,
     book: Option<&VqBook>,
 ) -> Result<()> {
-    let kernel = if AttnKernel::routes_to_v3(dev, format.name(), shape.d_head) { AttnKernel::V3 } else { AttnKernel::V2 };
-    attention_coded_exact::<O>(dev, kernel, format, q, k_cache, v_cache, shape, out, p, book)
+    let kv = kv.into();
+    let kernel = if AttnKernel::routes_to_v3(dev, kv.format.name(), shape.d_head) { AttnKernel::V3 } else { AttnKernel::V2 };
+    attention_coded_exact::<O>(dev, kernel, kv, q, k_cache, v_cache, shape, out, p, book)
 }
 
 /// [`attention_coded`] on exactly the kernel named: V2, or V3 (fp8 / int8 at d_head
@@ -1958,7 +1960,7 @@ pub fn attention_coded<O: OutElem>(
 pub fn attention_coded_exact<O: OutElem>(
     dev: &CudaDevice,
     kernel: AttnKernel,
-    format: KvFormat,
+    kv: impl Into<KvCodecs>,
     q: DevView<f32>,
     k_cache: DevView<u8>,
     v_cache: DevView<u8>,
@@ -1967,7 +1969,7 @@ pub fn attention_coded_exact<O: OutElem>(
     p: &AttnParams,
     book: Option<&VqBook>,
 ) -> Result<()> {
-    let (kc, vc) = (format.k(), format.v());
+    let KvCodecs { format, k: kc, v: vc } = kv.into();
     ensure!(format.is_quantized(), "attention {format}: not a quantized format (bf16 and f32 caches run ops::attention)");
     let (nk, nv) = (shape.coded_bytes(kc), shape.coded_bytes(vc));
     ensure!(
