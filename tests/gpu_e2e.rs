@@ -322,7 +322,8 @@ fn tiny_models_match_the_cpu_emulation_of_each_route() {
         (Route::Fp32, KvDtype::Bf16, 5e-3, 1e-3, 5e-3),
         (Route::Bf16TensorCore, KvDtype::F32, 0.1, 0.02, 0.1),
         (Route::Bf16TensorCore, KvDtype::Bf16, 0.2, 0.06, 0.2),
-        // fp8 (E4M3 rows, Hadamard-rotated like the formats below; the CPU emulation stores
+        // fp8 (E4M3 rows, unrotated since rot8; rotated from kvm2 to rot8, the figures below;
+        // the CPU emulation stores
         // them through the same codec): v2 also rounds each decoded K/V element and the
         // rotated q to bf16 (not emulated: the CPU keeps q in f32 under a rotated K), and
         // K/V values that differ by the matmul's accumulation order can land on
@@ -330,6 +331,8 @@ fn tiny_models_match_the_cpu_emulation_of_each_route() {
         // 0.274 / mean 0.129 / listed logits 0.446; rotated (kvm2 74dce86) 0.394 / 0.126 /
         // 0.412 (Gemma3 0.042 / 0.011 / 0.046). The bounds, set at twice the unrotated
         // figures, stay: 1.4x the rotated worst NLL, 2x its mean and 2.2x its logits.
+        // rot8 made fp8 unrotated again (the table's default): these bounds are 2x the
+        // unrotated figures measured before kvm2; not yet rerun on the device.
         (Route::Bf16TensorCore, KvDtype::Fp8, 0.55, 0.26, 0.9),
         // The other quantized formats (rows through the same src/kv codecs; v2 keeps rotated K
         // and V in the rotated basis and rotates q and the output, which the CPU emulation

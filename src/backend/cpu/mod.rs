@@ -161,10 +161,11 @@ impl CpuBackend {
 
     /// The queries as attention reads them: rounded to bf16 where the CUDA
     /// default route's tensor-core attention (kernel v2, every cache but f32)
-    /// rounds q itself, that is where K is stored unrotated (bf16). Under a
-    /// Hadamard-rotated K (every quantized format, `KvFormat::k`) v2 rounds
-    /// the rotated `Hq` instead, in the basis the CPU cache does not keep, so
-    /// q stays f32 here (int8, fp8 and the rest alike).
+    /// rounds q itself, that is where K is stored unrotated (bf16, fp8 by the
+    /// table, any format under `--kv-rotation off`). Under a Hadamard-rotated K
+    /// (the other quantized formats, `KvFormat::k`; any under `--kv-rotation on`)
+    /// v2 rounds the rotated `Hq` instead, in the basis the CPU cache does not
+    /// keep, so q stays f32 here.
     fn rounds_attention_query(&self) -> bool {
         self.bf16_matmul_inputs && self.kv_format != KvFormat::F32 && !self.kv_k.rotate
     }
@@ -590,11 +591,15 @@ mod tests {
         for b in [CpuBackend::default(), f32_kv, fp32_route] {
             assert_eq!(&*b.attention_query(&q), &q[..], "{b:?} runs kernel v1 on CUDA: q stays f32");
         }
-        // Every quantized format rotates K: v2 rounds Hq, not q, so q stays f32.
+        // A rotated K (every quantized format's but fp8's, and any under --kv-rotation on):
+        // v2 rounds Hq, not q, so q stays f32; an unrotated K (fp8, --kv-rotation off): v2 rounds q.
         for f in KvFormat::ALL.into_iter().filter(|f| f.is_quantized()) {
-            assert!(f.k().rotate, "{f}");
-            let b = CpuBackend { bf16_matmul_inputs: true, ..CpuBackend::with_kv(f) };
-            assert_eq!(&*b.attention_query(&q), &q[..], "{f}: rotated K, q stays f32");
+            assert_eq!(f.k().rotate, f != KvFormat::Fp8, "{f}: the table's rotation");
+            for r in [crate::kv::KvRotation::On, crate::kv::KvRotation::Off] {
+                let b = CpuBackend { bf16_matmul_inputs: true, kv_k: f.k_with(r), kv_v: f.v_with(r), ..CpuBackend::with_kv(f) };
+                let want = if b.kv_k.rotate { q.clone() } else { round_bf16(&q) };
+                assert_eq!(&*b.attention_query(&q), &want[..], "{f} {r}");
+            }
         }
     }
 
