@@ -290,7 +290,12 @@ struct alignas(128) TmaDesc {
 // correctly rounded add, as add_f32 does), 0 for y = x · Wᵀ. store_tma: 1 for the
 // epilogue through shared memory and y_map (y (M, N) f32, box (32 N, 64 rows),
 // 128-byte swizzle; y 16-byte aligned, ldy % 4 == 0), 0 for stores from registers
-// (y_map unused). Rust twin: ops::GemmParams.
+// (y_map unused). rope_n_rot > 0 (with accumulate 0): RoPE in the epilogue, the
+// rotation rope_tabled_f32 applies afterwards (kernels/rope.cu), on the accumulators:
+// row r at position rope_pos[r % rope_n_per_seq], (cos, sin) from rope_table
+// (n_pos, rope_n_rot/2), heads of rope_d_head (256 % rope_d_head == 0, N a multiple
+// of it), rope_mode 0 (normal) or 2 (neox, rope_n_rot % 16 == 0); 0: no rotation
+// (the other rope_ fields unused). Rust twin: ops::GemmParams.
 struct GemmParams {
     TmaDesc a;
     TmaDesc b;
@@ -299,6 +304,9 @@ struct GemmParams {
     long long ldy;
     int m, n, k, y_pairs;
     int accumulate, store_tma;
+    const float2* rope_table;
+    const int32_t* rope_pos;
+    int rope_n_per_seq, rope_d_head, rope_n_rot, rope_mode;
 };
 static_assert(sizeof(GemmParams) == 512 && alignof(GemmParams) == 128, "GemmParams layout (ops::GemmParams)");
 

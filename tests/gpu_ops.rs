@@ -698,6 +698,79 @@ fn residual_in_the_epilogue_then_bf16_norm_bit_identical() {
     }
 }
 
+/// RoPE in the q/k GEMM's epilogue (issue 12, rope8: `ops::matmul_rope_bf16`, the
+/// default route's `Backend::matmul_rope`) bit for bit against what it replaced,
+/// `matmul` then `rope_tabled`, on both wgmma epilogues (direct and TMA stores): the
+/// 8B q and k shapes (Q4_0, K 4096), d_head 64 / 128 / 256, both pairings, partial
+/// n_rot (neox 32 of 128, normal 48 of 64), linear scaling, YaRN, positions past 0,
+/// two and three windows a pass (positions repeat), M not a tile multiple, Q4_0 /
+/// Q8_0 / BF16 weights. The launcher's fallback (a neox n_rot of 48, d_head 80, M
+/// below the wgmma size) gives the same bits too, and `gemm_rope_fits` says which ran.
+#[test]
+fn rope_in_the_gemm_epilogue_bit_identical() {
+    let Some(dev) = device() else { return };
+    if !dev.has_function(ops::GEMM_WGMMA_KERNEL) {
+        eprintln!("skipped: no {}", ops::GEMM_WGMMA_KERNEL);
+        return;
+    }
+    let mut rng = rng_for("rope_epilogue");
+    let yarn = |f, t, b, r| Some(infernix_perplexity::backend::Yarn::new(f, t, b, r));
+    use RopeMode::{Neox, Normal};
+    use TensorFormat as F;
+    // (format, mode, n_heads, d_head, n_rot, base, scale, yarn, pos0, n_tokens, n_seqs, K, fused)
+    let cases = [
+        (F::Q4_0, Normal, 32, 128, 128, 500_000.0, 1.0, None, 0, 256, 2, 4096, true),
+        (F::Q4_0, Normal, 8, 128, 128, 500_000.0, 1.0, None, 3000, 150, 2, 4096, true),
+        (F::Bf16, Neox, 4, 256, 256, 1_000_000.0, 0.125, None, 17, 129, 1, 512, true),
+        (F::Q8_0, Neox, 6, 64, 64, 10_000.0, 1.0, yarn(2.0, 4096, 10_000.0, 64), 5000, 100, 3, 576, true),
+        (F::Q4_0, Neox, 8, 128, 32, 10_000.0, 1.0, None, 100, 200, 2, 1024, true),
+        (F::Q4_0, Normal, 4, 64, 48, 500_000.0, 0.5, None, 4000, 97, 2, 512, true),
+        (F::Q4_0, Normal, 16, 128, 128, 1_000_000.0, 1.0, yarn(4.0, 32768, 1_000_000.0, 128), 60_000, 260, 1, 512, true),
+        (F::Q4_0, Neox, 4, 128, 48, 10_000.0, 1.0, None, 7, 150, 2, 512, false),
+        (F::Q4_0, Normal, 6, 80, 80, 10_000.0, 1.0, None, 7, 150, 2, 512, false),
+        (F::Q4_0, Normal, 8, 128, 128, 500_000.0, 1.0, None, 9, 48, 2, 512, false),
+    ];
+    for (format, mode, n_heads, d_head, n_rot, base, scale, yarn, pos0, n_tokens, n_seqs, k, fused) in cases {
+        let (m, n) = (n_seqs * n_tokens, n_heads * d_head);
+        let p = RopeParams { n_heads, d_head, n_rot, mode, freq_base: base, freq_scale: scale, yarn };
+        assert_eq!(ops::gemm_rope_fits(dev, m, &p), fused, "gemm_rope_fits for {p:?} at M = {m}");
+        let bytes = twin::random_matrix(format, n, k, &mut rng);
+        let w = QuantMatrix::upload(dev, format, n, k, &bytes).unwrap();
+        let x = upload_bf16(dev, &randn(&mut rng, m * k, 1.0));
+        let pos: Vec<i32> = (0..n_tokens as i32).map(|t| pos0 + t).collect();
+        let max_pos = (pos0 + n_tokens as i32 - 1) as usize;
+        let posd = dev.upload(&pos).unwrap();
+        let n_pos = (max_pos + 1).next_power_of_two();
+        let mut table = poisoned::<f32>(dev, n_pos * n_rot);
+        ops::rope_table(dev, table.view_mut(), n_pos, &p).unwrap();
+        // Before: the product in f32, then the rotation in place.
+        let mut y = poisoned::<f32>(dev, m * n);
+        ops::matmul(dev, x.view(), m, &w, y.view_mut(), n).unwrap();
+        let plain = dev.download(&y).unwrap();
+        ops::rope_tabled(dev, y.view_mut(), n, m, posd.view(), max_pos, table.view(), &p).unwrap();
+        let reference = dev.download(&y).unwrap();
+        assert!(n_bits_differ(&plain, &reference) > 0, "the rotation is not a no-op");
+        for epilogue in [ops::GemmEpilogue::Direct, ops::GemmEpilogue::TmaStore] {
+            let mut yf = poisoned::<f32>(dev, m * n);
+            ops::matmul_rope_bf16_with(dev, epilogue, x.view(), m, &w, yf.view_mut(), posd.view(), max_pos, table.view(), &p).unwrap();
+            let out = dev.download(&yf).unwrap();
+            let n_diff = n_bits_differ(&out, &reference);
+            eprintln!(
+                "PARITY rope_epilogue {} {mode:?} {epilogue:?} fused={fused} heads={n_heads} d_head={d_head} n_rot={n_rot} yarn={} pos0={pos0} \
+                 windows={n_seqs}x{n_tokens} ({m}x{n}x{k}): {n_diff} of {} outputs differ from matmul + rope_tabled",
+                format.name(),
+                yarn.is_some(),
+                m * n
+            );
+            assert!(out.iter().all(|v| v.is_finite()), "matmul_rope left unwritten (NaN) outputs");
+            assert_eq!(n_diff, 0, "matmul_rope differs from matmul + rope_tabled");
+        }
+        // A table too short for the positions is refused, not read past its end.
+        let short = table.slice(0..max_pos * n_rot).unwrap();
+        assert!(ops::matmul_rope_bf16(dev, x.view(), m, &w, y.view_mut(), posd.view(), max_pos, short, &p).is_err());
+    }
+}
+
 /// The q, k and v projections in one GEMM (ops::matmul_qkv_bf16: the three
 /// weights, each in its own stored format, dequantized into one stacked bf16
 /// scratch, one wgmma GEMM whose epilogue writes each column into its

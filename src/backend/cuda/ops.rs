@@ -700,6 +700,15 @@ struct GemmParams {
     accumulate: i32,
     /// 1: the epilogue through shared memory and TMA stores (GemmEpilogue::TmaStore).
     store_tma: i32,
+    /// RoPE in the epilogue ([`GemmRope`]; rope_n_rot 0: none): the (n_pos, n_rot/2)
+    /// (cos, sin) table and the (rope_n_per_seq) positions.
+    rope_table: u64,
+    rope_pos: u64,
+    rope_n_per_seq: i32,
+    rope_d_head: i32,
+    rope_n_rot: i32,
+    /// 0 normal, 2 neox (rope_mode_arg).
+    rope_mode: i32,
 }
 const _: () = assert!(size_of::<GemmParams>() == 512 && align_of::<GemmParams>() == 128);
 // SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
@@ -829,7 +838,7 @@ pub fn matmul_bf16_with(
 fn matmul_bf16_raw(dev: &CudaDevice, kernel: MatmulKernel, xp: u64, x_len: usize, m: usize, w: &QuantMatrix, y: DevViewMut<f32>, ldy: usize) -> Result<()> {
     match kernel {
         MatmulKernel::MmaSync => matmul_portable(dev, "bf16", xp, x_len, m, w, y, ldy),
-        MatmulKernel::Wgmma => wgmma_with_scratch(dev, GemmEpilogue::from_env(), GemmDequant::from_env(), xp, x_len, m, w, y, ldy, false),
+        MatmulKernel::Wgmma => wgmma_with_scratch(dev, GemmEpilogue::from_env(), GemmDequant::from_env(), xp, x_len, m, w, y, ldy, false, None),
     }
 }
 
@@ -848,12 +857,13 @@ pub fn matmul_wgmma_with(
     ldy: usize,
     accumulate: bool,
 ) -> Result<()> {
-    wgmma_with_scratch(dev, epilogue, dequant, x.ptr(), x.len(), m, w, y, ldy, accumulate)
+    wgmma_with_scratch(dev, epilogue, dequant, x.ptr(), x.len(), m, w, y, ldy, accumulate, None)
 }
 
 /// The wgmma GEMM of x (m, K) bf16 at `xp` with W, a block-quantized W first
 /// dequantized to a bf16 scratch (or, `GemmDequant::Producer` where it fits, inside
-/// the GEMM); `accumulate`: y += the product.
+/// the GEMM); `accumulate`: y += the product; `rope`: RoPE in the epilogue (the
+/// caller checked `gemm_rope_fits`; not with `accumulate`, nor the producer dequant).
 #[allow(clippy::too_many_arguments)]
 fn wgmma_with_scratch(
     dev: &CudaDevice,
@@ -866,20 +876,22 @@ fn wgmma_with_scratch(
     y: DevViewMut<f32>,
     ldy: usize,
     accumulate: bool,
+    rope: Option<&GemmRope>,
 ) -> Result<()> {
     check_matmul_shapes("matmul (wgmma)", x_len, xp, m, w, &y, ldy)?;
+    ensure!(rope.is_none() || !accumulate, "matmul (wgmma): RoPE in the epilogue of an accumulating GEMM");
     if m == 0 || w.n_rows == 0 {
         return Ok(());
     }
     if w.format == TensorFormat::Bf16 {
-        return gemm_wgmma(dev, epilogue, xp, m, w.data.view().ptr(), w.n_rows, w.n_cols, y, ldy, accumulate);
+        return gemm_wgmma(dev, epilogue, xp, m, w.data.view().ptr(), w.n_rows, w.n_cols, y, ldy, accumulate, rope);
     }
-    if dequant == GemmDequant::Producer && gemm_producer_dequant_fits(dev, w) {
+    if rope.is_none() && dequant == GemmDequant::Producer && gemm_producer_dequant_fits(dev, w) {
         return gemm_q4_0_wgmma(dev, xp, m, w, y, ldy, accumulate);
     }
     let mut scratch = dev.alloc_uninit::<bf16>(w.n_rows * w.n_cols)?;
     dequant_bf16(dev, w, scratch.view_mut())?;
-    gemm_wgmma(dev, epilogue, xp, m, scratch.view().ptr(), w.n_rows, w.n_cols, y, ldy, accumulate)
+    gemm_wgmma(dev, epilogue, xp, m, scratch.view().ptr(), w.n_rows, w.n_cols, y, ldy, accumulate, rope)
     // `scratch` is freed in stream order, after the GEMM that reads it.
 }
 
@@ -1077,13 +1089,108 @@ pub fn matmul_add_bf16(dev: &CudaDevice, x: DevView<bf16>, m: usize, w: &QuantMa
     let n = w.n_rows;
     ensure!(y.len() == m * n, "matmul_add: y has {} elements, m * N = {m} * {n}", y.len());
     match bf16_kernel_for(dev, m, n) {
-        MatmulKernel::Wgmma => wgmma_with_scratch(dev, GemmEpilogue::from_env(), GemmDequant::from_env(), x.ptr(), x.len(), m, w, y, n, true),
+        MatmulKernel::Wgmma => wgmma_with_scratch(dev, GemmEpilogue::from_env(), GemmDequant::from_env(), x.ptr(), x.len(), m, w, y, n, true, None),
         MatmulKernel::MmaSync => {
             let mut t = dev.alloc_uninit::<f32>(m * n)?;
             matmul_portable(dev, "bf16", x.ptr(), x.len(), m, w, t.view_mut(), n)?;
             add_inplace(dev, y, t.view())
         }
     }
+}
+
+/// RoPE in the plain wgmma GEMM's epilogue, as the kernel takes it (GemmParams'
+/// rope_* fields): the (cos, sin) table and positions of `rope_tabled`.
+#[derive(Debug, Clone, Copy)]
+struct GemmRope {
+    table: u64,
+    pos: u64,
+    n_per_seq: usize,
+    d_head: usize,
+    n_rot: usize,
+    /// `rope_mode_arg`.
+    mode: i32,
+}
+
+/// Whether `matmul_rope_bf16` rotates in the GEMM's epilogue for an x of `m` rows
+/// and `p` (N = n_heads * d_head); otherwise it runs `matmul` then `rope_tabled`.
+/// The rule: the wgmma kernel (`bf16_kernel_for`; mma.sync has no such epilogue);
+/// whole heads in the 256-column tile (d_head a power of two, 16 to 256, so a
+/// tile's first column starts a head); n_rot even, 0 < n_rot <= d_head; neox: a
+/// pair (i, i + n_rot/2) sits in one thread's accumulators n_rot/16 column blocks
+/// apart, a compile-time offset, so n_rot a power of two from 16 (16, 32, ..., 256).
+/// Normal pairs (2i, 2i + 1) are always in one thread.
+pub fn gemm_rope_fits(dev: &CudaDevice, m: usize, p: &RopeParams) -> bool {
+    let n = p.n_heads * p.d_head;
+    let heads = p.d_head.is_power_of_two() && (16..=GEMM_BN).contains(&p.d_head);
+    let rot = p.n_rot > 0 && p.n_rot % 2 == 0 && p.n_rot <= p.d_head;
+    let pairs = match p.mode {
+        RopeMode::Normal => true,
+        RopeMode::Neox => p.n_rot.is_power_of_two() && p.n_rot >= 16,
+    };
+    n > 0 && heads && rot && pairs && bf16_kernel_for(dev, m, n) == MatmulKernel::Wgmma
+}
+
+/// y = x · Wᵀ, then RoPE of each head of every row, the rotation of `rope_tabled`
+/// (row t at position pos[t % pos.len()], (cos, sin) from `table`, built by
+/// `rope_table` for `p` over at least `max_pos + 1` positions): x (m, K) bf16, W
+/// (n_heads * d_head, K), y (m, n_heads * d_head) f32 contiguous. Where
+/// `gemm_rope_fits`, on the wgmma GEMM's accumulators in its epilogue (no f32 round
+/// trip: the same bits, rope.cu's expression on the same f32 products); otherwise
+/// `matmul` then `rope_tabled`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_rope_bf16(
+    dev: &CudaDevice,
+    x: DevView<bf16>,
+    m: usize,
+    w: &QuantMatrix,
+    y: DevViewMut<f32>,
+    pos: DevView<i32>,
+    max_pos: usize,
+    table: DevView<f32>,
+    p: &RopeParams,
+) -> Result<()> {
+    matmul_rope_bf16_with(dev, GemmEpilogue::from_env(), x, m, w, y, pos, max_pos, table, p)
+}
+
+/// `matmul_rope_bf16` with a chosen wgmma epilogue (tests compare both).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_rope_bf16_with(
+    dev: &CudaDevice,
+    epilogue: GemmEpilogue,
+    x: DevView<bf16>,
+    m: usize,
+    w: &QuantMatrix,
+    mut y: DevViewMut<f32>,
+    pos: DevView<i32>,
+    max_pos: usize,
+    table: DevView<f32>,
+    p: &RopeParams,
+) -> Result<()> {
+    let n = p.n_heads * p.d_head;
+    ensure!(
+        w.n_rows == n,
+        "matmul_rope: the weight has {} rows, n_heads * d_head = {} * {}",
+        w.n_rows,
+        p.n_heads,
+        p.d_head
+    );
+    ensure!(y.len() == m * n, "matmul_rope: y has {} elements, m * N = {m} * {n}", y.len());
+    if !gemm_rope_fits(dev, m, p) {
+        matmul::<bf16>(dev, x, m, w, y.slice_mut(0..m * n)?, n)?;
+        return rope_tabled(dev, y, n, m, pos, max_pos, table, p);
+    }
+    // rope_tabled's checks, for the epilogue's reads.
+    let n_per_seq = pos.len();
+    ensure!(n_per_seq > 0 && m % n_per_seq == 0, "matmul_rope: {m} rows are not whole windows of {n_per_seq} positions");
+    ensure!(
+        table.len() % p.n_rot == 0 && table.len() / p.n_rot > max_pos,
+        "matmul_rope: the (cos, sin) table covers {} positions of {} pairs, position {max_pos} is needed",
+        table.len() / p.n_rot,
+        p.n_rot / 2
+    );
+    ensure!(table.ptr() % 8 == 0, "matmul_rope: the (cos, sin) table is not 8-byte aligned");
+    let rope = GemmRope { table: table.ptr(), pos: pos.ptr(), n_per_seq, d_head: p.d_head, n_rot: p.n_rot, mode: rope_mode_arg(p.mode) };
+    wgmma_with_scratch(dev, epilogue, GemmDequant::from_env(), x.ptr(), x.len(), m, w, y, n, false, Some(&rope))
 }
 
 /// The mma.sync (bf16) or FFMA (f32) kernel of kernels/matmul.cu; `route` is "bf16" or "f32".
@@ -1256,11 +1363,12 @@ fn gemm_wgmma(
     y: DevViewMut<f32>,
     ldy: usize,
     accumulate: bool,
+    rope: Option<&GemmRope>,
 ) -> Result<()> {
     // TMA stores: 64 x 32 f32 boxes, rows of ldy f32 a multiple of 16 bytes.
     let tma = epilogue == GemmEpilogue::TmaStore && gemm_tma_store_fits(y.ptr(), ldy * 4, n * 4);
     let b = tensor_map_bf16(wp, n, k, GEMM_BN as u32)?;
-    gemm_wgmma_launch(dev, GEMM_WGMMA_KERNEL, GEMM_EPI_SMEM_BYTES, b, tma, xp, m, n, k, y, ldy, accumulate)
+    gemm_wgmma_launch(dev, GEMM_WGMMA_KERNEL, GEMM_EPI_SMEM_BYTES, b, tma, xp, m, n, k, y, ldy, accumulate, rope)
 }
 
 /// y = x · Wᵀ (or y += it) on gemm_q4_0_wgmma: x (m, k) bf16 at `xp`, W's stored Q4_0
@@ -1268,11 +1376,12 @@ fn gemm_wgmma(
 /// the caller checked); direct stores.
 fn gemm_q4_0_wgmma(dev: &CudaDevice, xp: u64, m: usize, w: &QuantMatrix, y: DevViewMut<f32>, ldy: usize, accumulate: bool) -> Result<()> {
     let b = tensor_map_q4_0_raw(w)?;
-    gemm_wgmma_launch(dev, GEMM_Q4_0_KERNEL, GEMM_RAW_SMEM_BYTES, b, false, xp, m, w.n_rows, w.n_cols, y, ldy, accumulate)
+    gemm_wgmma_launch(dev, GEMM_Q4_0_KERNEL, GEMM_RAW_SMEM_BYTES, b, false, xp, m, w.n_rows, w.n_cols, y, ldy, accumulate, None)
 }
 
 /// Launches the plain wgmma GEMM `name` (gemm_bf16_wgmma, or gemm_q4_0_wgmma with `b` over
-/// the stored blocks) with `smem` bytes of dynamic shared memory; `tma`: the TMA-store epilogue.
+/// the stored blocks) with `smem` bytes of dynamic shared memory; `tma`: the TMA-store
+/// epilogue; `rope`: RoPE in the epilogue (`gemm_rope_fits`, checked by the callers).
 #[allow(clippy::too_many_arguments)]
 fn gemm_wgmma_launch(
     dev: &CudaDevice,
@@ -1287,6 +1396,7 @@ fn gemm_wgmma_launch(
     y: DevViewMut<f32>,
     ldy: usize,
     accumulate: bool,
+    rope: Option<&GemmRope>,
 ) -> Result<()> {
     let f = wgmma_func_with(dev, name, smem)?;
     let params = GemmParams {
@@ -1301,6 +1411,12 @@ fn gemm_wgmma_launch(
         y_pairs: i32::from(ldy % 2 == 0 && y.ptr() % 8 == 0),
         accumulate: i32::from(accumulate),
         store_tma: i32::from(tma),
+        rope_table: rope.map_or(0, |r| r.table),
+        rope_pos: rope.map_or(0, |r| r.pos),
+        rope_n_per_seq: rope.map_or(Ok(0), |r| i32_of(r.n_per_seq, "positions"))?,
+        rope_d_head: rope.map_or(Ok(0), |r| i32_of(r.d_head, "d_head"))?,
+        rope_n_rot: rope.map_or(Ok(0), |r| i32_of(r.n_rot, "n_rot"))?,
+        rope_mode: rope.map_or(0, |r| r.mode),
     };
     // Persistent: one block per SM (its shared memory allows no second), each looping over tiles.
     let grid = wgmma_grid(dev, name, m.div_ceil(GEMM_BM) * n.div_ceil(GEMM_BN))?;
@@ -1309,7 +1425,9 @@ fn gemm_wgmma_launch(
     // SAFETY: `params` mirrors GemmParams of kernels/common.cuh (size asserted); the tensor maps
     // cover x (m, k) and W (n, k) as bf16, or W's n rows of stored Q4_0 blocks for
     // gemm_q4_0_wgmma (K % 256 == 0: gemm_producer_dequant_fits), which the callers checked; y
-    // covers (m, ldy) with ldy >= n, and so does y_map (16-byte aligned, checked) when store_tma is 1.
+    // covers (m, ldy) with ldy >= n, and so does y_map (16-byte aligned, checked) when store_tma is 1;
+    // with rope_n_rot > 0 the table covers every position of rope_pos and the heads fit the tile
+    // (matmul_rope_bf16 checked both).
     unsafe { lb.launch(cfg((grid, 1, 1), GEMM_THREADS, smem as u32)) }.map_err(|e| launch_err(name, e))?;
     Ok(())
 }
@@ -2346,7 +2464,7 @@ pub fn lm_head<X: MatmulInput>(
             Some(wb) if wgmma_tile(rows) => {
                 let y = scratch.slice_mut(0..rows * n_vocab)?;
                 check_matmul_shapes("lm_head (wgmma)", h_tile.len(), h_tile.ptr(), rows, emb, &y, n_vocab)?;
-                gemm_wgmma(dev, GemmEpilogue::from_env(), h_tile.ptr(), rows, wb.view().ptr(), n_vocab, d_model, y, n_vocab, false)?;
+                gemm_wgmma(dev, GemmEpilogue::from_env(), h_tile.ptr(), rows, wb.view().ptr(), n_vocab, d_model, y, n_vocab, false, None)?;
             }
             _ => matmul::<X>(dev, h_tile, rows, emb, scratch.slice_mut(0..rows * n_vocab)?, n_vocab)?,
         }
