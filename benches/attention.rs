@@ -169,7 +169,7 @@ fn main() -> Result<()> {
     let v3_only = std::env::var("INFERNIX_BENCH_V3_ONLY").is_ok_and(|v| v == "1");
     let chosen = || shape_ix.iter().filter_map(|&i| shapes.get(i));
     // Kernel v3 (wgmma, sm_90a) where it covers the shape and the cache.
-    for format in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Int8, KvFormat::K8v4].into_iter().filter(|f| wanted(*f)) {
+    for format in KvFormat::ALL.into_iter().filter(|f| (*f == KvFormat::Bf16 || f.is_quantized()) && wanted(*f)) {
         for s in chosen() {
             if AttnKernel::covers(&dev, format.name(), s.d_head) {
                 bench(&dev, s, AttnKernel::V3, format, &book, &mut rng)?;

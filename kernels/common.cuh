@@ -797,15 +797,31 @@ struct CodeInt8 {
         for (int j = 0; j < 4; ++j) v[j] = __fsub_rn(__uint_as_float(__byte_perm(u, 0x4B000000u, 0x7440u + j)), 8388736.0f);
     }
 };
-// attn_wgmma_d<D>_<fmt>_<out>'s one parameter (fmt = fp8 | int8; attention_sm90a.cu),
+// Eight E2M1 nibbles (one 32-bit word, element 0 in the low nibble) to their values
+// divided by 64, exactly: nibble (s e1 e0 m) -> the E4M3 byte (s 0 0 e1 e0 m 0 0), whose
+// value is the E2M1 value / 64 (normal and subnormal alike), through CodeE4m3's exact
+// cvt. nvfp4's decoders (attention.cu DecNvfp4, attention_sm90a.cu RowNvfp4) put the 64
+// into the block scale: (v / 64) * (e4m3_value(b) * 64) = v * e4m3_value(b) exactly.
+struct CodeE2m1x8 {
+    static __device__ __forceinline__ void cvt8_div64(uint32_t q, float v[8]) {
+        auto remap = [](uint32_t x) { return ((x & 0x08080808u) << 4) | ((x & 0x07070707u) << 2); };
+        const uint32_t lo = remap(q & 0x0F0F0F0Fu), hi = remap((q >> 4) & 0x0F0F0F0Fu);
+        CodeE4m3::cvt4(__byte_perm(lo, hi, 0x5140u), v);      // nibbles 0, 1, 2, 3
+        CodeE4m3::cvt4(__byte_perm(lo, hi, 0x7362u), v + 4);  // nibbles 4, 5, 6, 7
+    }
+};
+// attn_wgmma_d<D>_<fmt>_<out>'s one parameter (fmt = kv::KvFormat::name of a quantized format; attention_sm90a.cu),
 // mirrored by `ops::AttnWgmmaCodedArgs`: `a` as for a bf16 cache, except that its k and
 // v are 3-D tensor maps of bytes over the coded rows (src/kv's rows of
 // coded_row_bytes(d_head) = d_head codes, the f32 row scale, zeros to 16 bytes), seen
 // as (row bytes, kv_len, n_seqs * n_kv_heads), box (row bytes, 128, 1), no swizzle,
-// zeros outside; rot: bit 0 K rows Hadamard-rotated, bit 1 V rows (RowCodec::rotate).
+// zeros outside; rot: bit 0 K rows Hadamard-rotated, bit 1 V rows (RowCodec::rotate);
+// book: vq2's codebook (256 x 4 f32, 16-byte aligned), null for the other formats.
 struct AttnWgmmaCodedArgs {
     AttnWgmmaArgs a;
     int rot;
+    int pad_;
+    const float* book;
 };
 static_assert(sizeof(AttnWgmmaCodedArgs) == 512, "AttnWgmmaCodedArgs layout (ops::AttnWgmmaCodedArgs)");
 // --- end attnq5 ---
