@@ -308,7 +308,7 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // hadamard_frag (the rotation on mma fragments), CodeE4m3 and CodeInt8 (one-byte
-// codes to f32), CodeE2m1x8 (nvfp4's nibbles): common.cuh, block "attnq5" (shared
+// codes to f32), CodeNvfp4 (nvfp4's decode): common.cuh, block "attnq5" (shared
 // with attention_sm90a.cu).
 
 // K/V row decoders of the tile loads, one per src/kv codec: `load8(row, c, book)`
@@ -368,14 +368,8 @@ struct DecNvfp4 {  // D/2 bytes of E2M1 nibbles, f32 row scale at D/2, D/16 E4M3
     static __device__ __forceinline__ uint4 load8(const unsigned char* row, int c, const float*) {
         const uint32_t q = *reinterpret_cast<const uint32_t*>(row + c * 4);
         const float S = *reinterpret_cast<const float*>(row + D / 2);
-        // The E2M1 values / 64 (CodeE2m1x8, exact); the 64 goes into the block scale
-        // (bs * 64 exact), and (v / 64) * (bs * 64) = v * bs exactly (a 2-bit times a
-        // 4-bit significand), then * S rounded once, as e2m1_value's path.
-        const float bs64 = __fmul_rn(e4m3_value(row[D / 2 + 4 + c / 2]), 64.0f);
         float v[8];
-        CodeE2m1x8::cvt8_div64(q, v);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(__fmul_rn(v[j], bs64), S);
+        CodeNvfp4::dec8(q, row[D / 2 + 4 + c / 2], S, v);  // (e2m1 * e4m3) * S, the inner product exact
         return pack_bf16x8(v);
     }
 };

@@ -342,7 +342,7 @@ struct RowInt2G32 {
 };
 // nvfp4 (K and V of nvfp4): D/2 bytes of E2M1 nibbles (element 2i low), the f32 row
 // scale S at byte D/2, D/16 E4M3 block scales at byte D/2 + 4; value (e2m1 * e4m3) * S
-// (DecNvfp4: the E2M1 values / 64 by CodeE2m1x8, the block scale times 64, both exact).
+// (common.cuh CodeNvfp4, as kernel v2's DecNvfp4).
 struct RowNvfp4 {
     static constexpr int BATCH = 4;
     static constexpr bool ONE_SCALE = false, BOOK = false;
@@ -357,12 +357,7 @@ struct RowNvfp4 {
     static __device__ __forceinline__ Scale scale(uint32_t row, int c) {
         return Scale{ld_shared_u8(row + D / 2 + 4 + c / 2), ld_shared_f32(row + D / 2)};
     }
-    static __device__ __forceinline__ void dec8(Raw q, Scale s, float v[8], uint32_t) {
-        const float bs64 = __fmul_rn(e4m3_value(s.block), 64.0f);
-        CodeE2m1x8::cvt8_div64(q, v);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(__fmul_rn(v[j], bs64), s.row);
-    }
+    static __device__ __forceinline__ void dec8(Raw q, Scale s, float v[8], uint32_t) { CodeNvfp4::dec8(q, s.block, s.row, v); }
 };
 // vq2 (K and V of vq2): D/4 one-byte codeword indices (elements 4i .. 4i + 3), the f32
 // RMS at byte D/4; value codeword * rms (DecVq2), each of the 4 elements one __fmul_rn.
