@@ -1749,9 +1749,11 @@ pub const ATTN_V3_DEFAULT_HEAD_DIMS: &[usize] = &[64, 128];
 /// fp8 / int8): ctx 4096 d 128 416.1 / 323.5 / 312.3, d 64 298.4 / 261.9 / 255.2
 /// (docs/performance.md, "Issue 11/12: quantized attention speed on v3 (attn6)").
 /// k8v4 (attn7: v3 294.1 / 241.6 against v2 148.6 / 114.8 at ctx 4096, d 128 / 64),
-/// nvfp4, k4v2 and vq2 since v3q8, whose device call ran their parity cases, the tiny
-/// models end to end on this route, and the bench (docs/performance.md, "Issue 11: the
-/// remaining quantized formats on v3 (v3q8)").
+/// nvfp4, k4v2 and vq2 since v3q8, whose device calls (2026-12-02 11:00 and 11:15 UTC)
+/// passed their parity cases and the tiny models end to end on this route, v3 / v2 at
+/// ctx 4096 d 128 / d 64: nvfp4 256.9 / 164.1, 208.5 / 110.5; k4v2 283.4 / 169.9, 227.1
+/// / 121.2; vq2 244.4 / 136.3, 207.0 / 115.1 (docs/performance.md, "Issue 11: nvfp4,
+/// k4v2, vq2 on v3 (v3q8)").
 pub const ATTN_V3_DEFAULT_KV: &[&str] = &["bf16", "fp8", "int8", "k8v4", "nvfp4", "k4v2", "vq2"];
 
 /// Head sizes of kernel v3 (`attn_wgmma_d<D>_<kv>_<out>`).
