@@ -1480,24 +1480,23 @@ fn attention_v3_wgmma_against_cpu_backend() {
     let mut o = dev.alloc_zeros::<f32>(96).unwrap();
     let p = AttnParams { n_seqs: 1, n_tokens: 1, n_heads: 1, pos0: 0, window: 0, scale: 1.0, softcap: 0.0, q_stride: 64, out_stride: 64 };
     let err = ops::attention_exact::<f32, f32>(dev, V3, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p).unwrap_err();
-    assert!(format!("{err:#}").contains("v3 reads a bf16, fp8, int8 or k8v4 cache"), "{err:#}");
+    assert!(format!("{err:#}").contains("v3 reads a bf16 or quantized cache"), "{err:#}");
     let shape = KvShape { d_head: 96, ..shape };
     let kb = dev.alloc_zeros::<bf16>(shape.len()).unwrap();
     let p = AttnParams { q_stride: 96, out_stride: 96, ..p };
     let err = ops::attention_exact::<bf16, f32>(dev, V3, q.view(), kb.view(), kb.view(), shape, o.view_mut(), &p).unwrap_err();
     assert!(format!("{err:#}").contains("d_head 96"), "{err:#}");
-    assert!(!AttnKernel::covers(dev, "bf16", 96) && !AttnKernel::covers(dev, "nvfp4", 128) && AttnKernel::covers(dev, "bf16", 64));
+    assert!(!AttnKernel::covers(dev, "bf16", 96) && !AttnKernel::covers(dev, "f32", 128) && AttnKernel::covers(dev, "nvfp4", 128) && AttnKernel::covers(dev, "bf16", 64));
 }
 
-/// Kernel v3 on the caches whose K rows are one byte per element and one f32 scale per
-/// row (fp8, int8, k8v4 with its int4-g32 V; kernels/attention_sm90a.cu's decoding
-/// producer warpgroup), d_head 64 and 128, through [`attention_coded_case`] (the CPU
-/// backend's op with the same format and the tolerance v2 has for it; v3's own
-/// operands; the routed call bit-equal):
+/// Kernel v3 on every quantized cache (fp8, int8, k8v4, nvfp4, k4v2, vq2;
+/// kernels/attention_sm90a.cu's decoding producer warpgroup), d_head 64 and 128, through
+/// [`attention_coded_case`] (the CPU backend's op with the same format and the
+/// tolerance v2 has for it; v3's own operands; the routed call bit-equal):
 /// the quantized formats' cases at those head sizes, plus long rows over two passes
 /// (1024 then 70 tokens, 3 windows, d 64) and a 128-d window of 300 over passes of
-/// 700 and 333 (GQA 4/1), fp8 with both outputs. Formats v3 does not read, d_head 96
-/// and a missing module are errors.
+/// 700 and 333 (GQA 4/1), fp8 with both outputs. d_head 96 and a vq2 call without the
+/// codebook are errors.
 #[test]
 fn attention_v3_coded_against_cpu_backend() {
     let Some(dev) = device() else { return };
@@ -1512,7 +1511,7 @@ fn attention_v3_coded_against_cpu_backend() {
     cases.push(AttnCase { n_seqs: 3, n_heads: 6, n_kv_heads: 3, d_head: 64, n_ctx: 1100, passes: vec![1024, 70], window: 0, softcap: 0.0 });
     cases.push(AttnCase { n_seqs: 2, n_heads: 4, n_kv_heads: 1, d_head: 128, n_ctx: 1100, passes: vec![700, 333], window: 300, softcap: 0.0 });
     assert_eq!(cases.len(), 5);
-    for format in [KvFormat::Fp8, KvFormat::Int8, KvFormat::K8v4] {
+    for format in quantized_formats() {
         for (i, c) in cases.iter().enumerate() {
             attention_coded_case::<f32>(dev, &mut rng, V3, format, c, &book);
             if format == KvFormat::Fp8 && i % 2 == 1 {
@@ -1520,15 +1519,15 @@ fn attention_v3_coded_against_cpu_backend() {
             }
         }
     }
-    // nvfp4 and d_head 96 name v3's limits.
+    // vq2 without its codebook, and d_head 96, are errors.
     let shape = KvShape { n_seqs: 1, n_kv_heads: 1, n_ctx: 8, d_head: 64 };
-    let nv = KvFormat::Nvfp4;
-    let kc = dev.alloc_zeros::<u8>(shape.coded_bytes(nv.k())).unwrap();
+    let vq = KvFormat::Vq2;
+    let kc = dev.alloc_zeros::<u8>(shape.coded_bytes(vq.k())).unwrap();
     let q = dev.alloc_zeros::<f32>(96).unwrap();
     let mut o = dev.alloc_zeros::<f32>(96).unwrap();
     let p = AttnParams { n_seqs: 1, n_tokens: 1, n_heads: 1, pos0: 0, window: 0, scale: 1.0, softcap: 0.0, q_stride: 64, out_stride: 64 };
-    let err = ops::attention_coded_exact::<f32>(dev, V3, nv, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p, None).unwrap_err();
-    assert!(format!("{err:#}").contains("v3 reads a bf16, fp8, int8 or k8v4 cache"), "{err:#}");
+    let err = ops::attention_coded_exact::<f32>(dev, V3, vq, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p, None).unwrap_err();
+    assert!(format!("{err:#}").contains("codebook"), "{err:#}");
     let shape = KvShape { d_head: 96, ..shape };
     let kc = dev.alloc_zeros::<u8>(shape.coded_bytes(KvFormat::Fp8.k())).unwrap();
     let p = AttnParams { q_stride: 96, out_stride: 96, ..p };
@@ -2177,6 +2176,24 @@ fn prefill_wave_holds_whole_v2_query_tiles() {
             let (bq, bk) = ops::attn_flash_tiles(d, coded);
             assert_eq!(W % bq, 0, "wave of {W} tokens, v2 query tile of {bq} rows at d_head {d} (coded {coded})");
             assert!(bk % 16 == 0 && bk * d / 8 % 128 == 0, "key tile {bk} at d_head {d}: whole k-steps and an even chunk split");
+        }
+    }
+}
+
+#[test]
+fn v3_rows_are_src_kv_rows() {
+    // CPU only: kernel v3's row structs (ops::attn_v3_coded_row_bytes mirrors their
+    // bytes(D)) read exactly the rows src/kv writes, for every quantized format at v3's
+    // head sizes; every quantized format has a v3 kernel, the others none.
+    for format in KvFormat::ALL {
+        for d in [64, 128] {
+            let got = ops::attn_v3_coded_row_bytes(format.name(), d);
+            if format.is_quantized() {
+                assert_eq!(got, Some((format.k().row_bytes(d), format.v().row_bytes(d))), "{format} d_head {d}");
+                assert!(ops::ATTN_V3_KV.contains(&format.name()), "{format}: no v3 kernel");
+            } else {
+                assert_eq!(got, None, "{format} is not decoded by v3's producer");
+            }
         }
     }
 }

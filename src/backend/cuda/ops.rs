@@ -1773,7 +1773,7 @@ impl AttnKernel {
     }
     /// Whether kernel v3 runs this case: the sm_90a module is loaded (a compute
     /// capability 9.0 device, nvcc present at build time), a cache of one of
-    /// [`ATTN_V3_KV`] (bf16, fp8, int8, k8v4), d_head 64 or 128.
+    /// [`ATTN_V3_KV`] (bf16 and every quantized format), d_head 64 or 128.
     pub fn covers(dev: &CudaDevice, kv: &str, d_head: usize) -> bool {
         ATTN_V3_KV.contains(&kv) && ATTN_V3_HEAD_DIMS.contains(&d_head) && dev.has_function(&attn_v3_name(d_head, kv, "f32"))
     }
@@ -1797,7 +1797,7 @@ impl AttnKernel {
                  rounding (V)), tile n + 1 between tile n's MMAs, 8 warps per block for a quantized cache up to \
                  d_head 128; Hadamard-rotated \
                  K: q rotated (f32) in the kernel before its rounding; rotated V: the output rotated back (f32); \
-                 on a compute capability 9.0 device a cache of ops::ATTN_V3_DEFAULT_KV (bf16, fp8, int8) at the head sizes of \
+                 on a compute capability 9.0 device a cache of ops::ATTN_V3_DEFAULT_KV (bf16 and every quantized format) at the head sizes of \
                  ops::ATTN_V3_DEFAULT_HEAD_DIMS runs kernel v3 (attn_wgmma) instead"
             }
             Self::V3 => {
@@ -1805,10 +1805,11 @@ impl AttnKernel {
                  consumer warpgroups, S = Q·Kᵀ with Q and K from 128-byte-swizzled shared memory, P from \
                  registers for P·V, 128-key K/V stages filled by TMA from a producer warp through mbarriers, \
                  a persistent grid of one block per SM walking the query tiles longest first); v2's numerics \
-                 (q and P rounded to bf16, f32 scores, softmax and accumulation); a bf16 cache, or fp8 / int8 / \
-                 k8v4 rows brought raw by TMA and decoded by the producer warpgroup into the same bf16 stages \
-                 (src/kv's decode, code * scale, rounded to bf16; rotated K: q rotated (f32) before its \
-                 rounding; rotated V: the output rotated back (f32)); d_head 64/128"
+                 (q and P rounded to bf16, f32 scores, softmax and accumulation); a bf16 cache, or the rows of a \
+                 quantized one (fp8, int8, k8v4, nvfp4, k4v2, vq2) brought raw by TMA and decoded by the \
+                 producer warpgroup into the same bf16 stages (src/kv's decode, code * scale, rounded to bf16; \
+                 rotated K: q rotated (f32) before its rounding; rotated V: the output rotated back (f32)); \
+                 d_head 64/128"
             }
         }
     }
@@ -1865,14 +1866,42 @@ pub const ATTN_V3_DEFAULT_HEAD_DIMS: &[usize] = &[64, 128];
 /// (batched decode loads, two raw K stages; 2026-12-02 02:31 UTC, same call, v3 bf16 /
 /// fp8 / int8): ctx 4096 d 128 416.1 / 323.5 / 312.3, d 64 298.4 / 261.9 / 255.2
 /// (docs/performance.md, "Issue 11/12: quantized attention speed on v3 (attn6)").
-pub const ATTN_V3_DEFAULT_KV: &[&str] = &["bf16", "fp8", "int8"];
+/// k8v4 (attn7: v3 294.1 / 241.6 against v2 148.6 / 114.8 at ctx 4096, d 128 / 64),
+/// nvfp4, k4v2 and vq2 since v3q8, whose device calls (2026-12-02 11:00 and 11:15 UTC)
+/// passed their parity cases and the tiny models end to end on this route, v3 / v2 at
+/// ctx 4096 d 128 / d 64: nvfp4 256.9 / 164.1, 208.5 / 110.5; k4v2 283.4 / 169.9, 227.1
+/// / 121.2; vq2 244.4 / 136.3, 207.0 / 115.1 (docs/performance.md, "Issue 11: nvfp4,
+/// k4v2, vq2 on v3 (v3q8)").
+pub const ATTN_V3_DEFAULT_KV: &[&str] = &["bf16", "fp8", "int8", "k8v4", "nvfp4", "k4v2", "vq2"];
 
 /// Head sizes of kernel v3 (`attn_wgmma_d<D>_<kv>_<out>`).
 const ATTN_V3_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Caches kernel v3 reads: bf16 (TMA into the swizzled stages) and, decoded by its
-/// producer warpgroup, the formats whose K rows are one byte per element and one f32
-/// scale per row: fp8, int8 (V alike) and k8v4 (V int4 in groups of 32).
-pub const ATTN_V3_KV: &[&str] = &["bf16", "fp8", "int8", "k8v4"];
+/// producer warpgroup, every quantized format (kv::KvFormat::name): fp8, int8, k8v4
+/// (since attn7), nvfp4, k4v2, vq2 (since v3q8); the stored rows of
+/// [`attn_v3_coded_row_bytes`].
+pub const ATTN_V3_KV: &[&str] = &["bf16", "fp8", "int8", "k8v4", "nvfp4", "k4v2", "vq2"];
+/// Bytes of the stored K and V rows kernel v3's producer decodes for a quantized cache
+/// `kv` at `d_head` (the `bytes(D)` of the row structs in kernels/attention_sm90a.cu:
+/// RowBytes, RowInt4G32, RowInt2G32, RowNvfp4, RowVq2), or None for a cache it does not
+/// decode. The same as src/kv's `RowCodec::row_bytes` (tests: `v3_rows_are_src_kv_rows`).
+pub fn attn_v3_coded_row_bytes(kv: &str, d_head: usize) -> Option<(usize, usize)> {
+    let d = d_head;
+    let r16 = |n: usize| n.div_ceil(16) * 16;
+    let byte = r16(d + 4); // d one-byte codes, the f32 row scale
+    let int4 = r16(d / 2 + 4 * (d / 32)); // d/2 bytes of nibbles, d/32 f32 group scales
+    let int2 = r16(d / 4 + 4 * (d / 32)); // d/4 bytes of 2-bit codes, d/32 f32 group scales
+    let nvfp4 = r16(d / 2 + 4 + d / 16); // d/2 bytes of nibbles, the f32 row scale, d/16 E4M3 block scales
+    let vq2 = r16(d / 4 + 4); // d/4 codeword indices, the f32 RMS
+    Some(match kv {
+        "fp8" | "int8" => (byte, byte),
+        "k8v4" => (byte, int4),
+        "nvfp4" => (nvfp4, nvfp4),
+        "k4v2" => (int4, int2),
+        "vq2" => (vq2, vq2),
+        _ => return None,
+    })
+}
 /// Whether kernel v3 folds the row scale of a coded cache's K rows (one-byte codes) into
 /// S's columns as kernel v2 does, its K tile holding the exact code values
 /// (kernels/attention_sm90a.cu `FOLD_K`), rather than rounding code * scale to bf16.
@@ -1898,11 +1927,12 @@ fn attn_v3_name(d_head: usize, kv: &str, out: &str) -> String {
 /// the stages of K and of V (BN x d_head bf16 each), 4 mbarriers per stage; a coded
 /// cache (`raw_row_bytes` = the stored rows' bytes, K's and V's) adds two raw stages
 /// of BN stored K rows and one of V rows, four mbarriers, and K's column factors (one
-/// f32 per key) for each bf16 K stage.
-fn attn_v3_smem_bytes(d_head: usize, raw_row_bytes: Option<(usize, usize)>) -> usize {
+/// f32 per key) for each bf16 K stage; `book` (vq2) the codebook's 256 x 4 f32.
+fn attn_v3_smem_bytes(d_head: usize, raw_row_bytes: Option<(usize, usize)>, book: bool) -> usize {
     let st = attn_v3_stages(d_head);
     let raw = raw_row_bytes.map_or(0, |(kb, vb)| ATTN_V3_BN * (2 * kb + vb) + 4 * 8 + st * ATTN_V3_BN * 4);
-    1024 + ATTN_V3_BM * d_head * 2 + 2 * st * ATTN_V3_BN * d_head * 2 + 4 * st * 8 + raw
+    let book_bytes = if book { crate::kv::vq::N_CODES * crate::kv::vq::DIM * 4 } else { 0 };
+    1024 + ATTN_V3_BM * d_head * 2 + 2 * st * ATTN_V3_BN * d_head * 2 + 4 * st * 8 + raw + book_bytes
 }
 
 /// `AttnWgmmaArgs` of kernels/common.cuh (attn_wgmma_*'s one `__grid_constant__` parameter).
@@ -1939,6 +1969,9 @@ struct AttnWgmmaCodedArgs {
     a: AttnWgmmaArgs,
     /// Bit 0: K rows Hadamard-rotated; bit 1: V rows.
     rot: i32,
+    pad_: i32,
+    /// vq2's codebook (256 x 4 f32), or 0.
+    book: u64,
 }
 const _: () = assert!(size_of::<AttnWgmmaCodedArgs>() == 512);
 // SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
@@ -2070,8 +2103,9 @@ pub fn attention_coded<O: OutElem>(
     attention_coded_exact::<O>(dev, kernel, format, q, k_cache, v_cache, shape, out, p, book)
 }
 
-/// [`attention_coded`] on exactly the kernel named: V2, or V3 (fp8 / int8 at d_head
-/// 64/128 on a device with the sm_90a module, else an error naming what is missing).
+/// [`attention_coded`] on exactly the kernel named: V2, or V3 (every quantized format
+/// at d_head 64/128 on a device with the sm_90a module, else an error naming what is
+/// missing).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_coded_exact<O: OutElem>(
     dev: &CudaDevice,
@@ -2235,13 +2269,13 @@ fn attention_launch<O: OutElem>(
     Ok(())
 }
 
-/// Kernel v3 (`attn_wgmma_d<D>_<kv>_<out>`, kv = bf16, fp8, int8, k8v4) for a call `attention_launch` checked
+/// Kernel v3 (`attn_wgmma_d<D>_<kv>_<out>`, kv of [`ATTN_V3_KV`]) for a call `attention_launch` checked
 /// (shapes, GQA, positions, q and out lengths).
 fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef, shape: KvShape, out: DevViewMut<O>, p: &AttnParams) -> Result<()> {
     let d = shape.d_head;
     ensure!(
         ATTN_V3_KV.contains(&cache.kv),
-        "attention kernel v3 reads a bf16, fp8, int8 or k8v4 cache ({ATTN_V3_KV:?}); a {} cache runs kernel v2",
+        "attention kernel v3 reads a bf16 or quantized cache ({ATTN_V3_KV:?}); a {} cache runs kernel v2",
         cache.kv
     );
     ensure!(ATTN_V3_HEAD_DIMS.contains(&d), "attention kernel v3: d_head {d} has no kernel (built: {ATTN_V3_HEAD_DIMS:?}); it runs kernel v2");
@@ -2253,10 +2287,14 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
     );
     ensure!(q.ptr() % 16 == 0 && p.q_stride % 4 == 0, "attention v3: q must be 16-byte aligned with a stride that is a multiple of 4");
     ensure!(out.ptr() % 8 == 0 && p.out_stride % 2 == 0, "attention v3: out must be 8-byte aligned with an even stride");
-    // A coded cache: K rows of d_head one-byte codes and an f32 scale; V rows the same,
-    // or (k8v4) d_head / 2 bytes of nibbles and d_head / 32 f32 group scales.
-    let k_row_bytes = (d + 4).div_ceil(16) * 16;
-    let v_row_bytes = if cache.kv == "k8v4" { (d / 2 + 4 * (d / 32)).div_ceil(16) * 16 } else { k_row_bytes };
+    // A coded cache: the stored rows of the kernel's row structs.
+    let (k_row_bytes, v_row_bytes) = if coded {
+        attn_v3_coded_row_bytes(cache.kv, d).with_context(|| format!("attention kernel v3: no row decoder for a {} cache", cache.kv))?
+    } else {
+        (2 * d, 2 * d)
+    };
+    let uses_book = cache.kv == "vq2";
+    ensure!(!uses_book || cache.book != 0, "attention kernel v3: a vq2 cache needs the codebook (ops::VqBook)");
     ensure!(
         !coded || (cache.k_row_bytes == k_row_bytes && cache.v_row_bytes == v_row_bytes),
         "attention kernel v3: {} rows of ({}, {}) bytes, expected ({k_row_bytes}, {v_row_bytes})",
@@ -2265,7 +2303,7 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
         cache.v_row_bytes
     );
     let f = func(dev, &name)?;
-    let smem = attn_v3_smem_bytes(d, coded.then_some((k_row_bytes, v_row_bytes)));
+    let smem = attn_v3_smem_bytes(d, coded.then_some((k_row_bytes, v_row_bytes)), uses_book);
     ensure!(
         smem <= dev.info().max_smem_per_block_bytes as usize,
         "attention: {name} needs {smem} bytes of shared memory, the device allows {}",
@@ -2303,7 +2341,7 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
     let n_items = p.n_tokens.div_ceil(ATTN_V3_BM) * p.n_heads * p.n_seqs;
     ensure!(n_items <= i32::MAX as usize, "attention: {n_items} work items exceed kernel v3's 32-bit item index");
     let grid = (n_items.min(dev.info().n_sms.max(1) as usize) as u32, 1, 1);
-    let coded_args = AttnWgmmaCodedArgs { a: args, rot: cache.rot };
+    let coded_args = AttnWgmmaCodedArgs { a: args, rot: cache.rot, pad_: 0, book: cache.book };
     let mut b = dev.stream().launch_builder(f);
     if coded {
         b.arg(&coded_args);
@@ -2314,7 +2352,8 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
     // AttnWgmmaCodedArgs (sizes asserted), the one the kernel named takes; the tensor maps
     // cover the first p.n_seqs slots' positions [0, pos0 + n_tokens) of both caches
     // (lengths checked by the callers, coded row bytes above); q and out checked by
-    // attention_launch and above; dynamic shared memory set to the kernel's need.
+    // attention_launch and above; a vq2 cache's codebook pointer checked by book_ptr (256
+    // x 4 f32, 16-byte aligned); dynamic shared memory set to the kernel's need.
     unsafe { b.launch(cfg(grid, ATTN_V3_THREADS, smem as u32)) }.map_err(|e| launch_err(&name, e))?;
     Ok(())
 }
