@@ -8,7 +8,7 @@
 //! in ../shared/research/speed-and-kv-facts.md). Also the two real models'
 //! attention shapes (SmolLM2: 9/3 heads of 64; Gemma-3-270M: 4/1 heads of 256,
 //! sliding window 512). Kernel v3 (wgmma, kernels/attention_sm90a.cu) first, on
-//! the shapes and caches it covers (bf16, fp8, int8, k8v4; d_head 64/128), then kernel v2
+//! the shapes and caches it covers (bf16 and every quantized format; d_head 64/128), then kernel v2
 //! (exactly v2: `ops::attention_exact`, `ops::attention_coded_exact`) on bf16 and on a
 //! cache of each quantized format (src/kv's rows, encoded by `kv_encode` from the
 //! same kind of random values; its tile loads decode and round to bf16, rotated
@@ -169,7 +169,7 @@ fn main() -> Result<()> {
     let v3_only = std::env::var("INFERNIX_BENCH_V3_ONLY").is_ok_and(|v| v == "1");
     let chosen = || shape_ix.iter().filter_map(|&i| shapes.get(i));
     // Kernel v3 (wgmma, sm_90a) where it covers the shape and the cache.
-    for format in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Int8, KvFormat::K8v4].into_iter().filter(|f| wanted(*f)) {
+    for format in KvFormat::ALL.into_iter().filter(|f| (*f == KvFormat::Bf16 || f.is_quantized()) && wanted(*f)) {
         for s in chosen() {
             if AttnKernel::covers(&dev, format.name(), s.d_head) {
                 bench(&dev, s, AttnKernel::V3, format, &book, &mut rng)?;

@@ -308,7 +308,8 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // hadamard_frag (the rotation on mma fragments), CodeE4m3 and CodeInt8 (one-byte
-// codes to f32): common.cuh, block "attnq5" (shared with attention_sm90a.cu).
+// codes to f32), CodeNvfp4 (nvfp4's decode): common.cuh, block "attnq5" (shared
+// with attention_sm90a.cu).
 
 // K/V row decoders of the tile loads, one per src/kv codec: `load8(row, c, book)`
 // gives elements 8c .. 8c+7 of one encoded cache row as eight bf16: each element
@@ -367,18 +368,8 @@ struct DecNvfp4 {  // D/2 bytes of E2M1 nibbles, f32 row scale at D/2, D/16 E4M3
     static __device__ __forceinline__ uint4 load8(const unsigned char* row, int c, const float*) {
         const uint32_t q = *reinterpret_cast<const uint32_t*>(row + c * 4);
         const float S = *reinterpret_cast<const float*>(row + D / 2);
-        // e2m1 nibble (s e1 e0 m) -> E4M3 byte (s 0 0 e1 e0 m 0 0), whose value is the
-        // E2M1 value / 64 exactly (normal and subnormal alike); the 64 goes into the
-        // block scale (bs * 64 exact), and (v / 64) * (bs * 64) = v * bs exactly (a
-        // 2-bit times a 4-bit significand), then * S rounded once, as e2m1_value's path.
-        const float bs64 = __fmul_rn(e4m3_value(row[D / 2 + 4 + c / 2]), 64.0f);
-        auto remap = [](uint32_t x) { return ((x & 0x08080808u) << 4) | ((x & 0x07070707u) << 2); };
-        const uint32_t lo = remap(q & 0x0F0F0F0Fu), hi = remap((q >> 4) & 0x0F0F0F0Fu);
         float v[8];
-        CodeE4m3::cvt4(__byte_perm(lo, hi, 0x5140u), v);      // nibbles 0, 1, 2, 3
-        CodeE4m3::cvt4(__byte_perm(lo, hi, 0x7362u), v + 4);  // nibbles 4, 5, 6, 7
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(__fmul_rn(v[j], bs64), S);
+        CodeNvfp4::dec8(q, row[D / 2 + 4 + c / 2], S, v);  // (e2m1 * e4m3) * S, the inner product exact
         return pack_bf16x8(v);
     }
 };

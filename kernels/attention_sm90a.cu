@@ -1,14 +1,15 @@
 // attention_sm90a.cu: causal prefill attention on Hopper's wgmma tensor cores
 // (kernel v3, sm_90a only), FlashAttention-3's design, for a bf16 cache and for
-// the caches whose K rows are one byte per element and one f32 scale per row (fp8,
-// int8, k8v4).
+// every quantized cache of src/kv (fp8, int8, k8v4, nvfp4, k4v2, vq2).
 //
 // attn_wgmma_d<D>_bf16_<out>(AttnWgmmaArgs), D = 64 or 128, and
 // attn_wgmma_d<D>_<fmt>_<out>(AttnWgmmaCodedArgs), fmt = fp8 (out f32, bf16),
-// int8 or k8v4 (out f32), K rows of src/kv's layout (D codes, the f32 row scale at
-// byte D, zeros to coded_row_bytes(D) = 80 / 144 bytes), V rows the same (fp8,
-// int8) or int4-g32 (k8v4: D / 2 bytes of nibbles, D / 32 f32 group scales, 48 / 80
-// bytes), Hadamard-rotated or not as AttnWgmmaCodedArgs::rot says: the contract of
+// int8, k8v4, nvfp4, k4v2 or vq2 (out f32), K and V rows of src/kv's layout (the row
+// structs RowBytes, RowInt4G32, RowInt2G32, RowNvfp4, RowVq2 below; bytes per row at
+// d 64 / 128: one-byte codes and an f32 row scale (fp8, int8, K of k8v4) 80 / 144,
+// int4-g32 (V of k8v4, K of k4v2) 48 / 80, int2-g32 (V of k4v2) 32 / 48, nvfp4 48 /
+// 80, vq2 32 / 48), Hadamard-rotated or not as AttnWgmmaCodedArgs::rot says
+// (vq2's codebook in AttnWgmmaCodedArgs::book): the contract of
 // attn_flash_* (kernels/attention.cu): query t of window s (position pos0 + t)
 // of head h attends to the cached keys kp of KV head h / (n_heads / n_kv_heads)
 // with kp <= pos0 + t and, when window > 0, pos0 + t - kp < window; the cache
@@ -72,7 +73,7 @@
 // instructions unmasked and 570 masked (plus about 100 for the rescale of O and
 // the packing of P), and the no-instruction stalls are gone (0.04 cycles, tensor
 // pipe 50 % busy at d 128; docs/performance.md, "Prefill attention kernels", attn4).
-// A coded cache (fp8, int8, k8v4): the producer warpgroup is 128 decoding threads
+// A coded cache (every quantized format): the producer warpgroup is 128 decoding threads
 // (setmaxnreg 40 for them, 232 for the consumers, against 24 / 240 for a bf16
 // cache). Thread 0 brings the stored K rows and V rows of the tiles, as stored, by
 // TMA (a 3-D byte map over the rows, box (row bytes, BN, 1), no swizzle, rows past
@@ -86,7 +87,10 @@
 // compiler keeps in order), issue fence.proxy.async.shared::cta (their st.shared
 // made visible to wgmma's async proxy) and arrive on full_k (count 128); after a
 // named barrier among the 128 (the raw stage read) thread 0 fetches tile g + 2's K
-// rows into it; the same for V (tile g + 1).
+// rows into it; the same for V (tile g + 1). The decode of each format is kernel
+// v2's (attention.cu flash::Dec*: code value * scale in f32, nvfp4 (e2m1 * e4m3) * S,
+// vq2 codeword * rms), rounded to bf16; vq2's codebook (4 KiB) is copied into shared
+// memory by the producer before its first decode and read there.
 // With FOLD_K (off: attn7 measured it no faster, 310-314 against 314-316 TFLOP/s
 // for fp8 at d 128, docs/performance.md), K (one-byte codes) is folded as kernel
 // v2 folds it (attention.cu DecByte): the
@@ -111,15 +115,16 @@
 // row by shuffles; times the exact 1/n, then the bf16 rounding), a rotated V by
 // rotating the output back, O = (H O') / n with O' = Σ p y / l in f32
 // (hadamard_frag on the accumulator layout, v2's code).
-// Not covered here (the launcher sends them to v2): the other quantized formats
-// (nvfp4, k4v2, vq2), d_head 96 and 256, misaligned q / out.
+// Not covered here (the launcher sends them to v2): d_head 96 and 256, misaligned q /
+// out.
 // Launch: grid (min(n_items, n_SMs), 1, 1), n_items = ceil(n_tokens / 128) *
 // n_heads * n_seqs; block 384, dynamic
 // shared memory 1024 (alignment slack) + 128 * D * 2 (Q) + 2 * ST * 128 * D * 2
 // (K, V) + 4 * ST * 8 (barriers): d 128 164928 bytes, d 64 148608; a coded
 // cache adds 128 * (2 * K row bytes + V row bytes) (raw K x 2, V) + 32 (their
 // barriers) + ST * 128 * 4 (K's column factors): fp8 / int8 d 128 221280 bytes, d 64
-// 181408; k8v4 d 128 213088, d 64 177312.
+// 181408; k8v4 d 128 213088, d 64 177312; nvfp4 d 128 196704, d 64 169120; k4v2 d 128
+// 192608, d 64 167072; vq2 (the 4096-byte codebook included) d 128 188512, d 64 167072.
 // The launcher (ops::attention_v3) mirrors BM, BN and stages(D).
 // CPU twin: backend::cpu::attention::attention on the same bf16-rounded q, k, v
 // (tests/gpu_ops.rs attention_case); a coded cache: the CPU backend's attention op
@@ -248,67 +253,161 @@ __device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
 // Bytes of one row of one-byte codes (src/kv: D codes, the f32 scale, zeros to a multiple of 16).
 __host__ __device__ constexpr int coded_row_bytes(int d) { return (d + 4 + 15) / 16 * 16; }
 
-// The stored rows the producer decodes (src/kv/codec.rs), one struct per row codec:
-// bytes(D) per row, `load(row, c)` the codes of elements 8c .. 8c + 7 (row = the
-// row's shared address), `scale_at(c)` the byte offset of their f32 scale, `cvt8`
-// their code values in f32, exactly.
+// The stored rows the producer decodes (src/kv/codec.rs), one struct per row codec
+// (kernel v2's flash::Dec* arithmetic, kernels/attention.cu): bytes(D) per row;
+// `load(row, c)` the codes of elements 8c .. 8c + 7 (row = the row's shared address);
+// `scale<D>(row, c)` the scale fields they need, loaded as stored; `dec8(q, s, v, book)`
+// their decoded values, src/kv's decode (code value times scale, one __fmul_rn; nvfp4
+// (e2m1 * e4m3) * S, the inner product exact; vq2 codeword * rms, the codeword from the
+// block's shared copy of the codebook at `book`). ONE_SCALE: one f32 scale per row, the
+// code values exact in bf16 (`cvt8`, for FOLD_K); BOOK: the codebook is read; BATCH:
+// the chunks whose loads decode_tile issues together (4 for nvfp4 and vq2, whose scale
+// fields and lookups need more registers: with 8, ptxas 13.0 spilled 192 bytes in the
+// d 128 nvfp4 kernel against 12 with 4).
+__device__ __forceinline__ uint32_t ld_shared_u16(uint32_t addr) {
+    unsigned short v;
+    asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(addr) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint32_t ld_shared_u8(uint32_t addr) {
+    uint32_t v;
+    asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
+// A codeword of the shared codebook: not volatile (the book is written once, before the
+// producer's first decode, behind a barrier), so the compiler may issue the lookups of
+// several chunks together; the address depends on the (volatile) index load.
+__device__ __forceinline__ float4 ld_book(uint32_t addr) {
+    float4 v;
+    asm("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr));
+    return v;
+}
+
 // D one-byte codes (fp8: CodeE4m3, int8: CodeInt8), the f32 row scale at byte D.
 template <typename CODE>
 struct RowBytes {
+    static constexpr int BATCH = 8;
+    static constexpr bool ONE_SCALE = true, BOOK = false;
     static __host__ __device__ constexpr int bytes(int d) { return coded_row_bytes(d); }
     using Raw = uint2;
+    using Scale = float;
     static __device__ __forceinline__ Raw load(uint32_t row, int c) { return ld_shared_v2(row + 8 * c); }
     template <int D>
-    static __device__ __forceinline__ int scale_at(int) { return D; }
+    static __device__ __forceinline__ Scale scale(uint32_t row, int) { return ld_shared_f32(row + D); }
     static __device__ __forceinline__ void cvt8(Raw q, float v[8]) {
         CODE::cvt4(q.x, v);
         CODE::cvt4(q.y, v + 4);
     }
+    static __device__ __forceinline__ void dec8(Raw q, Scale s, float v[8], uint32_t) {
+        cvt8(q, v);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(v[j], s);
+    }
 };
-// int4-g32 (k8v4's V): D/2 bytes of nibbles q + 8 (element i in byte i / 2, the low
-// nibble first), D/32 f32 group scales at byte D/2, zeros to a multiple of 16; value
-// (q - 8) * s (kernels/attention.cu DecInt4G32). The nibble as the low mantissa bits of
-// 2^23 is the float 2^23 + q exactly; subtracting 2^23 + 8 (exact) leaves q - 8.
+// int4-g32 (V of k8v4, K of k4v2): D/2 bytes of nibbles q + 8 (element i in byte i / 2,
+// the low nibble first), D/32 f32 group scales at byte D/2, zeros to a multiple of 16;
+// value (q - 8) * s (DecInt4G32). The nibble as the low mantissa bits of 2^23 is the
+// float 2^23 + q exactly; subtracting 2^23 + 8 (exact) leaves q - 8.
 struct RowInt4G32 {
+    static constexpr int BATCH = 8;
+    static constexpr bool ONE_SCALE = false, BOOK = false;
     static __host__ __device__ constexpr int bytes(int d) { return (d / 2 + 4 * (d / 32) + 15) / 16 * 16; }
     using Raw = uint32_t;
+    using Scale = float;
     static __device__ __forceinline__ Raw load(uint32_t row, int c) { return ld_shared_u32(row + 4 * c); }
     template <int D>
-    static __device__ __forceinline__ int scale_at(int c) { return D / 2 + 4 * (c / 4); }
-    static __device__ __forceinline__ void cvt8(Raw q, float v[8]) {
+    static __device__ __forceinline__ Scale scale(uint32_t row, int c) { return ld_shared_f32(row + D / 2 + 4 * (c / 4)); }
+    static __device__ __forceinline__ void dec8(Raw q, Scale s, float v[8], uint32_t) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = __fsub_rn(__uint_as_float(0x4B000000u | ((q >> (4 * j)) & 0xFu)), 8388616.0f);
+        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(__fsub_rn(__uint_as_float(0x4B000000u | ((q >> (4 * j)) & 0xFu)), 8388616.0f), s);
+    }
+};
+// int2-g32 (V of k4v2): D/4 bytes of 2-bit codes (element 4i + j in bits 2j .. 2j + 1 of
+// byte i), D/32 f32 group scales at byte D/4; value (q - 1.5) * s (DecInt2G32). 2q in
+// the low mantissa bits of 2^22 (ulp 0.5) is the float 2^22 + q exactly; subtracting
+// 2^22 + 1.5 (exact) leaves q - 1.5.
+struct RowInt2G32 {
+    static constexpr int BATCH = 8;
+    static constexpr bool ONE_SCALE = false, BOOK = false;
+    static __host__ __device__ constexpr int bytes(int d) { return (d / 4 + 4 * (d / 32) + 15) / 16 * 16; }
+    using Raw = uint32_t;
+    using Scale = float;
+    static __device__ __forceinline__ Raw load(uint32_t row, int c) { return ld_shared_u16(row + 2 * c); }
+    template <int D>
+    static __device__ __forceinline__ Scale scale(uint32_t row, int c) { return ld_shared_f32(row + D / 4 + 4 * (c / 4)); }
+    static __device__ __forceinline__ void dec8(Raw q, Scale s, float v[8], uint32_t) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(__fsub_rn(__uint_as_float(0x4A800000u | (((q >> (2 * j)) & 3u) << 1)), 4194305.5f), s);
+    }
+};
+// nvfp4 (K and V of nvfp4): D/2 bytes of E2M1 nibbles (element 2i low), the f32 row
+// scale S at byte D/2, D/16 E4M3 block scales at byte D/2 + 4; value (e2m1 * e4m3) * S
+// (common.cuh CodeNvfp4, as kernel v2's DecNvfp4).
+struct RowNvfp4 {
+    static constexpr int BATCH = 4;
+    static constexpr bool ONE_SCALE = false, BOOK = false;
+    static __host__ __device__ constexpr int bytes(int d) { return (d / 2 + 4 + d / 16 + 15) / 16 * 16; }
+    using Raw = uint32_t;
+    struct Scale {
+        uint32_t block;  // the E4M3 block scale's byte
+        float row;       // S
+    };
+    static __device__ __forceinline__ Raw load(uint32_t row, int c) { return ld_shared_u32(row + 4 * c); }
+    template <int D>
+    static __device__ __forceinline__ Scale scale(uint32_t row, int c) {
+        return Scale{ld_shared_u8(row + D / 2 + 4 + c / 2), ld_shared_f32(row + D / 2)};
+    }
+    static __device__ __forceinline__ void dec8(Raw q, Scale s, float v[8], uint32_t) { CodeNvfp4::dec8(q, s.block, s.row, v); }
+};
+// vq2 (K and V of vq2): D/4 one-byte codeword indices (elements 4i .. 4i + 3), the f32
+// RMS at byte D/4; value codeword * rms (DecVq2), each of the 4 elements one __fmul_rn.
+struct RowVq2 {
+    static constexpr int BATCH = 4;
+    static constexpr bool ONE_SCALE = false, BOOK = true;
+    static __host__ __device__ constexpr int bytes(int d) { return (d / 4 + 4 + 15) / 16 * 16; }
+    using Raw = uint32_t;
+    using Scale = float;
+    static __device__ __forceinline__ Raw load(uint32_t row, int c) { return ld_shared_u16(row + 2 * c); }
+    template <int D>
+    static __device__ __forceinline__ Scale scale(uint32_t row, int) { return ld_shared_f32(row + D / 4); }
+    static __device__ __forceinline__ void dec8(Raw q, Scale s, float v[8], uint32_t book) {
+        const float4 c0 = ld_book(book + 16 * (q & 0xFFu)), c1 = ld_book(book + 16 * (q >> 8));
+        const float w[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(w[j], s);
     }
 };
 
 // The cache's element type: a bf16 cache (TMA straight into the swizzled stages), or
-// coded rows decoded by the producer warpgroup: K rows of one-byte codes and an f32 row
-// scale (KCODE: CodeE4m3 or CodeInt8), V rows of VROW (RowBytes<...> or RowInt4G32).
+// coded rows decoded by the producer warpgroup: K rows of KROW, V rows of VROW (the row
+// structs above; fp8, int8: RowBytes; k8v4: RowBytes<CodeInt8>, RowInt4G32; nvfp4:
+// RowNvfp4 both; k4v2: RowInt4G32, RowInt2G32; vq2: RowVq2 both).
 struct CacheBf16 {
-    static constexpr bool CODED = false;
+    static constexpr bool CODED = false, BOOK = false;
     using KRow = RowBytes<CodeE4m3>;  // unused
     using VRow = RowBytes<CodeE4m3>;
 };
-template <typename KCODE, typename VROW>
+template <typename KROW, typename VROW>
 struct CacheCoded {
-    static constexpr bool CODED = true;
-    using KRow = RowBytes<KCODE>;
+    static constexpr bool CODED = true, BOOK = KROW::BOOK || VROW::BOOK;
+    using KRow = KROW;
     using VRow = VROW;
 };
 
 // One tile of BN coded rows (raw stage at `raw`, rows of RC::bytes(D), as the TMA box
 // lands them) into the bf16 stage at `dst` in the layout the consumers read (the
 // 128-byte swizzle of a TMA box: box c / 8 of BN rows x 128 bytes, 16-byte chunk c % 8
-// of row r at ((c % 8) ^ (r % 8)) * 16). MUL (V): element = code value * its scale (one
-// f32 multiply, __fmul_rn), rounded to bf16 nearest even: src/kv's decode, then the
-// rounding a bf16 cache gets. !MUL (K, one-byte codes): the code value itself, exact in
-// bf16 (every E4M3 value, NaN included, and every int8), the row scale folded into S's
-// column by the consumers (kfac, store_kfac). 128 threads; thread tid takes chunks tid +
-// 128 k (8 elements each, consecutive threads along a row). Rows past the cached
-// positions arrive as zeros (TMA's fill; scale 0): they decode to 0 (int4: -8 * 0), never NaN.
+// of row r at ((c % 8) ^ (r % 8)) * 16). MUL: element = RC::dec8 (src/kv's decode),
+// rounded to bf16 nearest even: the rounding a bf16 cache gets. !MUL (K of a ONE_SCALE
+// row under FOLD_K): the code value itself, exact in bf16 (every E4M3 value, NaN
+// included, and every int8), the row scale folded into S's column by the consumers
+// (kfac, store_kfac). `book`: the shared codebook (vq2). 128 threads; thread tid takes
+// chunks tid + 128 k (8 elements each, consecutive threads along a row). Rows past the
+// cached positions arrive as zeros (TMA's fill; scales 0): they decode to (signed) 0,
+// never NaN.
 template <int D, typename RC, bool MUL>
-__device__ __forceinline__ void decode_tile(uint32_t raw, uint32_t dst, int tid) {
-    constexpr int NT = 128, B = 8;  // decoding threads; chunks whose loads go out together
+__device__ __forceinline__ void decode_tile(uint32_t raw, uint32_t dst, int tid, uint32_t book) {
+    constexpr int NT = 128, B = RC::BATCH;  // decoding threads; chunks whose loads go out together
     constexpr int CH = D / 8, RB = RC::bytes(D), IT = BN * CH / NT;
     static_assert(NT % CH == 0 && IT % B == 0, "decode_tile: a thread keeps one column chunk");
     const int c = tid % CH, r0 = tid / CH;  // rows r0 + (NT / CH) k
@@ -320,22 +419,19 @@ __device__ __forceinline__ void decode_tile(uint32_t raw, uint32_t dst, int tid)
 #pragma unroll 1
     for (int k0 = 0; k0 < IT; k0 += B) {
         typename RC::Raw q[B];
-        float sc[B];
+        typename RC::Scale sc[B];
 #pragma unroll
         for (int b = 0; b < B; ++b) {
             const uint32_t row = src + (k0 + b) * (NT / CH) * RB;
             q[b] = RC::load(row, c);
-            if constexpr (MUL) sc[b] = ld_shared_f32(row + RC::template scale_at<D>(c));
+            if constexpr (MUL) sc[b] = RC::template scale<D>(row, c);
         }
 #pragma unroll
         for (int b = 0; b < B; ++b) {
             const int r = r0 + (k0 + b) * (NT / CH);
             float v[8];
-            RC::cvt8(q[b], v);
-            if constexpr (MUL) {
-#pragma unroll
-                for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(v[j], sc[b]);
-            }
+            if constexpr (MUL) RC::dec8(q[b], sc[b], v, book);
+            else RC::cvt8(q[b], v);
             st_shared_v4(out + (k0 + b) * (NT / CH) * 128 + (((c % 8) ^ (r & 7)) * 16), pack_bf16x8(v));
         }
     }
@@ -382,7 +478,7 @@ __device__ __forceinline__ Item item_of(int w, int n_qt, int n_heads, int n_seqs
 }
 
 template <int D, typename OUT, typename CACHE>
-__device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const int rot) {
+__device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const int rot, const float* book_src) {
     constexpr bool CODED = CACHE::CODED;
     static_assert(D % BOX == 0 && (D == 64 || D == 128), "attn_wgmma: d_head 64 or 128");
     constexpr int ST = stages(D);
@@ -391,7 +487,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     constexpr int VS = BN / 16;           // k-steps of P·V
     constexpr int NS = BN / 8;            // 8-column accumulator chunks of S
     constexpr int NO = D / 8;             // of O
-    constexpr bool KF = CODED && FOLD_K;  // K's row scale folded into S's columns
+    constexpr bool KF = CODED && FOLD_K && CACHE::KRow::ONE_SCALE;  // K's row scale folded into S's columns
     constexpr int KQ = KF ? BN / 16 : 1;  // float4s of K factors per consumer lane and tile
     constexpr uint32_t Q_BYTES = BM * D * 2;
     constexpr uint32_t KV_BYTES = BN * D * 2;  // one stage of K (or of V)
@@ -402,7 +498,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     const uint32_t sk = sq + Q_BYTES;         // (ST, NB, BN, 64) bf16, swizzled
     const uint32_t sv = sk + ST * KV_BYTES;   // (ST, NB, BN, 64) bf16, swizzled
     // A coded cache: two raw stages of K rows and one of V rows (the TMA boxes as stored).
-    constexpr uint32_t RAW_K_BYTES = CODED ? BN * coded_row_bytes(D) : 0;
+    constexpr uint32_t RAW_K_BYTES = CODED ? BN * CACHE::KRow::bytes(D) : 0;
     constexpr uint32_t RAW_V_BYTES = CODED ? BN * CACHE::VRow::bytes(D) : 0;
     const uint32_t rk = sv + ST * KV_BYTES, rv = rk + 2 * RAW_K_BYTES;
     // full_k[ST], full_v[ST], empty_k[ST], empty_v[ST]; coded: raw_k[2], raw_v, one spare.
@@ -411,6 +507,9 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     // Coded: K's column factors of each bf16 K stage (BN f32, store_kfac's order), read
     // by the consumers before they release the stage (empty_k).
     const uint32_t kfac = bars + 8 * 4 * ST + 32;
+    // vq2: the block's copy of the codebook (256 x 4 f32), written by the producer
+    // before its first decode.
+    const uint32_t book = kfac + ST * BN * 4;
     auto full_k = [&](int s) { return bars + 8 * s; };
     auto full_v = [&](int s) { return bars + 8 * (ST + s); };
     auto empty_k = [&](int s) { return bars + 8 * (2 * ST + s); };
@@ -459,6 +558,18 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             // full_v; after a named barrier (every thread done reading the raw stage) thread 0
             // fetches tile g + 1's rows into it, so that copy runs while the consumers work.
             asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+            if constexpr (CACHE::BOOK) {
+                // The codebook into shared memory (2 float4 per thread); the named barrier
+                // before the first decode makes it visible to the 128 decoding threads.
+                const float4* src = reinterpret_cast<const float4*>(book_src);
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const float4 w = src[tid + 128 * i];
+                    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(book + 16 * (tid + 128 * i)), "f"(w.x), "f"(w.y), "f"(w.z), "f"(w.w)
+                                 : "memory");
+                }
+                asm volatile("bar.sync 3, 128;\n" ::: "memory");
+            }
             using KRow = typename CACHE::KRow;
             using VRow = typename CACHE::VRow;
             struct Cursor {
@@ -509,15 +620,15 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 const int slot = g & 1;
                 mbar_wait(raw_full_k + 8 * slot, (g / 2) & 1);
                 mbar_wait(empty_k(s), ph);
-                decode_tile<D, KRow, !FOLD_K>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, tid);
-                if constexpr (FOLD_K) store_kfac<D>(rk + slot * RAW_K_BYTES, kfac + s * BN * 4, tid, kmul);
+                decode_tile<D, KRow, !KF>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, tid, book);
+                if constexpr (KF) store_kfac<D>(rk + slot * RAW_K_BYTES, kfac + s * BN * 4, tid, kmul);
                 asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                 mbar_arrive(full_k(s));
                 asm volatile("bar.sync 3, 128;\n" ::: "memory");
                 if (tid == 0 && fk.w < n_items) fetch(fk, &a.k, RAW_K_BYTES, rk + slot * RAW_K_BYTES, raw_full_k + 8 * slot);
                 mbar_wait(raw_full_v, g & 1);
                 mbar_wait(empty_v(s), ph);
-                decode_tile<D, VRow, true>(rv, sv + s * KV_BYTES, tid);
+                decode_tile<D, VRow, true>(rv, sv + s * KV_BYTES, tid, book);
                 asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                 mbar_arrive(full_v(s));
                 asm volatile("bar.sync 3, 128;\n" ::: "memory");
@@ -877,25 +988,33 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
 #define ATTN_WGMMA(D, outn, OUT)                                                                                 \
     extern "C" __global__ void __launch_bounds__(attn3::THREADS, 1) attn_wgmma_d##D##_bf16_##outn(              \
         const __grid_constant__ AttnWgmmaArgs a) {                                                               \
-        attn3::attn_wgmma_impl<D, OUT, attn3::CacheBf16>(a, 0);                                                  \
+        attn3::attn_wgmma_impl<D, OUT, attn3::CacheBf16>(a, 0, nullptr);                                         \
     }
 ATTN_WGMMA(64, f32, float)
 ATTN_WGMMA(64, bf16, bf16)
 ATTN_WGMMA(128, f32, float)
 ATTN_WGMMA(128, bf16, bf16)
 
-// attn_wgmma_d<D>_<fmt>_<out>: a coded cache (fmt = kv::KvFormat::name): fp8 and int8
-// (K and V rows of one-byte codes and a row scale), k8v4 (K int8 rows, V int4-g32 rows).
-#define ATTN_WGMMA_CODED(D, fmt, KCODE, VROW, outn, OUT)                                                         \
+// attn_wgmma_d<D>_<fmt>_<out>: a coded cache (fmt = kv::KvFormat::name; K rows of KROW,
+// V rows of VROW): fp8 and int8 (K and V rows of one-byte codes and a row scale), k8v4
+// (K int8, V int4-g32), nvfp4, k4v2 (K int4-g32, V int2-g32), vq2 (the codebook in
+// a.book).
+#define ATTN_WGMMA_CODED(D, fmt, KROW, VROW, outn, OUT)                                                          \
     extern "C" __global__ void __launch_bounds__(attn3::THREADS, 1) attn_wgmma_d##D##_##fmt##_##outn(            \
         const __grid_constant__ AttnWgmmaCodedArgs a) {                                                          \
-        attn3::attn_wgmma_impl<D, OUT, attn3::CacheCoded<KCODE, VROW>>(a.a, a.rot);                             \
+        attn3::attn_wgmma_impl<D, OUT, attn3::CacheCoded<KROW, VROW>>(a.a, a.rot, a.book);                       \
     }
-ATTN_WGMMA_CODED(64, fp8, CodeE4m3, attn3::RowBytes<CodeE4m3>, f32, float)
-ATTN_WGMMA_CODED(64, fp8, CodeE4m3, attn3::RowBytes<CodeE4m3>, bf16, bf16)
-ATTN_WGMMA_CODED(128, fp8, CodeE4m3, attn3::RowBytes<CodeE4m3>, f32, float)
-ATTN_WGMMA_CODED(128, fp8, CodeE4m3, attn3::RowBytes<CodeE4m3>, bf16, bf16)
-ATTN_WGMMA_CODED(64, int8, CodeInt8, attn3::RowBytes<CodeInt8>, f32, float)
-ATTN_WGMMA_CODED(128, int8, CodeInt8, attn3::RowBytes<CodeInt8>, f32, float)
-ATTN_WGMMA_CODED(64, k8v4, CodeInt8, attn3::RowInt4G32, f32, float)
-ATTN_WGMMA_CODED(128, k8v4, CodeInt8, attn3::RowInt4G32, f32, float)
+ATTN_WGMMA_CODED(64, fp8, attn3::RowBytes<CodeE4m3>, attn3::RowBytes<CodeE4m3>, f32, float)
+ATTN_WGMMA_CODED(64, fp8, attn3::RowBytes<CodeE4m3>, attn3::RowBytes<CodeE4m3>, bf16, bf16)
+ATTN_WGMMA_CODED(128, fp8, attn3::RowBytes<CodeE4m3>, attn3::RowBytes<CodeE4m3>, f32, float)
+ATTN_WGMMA_CODED(128, fp8, attn3::RowBytes<CodeE4m3>, attn3::RowBytes<CodeE4m3>, bf16, bf16)
+ATTN_WGMMA_CODED(64, int8, attn3::RowBytes<CodeInt8>, attn3::RowBytes<CodeInt8>, f32, float)
+ATTN_WGMMA_CODED(128, int8, attn3::RowBytes<CodeInt8>, attn3::RowBytes<CodeInt8>, f32, float)
+ATTN_WGMMA_CODED(64, k8v4, attn3::RowBytes<CodeInt8>, attn3::RowInt4G32, f32, float)
+ATTN_WGMMA_CODED(128, k8v4, attn3::RowBytes<CodeInt8>, attn3::RowInt4G32, f32, float)
+ATTN_WGMMA_CODED(64, nvfp4, attn3::RowNvfp4, attn3::RowNvfp4, f32, float)
+ATTN_WGMMA_CODED(128, nvfp4, attn3::RowNvfp4, attn3::RowNvfp4, f32, float)
+ATTN_WGMMA_CODED(64, k4v2, attn3::RowInt4G32, attn3::RowInt2G32, f32, float)
+ATTN_WGMMA_CODED(128, k4v2, attn3::RowInt4G32, attn3::RowInt2G32, f32, float)
+ATTN_WGMMA_CODED(64, vq2, attn3::RowVq2, attn3::RowVq2, f32, float)
+ATTN_WGMMA_CODED(128, vq2, attn3::RowVq2, attn3::RowVq2, f32, float)

@@ -290,7 +290,12 @@ struct alignas(128) TmaDesc {
 // correctly rounded add, as add_f32 does), 0 for y = x · Wᵀ. store_tma: 1 for the
 // epilogue through shared memory and y_map (y (M, N) f32, box (32 N, 64 rows),
 // 128-byte swizzle; y 16-byte aligned, ldy % 4 == 0), 0 for stores from registers
-// (y_map unused). Rust twin: ops::GemmParams.
+// (y_map unused). rope_n_rot > 0 (with accumulate 0): RoPE in the epilogue, the
+// rotation rope_tabled_f32 applies afterwards (kernels/rope.cu), on the accumulators:
+// row r at position rope_pos[r % rope_n_per_seq], (cos, sin) from rope_table
+// (n_pos, rope_n_rot/2), heads of rope_d_head (256 % rope_d_head == 0, N a multiple
+// of it), rope_mode 0 (normal) or 2 (neox, rope_n_rot % 16 == 0); 0: no rotation
+// (the other rope_ fields unused). Rust twin: ops::GemmParams.
 struct GemmParams {
     TmaDesc a;
     TmaDesc b;
@@ -299,6 +304,9 @@ struct GemmParams {
     long long ldy;
     int m, n, k, y_pairs;
     int accumulate, store_tma;
+    const float2* rope_table;
+    const int32_t* rope_pos;
+    int rope_n_per_seq, rope_d_head, rope_n_rot, rope_mode;
 };
 static_assert(sizeof(GemmParams) == 512 && alignof(GemmParams) == 128, "GemmParams layout (ops::GemmParams)");
 
@@ -797,15 +805,52 @@ struct CodeInt8 {
         for (int j = 0; j < 4; ++j) v[j] = __fsub_rn(__uint_as_float(__byte_perm(u, 0x4B000000u, 0x7440u + j)), 8388736.0f);
     }
 };
-// attn_wgmma_d<D>_<fmt>_<out>'s one parameter (fmt = fp8 | int8; attention_sm90a.cu),
+// nvfp4's decode of eight elements (kv::codec, "nvfp4": value (e2m1 * e4m3) * S, the
+// inner product exact, one f32 rounding by S), shared by attention.cu DecNvfp4 and
+// attention_sm90a.cu RowNvfp4. q: eight E2M1 nibbles (element 0 in the low nibble);
+// block: the E4M3 block scale's byte; S: the f32 row scale. Each nibble (s e1 e0 m)
+// becomes the E4M3 byte (s 0 0 e1 e0 m 0 0), whose value is the E2M1 value / 64, and
+// cvt.rn.f16x2.e4m3x2 (exact: every E4M3 value is an f16) gives it and the block scale
+// as f16; their product in f16 (__hmul2) is exact: (v / 64) * b has at most 2 + 4
+// significant bits and lies in [2^-16, 42] (its lowest bit at least 2^-16 against f16's
+// 2^-24, no overflow), NaN for a NaN block scale. Then in f32 times S * 64 (exact: a power
+// of two, S at most f32::MAX / 2688), which rounds the same real number v * b * S once as
+// (v * b) * S does. Four f16 multiplies and eight f32 ones per 8 elements, where
+// multiplying in f32 took sixteen f32 multiplies (and e4m3_value's branches).
+struct CodeNvfp4 {
+    static __device__ __forceinline__ void dec8(uint32_t q, uint32_t block, float S, float v[8]) {
+        auto remap = [](uint32_t x) { return ((x & 0x08080808u) << 4) | ((x & 0x07070707u) << 2); };
+        const uint32_t lo = remap(q & 0x0F0F0F0Fu), hi = remap((q >> 4) & 0x0F0F0F0Fu);
+        const uint32_t w0 = __byte_perm(lo, hi, 0x5140u), w1 = __byte_perm(lo, hi, 0x7362u);  // nibbles 0-3, 4-7
+        uint32_t h[4], b;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h[0]) : "h"((unsigned short)(w0 & 0xFFFFu)));
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h[1]) : "h"((unsigned short)(w0 >> 16)));
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h[2]) : "h"((unsigned short)(w1 & 0xFFFFu)));
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h[3]) : "h"((unsigned short)(w1 >> 16)));
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(b) : "h"((unsigned short)((block & 0xFFu) * 0x101u)));  // (b, b)
+        const __half2 b2 = *reinterpret_cast<const __half2*>(&b);
+        const float S64 = __fmul_rn(S, 64.0f);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const __half2 p = __hmul2(*reinterpret_cast<const __half2*>(&h[i]), b2);
+            const float2 f = __half22float2(p);
+            v[2 * i] = __fmul_rn(f.x, S64);
+            v[2 * i + 1] = __fmul_rn(f.y, S64);
+        }
+    }
+};
+// attn_wgmma_d<D>_<fmt>_<out>'s one parameter (fmt = kv::KvFormat::name of a quantized format; attention_sm90a.cu),
 // mirrored by `ops::AttnWgmmaCodedArgs`: `a` as for a bf16 cache, except that its k and
 // v are 3-D tensor maps of bytes over the coded rows (src/kv's rows of
 // coded_row_bytes(d_head) = d_head codes, the f32 row scale, zeros to 16 bytes), seen
 // as (row bytes, kv_len, n_seqs * n_kv_heads), box (row bytes, 128, 1), no swizzle,
-// zeros outside; rot: bit 0 K rows Hadamard-rotated, bit 1 V rows (RowCodec::rotate).
+// zeros outside; rot: bit 0 K rows Hadamard-rotated, bit 1 V rows (RowCodec::rotate);
+// book: vq2's codebook (256 x 4 f32, 16-byte aligned), null for the other formats.
 struct AttnWgmmaCodedArgs {
     AttnWgmmaArgs a;
     int rot;
+    int pad_;
+    const float* book;
 };
 static_assert(sizeof(AttnWgmmaCodedArgs) == 512, "AttnWgmmaCodedArgs layout (ops::AttnWgmmaCodedArgs)");
 // --- end attnq5 ---

@@ -41,6 +41,15 @@
 //     `accumulate`) with bounds checks (pairs as float2 when y_pairs: ldy even
 //     and y 8-byte aligned); the tensor cores idle until the stores are issued.
 //
+// RoPE in the epilogue (GemmParams' rope_*, ops::matmul_rope_bf16: the q and k
+// projections of a layer without QK norm): before either store path, each consumer
+// thread rotates its accumulators as rope_tabled_f32 would rotate y afterwards (the
+// same (cos, sin) table entry, rope.cu's expression with fmul / fsub / fadd, so the
+// same bits), and y is written once. A tile's 256 columns are whole heads (d_head a
+// power of two <= 256); a normal pair (2i, 2i + 1) is a thread's two adjacent columns,
+// a neox pair (i, i + n_rot/2) its columns 8j + e and 8(j + n_rot/16) + e (n_rot a
+// power of two >= 16: gemm_rope_fits; anything else runs matmul then rope_tabled).
+//
 // Shared-memory matrix descriptors (K-major, 128-byte swizzle): start address
 // >> 4 in bits 0-13, leading byte offset (unused for this layout, 1) in bits
 // 16-29, stride byte offset 1024 >> 4 (8 rows of 128 bytes) in bits 32-45,
@@ -125,6 +134,70 @@ __device__ __forceinline__ void tile_origin(int tile, int m_tiles, int n_tiles, 
     n0 = (in_group / group_rows) * tile_n;
 }
 
+// RoPE on a consumer thread's accumulators (GemmParams' rope_*): what rope_tabled_f32
+// does to y afterwards (rope.cu: the same table entry and rope_rotate's expression,
+// fmul / fsub / fadd, so the same bits). The thread holds rows `row` and row + 8, columns
+// col + 8j and col + 8j + 1 (j < 32); the tile's first column is a multiple of 256, so
+// of d_head (256 % d_head == 0: the launcher's rule), and a column's place in its head
+// is (col + 8j) % d_head. Normal pairs (2i, 2i + 1) are a thread's two adjacent
+// columns; neox pairs (i, i + n_rot/2) are columns 8j + e and 8(j + HJ) + e of the same
+// thread with HJ = n_rot/16 (n_rot % 16 == 0), a compile-time register offset. Columns
+// past n_rot, past N, and rows past M are left as they are.
+template <int HJ>
+__device__ __forceinline__ void gemm_rope_acc(const GemmParams& p, float (&d)[128], int row, int col) {
+    const int half_rot = p.rope_n_rot / 2, head_mask = p.rope_d_head - 1;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = row + 8 * h;
+        if (r >= p.m) continue;
+        const float2* tr = p.rope_table + (long long)p.rope_pos[r % p.rope_n_per_seq] * half_rot;
+        if constexpr (HJ == 0) {
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                const int n = col + 8 * j, c = n & head_mask;
+                if (n < p.n && c < p.rope_n_rot) {
+                    const float2 cs = tr[c / 2];
+                    const float x0 = d[4 * j + 2 * h], x1 = d[4 * j + 2 * h + 1];
+                    d[4 * j + 2 * h] = fsub(fmul(x0, cs.x), fmul(x1, cs.y));
+                    d[4 * j + 2 * h + 1] = fadd(fmul(x0, cs.y), fmul(x1, cs.x));
+                }
+            }
+        } else {
+            // A column below n_rot/2 has j % (d_head/8) < HJ <= (d_head/8)/2, so its
+            // partner j + HJ < 32 and is not itself below n_rot/2 (rotated once).
+#pragma unroll
+            for (int j = 0; j + HJ < 32; ++j) {
+                const int n = col + 8 * j, c = n & head_mask;
+                if (n < p.n && c < half_rot) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float2 cs = tr[c + e];
+                        const float x0 = d[4 * j + 2 * h + e], x1 = d[4 * (j + HJ) + 2 * h + e];
+                        d[4 * j + 2 * h + e] = fsub(fmul(x0, cs.x), fmul(x1, cs.y));
+                        d[4 * (j + HJ) + 2 * h + e] = fadd(fmul(x0, cs.y), fmul(x1, cs.x));
+                    }
+                }
+            }
+        }
+    }
+}
+
+// gemm_rope_acc with its register offset: mode 0 (normal), or neox with n_rot 16-256.
+__device__ __forceinline__ void gemm_rope(const GemmParams& p, float (&d)[128], int row, int col) {
+    if (p.rope_mode == 0) {
+        gemm_rope_acc<0>(p, d, row, col);
+        return;
+    }
+    switch (p.rope_n_rot / 16) {
+        case 1: gemm_rope_acc<1>(p, d, row, col); break;
+        case 2: gemm_rope_acc<2>(p, d, row, col); break;
+        case 4: gemm_rope_acc<4>(p, d, row, col); break;
+        case 8: gemm_rope_acc<8>(p, d, row, col); break;
+        case 16: gemm_rope_acc<16>(p, d, row, col); break;
+        default: break;  // not launched (ops::gemm_rope_fits)
+    }
+}
+
 // The tile loop, shared by the plain GEMM (GATED false: y = x · Wᵀ or y += it,
 // P = GemmParams) and the gated one (GATED true, P = GemmGatedParams: each B
 // stage is 128 rows of Wg then the same 128 rows of Wu, so a consumer holds
@@ -166,6 +239,9 @@ __device__ __forceinline__ void gemm_tiles(const P& p) {
         const int col = n0 + 2 * (lane % 4);
         // store_tma: consumer c's 64 rows through its 16 KiB shared buffer (row r of
         // the consumer's block is warp * 16 + lane / 4 + 8 h).
+        if constexpr (!GATED && !QKV) {
+            if (p.rope_n_rot > 0) gemm_rope(p, d, row, col);
+        }
         const uint32_t epi = ((smem_addr(gemm_smem_raw) + 1023u) & ~1023u) + GEMM_EPI_OFFSET + c * GEMM_EPI_CONSUMER_BYTES;
         const bool leader = warp == 0 && lane == 0;
         const uint32_t r_lo = warp * 16 + lane / 4, t2 = 2 * (lane % 4);

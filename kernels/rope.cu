@@ -30,6 +30,10 @@
 //   v1 rounds it) and rope_tabled_f32 reads it: one table per base and scale,
 //   shared by every layer and every pass (the backend keeps it), so the
 //   rotation pass only streams x.
+// The default route's q and k projections rotate in the GEMM's epilogue instead
+// (gemm_sm90a.cu, gemm_rope_acc: this table and rope_rotate's expression, the same
+// bits, gpu_ops `rope_in_the_gemm_epilogue_bit_identical`); rope_tabled_f32 stays for
+// the rest (QK norm, biases, shapes gemm_rope_fits refuses, the mma.sync route).
 #include "common.cuh"
 
 // (cos, sin) * attn_factor of pair i at position p, rounded to f32: the one

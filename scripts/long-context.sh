@@ -18,7 +18,7 @@
 # (c), infernix-unrot), GEMMA (gemma-3-270m-q4_k_m.ninfer), TOK (a GGUF with the
 # SmolLM2 tokenizer, e.g. SmolLM2-135M-Instruct.Q4_1.gguf), K (scratch folder, default
 # /tmp/long6), OUT (where summary.txt, table.txt and logs.tgz go), LIMIT (seconds the
-# step may take, default 560), D8_CHUNKS (default 1), CORES (taskset list, default 0-7);
+# step may take, default 560), D8_CHUNKS (default 1; `all`: every window of the full corpus, no KL), CORES (taskset list, default 0-7);
 # for plumbing checks only: SYNTH (the geometry of (d), default llama-8b), D_LIMIT (the
 # background (d)'s LIMIT, default 400), D_CORES (its cores, default 8-15).
 #
@@ -122,6 +122,13 @@ d_runs() {
   fi
   wait $warm
   [ -f $SY ] || return
+  if [ "$D8_CHUNKS" = all ]; then
+    # Every window of the full corpus (the issue's long-context profile): speed and memory only (random
+    # weights: no top-tokens file, whose KL would mean nothing and whose size grows with the corpus).
+    memrun d8-bf16 $B $SY --context 65536 --stride 32768 --kv-dtype bf16 || return
+    memrun d8-fp8 $B $SY --context 65536 --stride 32768 --kv-dtype fp8
+    return
+  fi
   memrun d8-bf16 $B $SY --text $WIKI --chunks $D8_CHUNKS --context 65536 --stride 32768 --kv-dtype bf16 --save-top-tokens $W/d8-bf16.top || return
   memrun d8-fp8 $B $SY --text $WIKI --chunks $D8_CHUNKS --context 65536 --stride 32768 --kv-dtype fp8 --kl-reference $W/d8-bf16.top
   rm -f $W/d8-bf16.top

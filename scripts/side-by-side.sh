@@ -47,6 +47,17 @@
 #       (SBS_SKIP_OPS=1: the gpu_e2e tests only).
 #   side-by-side.sh summary
 #       One line per report and peer summary in $OUT.
+#   side-by-side.sh one-call [SECONDS]
+#       The twins' side by side in ONE device command (default limit 560 s): stash,
+#       the llama.cpp CUDA build started detached (nice 19, so our timed runs keep
+#       their CPU), the 8B twins written (from the tokenizer-only GGUF when prepare
+#       ran with SBS_TOKENIZER_ONLY=1: no real model travels), parity when the test
+#       executables were carried (SBS_TESTS=1), `ours twin` for each format,
+#       transformers-twin, then SBS_SMALL (a command, e.g. the small twins'
+#       `... small-speed.sh run`, run after our 8B runs, so it overlaps the build),
+#       the wait for the build, `llama twins`, then SBS_SMALL_LLAMA (a command, e.g.
+#       `small-speed.sh llama`: llama.cpp on the small twins), the summary. Our runs, transformers' and llama.cpp's thus share one machine
+#       and one command.
 set -euo pipefail
 
 cmd="${1:-}"
@@ -57,7 +68,12 @@ peers=/tmp/peers
 out="${OUT:-$sbs/out}"
 read -r -a MODELS <<<"${SBS_MODELS:-SmolLM2-135M-Instruct.Q4_1 gemma-3-270m-q4_k_m}"
 read -r -a TWIN_FORMATS <<<"${SBS_TWIN_FORMATS:-Q4_0 Q8_0}"
+# one-call's gpu_e2e arguments (filters, --skip NAME), e.g. "--skip on_wiki" without the real models.
+read -r -a E2E_FILTER <<<"${SBS_E2E_FILTER:-}"
 TWIN_TOKENIZER=SmolLM2-135M-Instruct.Q4_1
+# A GGUF with SmolLM2's tokenizer and no tensors (scripts/cluster/gguf_tokenizer_only.py),
+# carried when prepare ran with SBS_TOKENIZER_ONLY=1; synth prefers it to the real model.
+TOK_ONLY="$sbs/tokenizer-only.gguf"
 # KL slices: name, window arguments (the same for --save-tokens here and --kl-reference there).
 SLICES=("kl-chunks512:--method chunks --context 512 --chunks 40"
         "kl-sliding4096:--method sliding --context 4096 --stride 2048 --chunks 4")
@@ -130,6 +146,9 @@ for line in sys.stdin:
     fi
     cp "${BASH_SOURCE[0]}" "$carry/side-by-side.sh"
     cp "$root/tools/fp64_reference.py" "$carry/"
+    if [[ "${SBS_TOKENIZER_ONLY:-0}" == 1 ]]; then
+        python3 "$root/scripts/cluster/gguf_tokenizer_only.py" "$mdir/$TWIN_TOKENIZER.gguf" "$carry/tokenizer-only.gguf" >&2
+    fi
     : >"$carry/ninfer.sha256"
     for stem in "${MODELS[@]}"; do
         [[ -f "$mdir/$stem.ninfer" ]] || die "$mdir/$stem.ninfer missing (scripts/fetch-models.sh)"
@@ -163,6 +182,7 @@ stash() {
             cp "$carry/$b" "$sbs/bin/$b.new" && mv -f "$sbs/bin/$b.new" "$sbs/bin/$b"
         done
         cp "$carry/ninfer.sha256" "$sbs/"
+        [[ -f "$carry/tokenizer-only.gguf" ]] && cp "$carry/tokenizer-only.gguf" "$TOK_ONLY"
         cp "$carry"/tokens/* "$sbs/tokens/"
         for b in "$carry"/tests/*.xz; do
             [[ -f "$b" ]] || continue
@@ -195,10 +215,11 @@ fp64() {
 }
 
 synth() {
-    local f
-    [[ -f "$peers/models/$TWIN_TOKENIZER.gguf" ]] || die "$TWIN_TOKENIZER.gguf not stashed yet (its tokenizer is the twins')"
+    local f tok="$peers/models/$TWIN_TOKENIZER.gguf"
+    [[ -f "$TOK_ONLY" ]] && tok="$TOK_ONLY"
+    [[ -f "$tok" ]] || die "$TWIN_TOKENIZER.gguf not stashed yet (its tokenizer is the twins')"
     for f in "${TWIN_FORMATS[@]}"; do
-        bg_job "synth-$f" "$sbs/bin/ninfer-convert" "$peers/models/$TWIN_TOKENIZER.gguf" --synthetic llama-8b --format "$f" \
+        bg_job "synth-$f" "$sbs/bin/ninfer-convert" "$tok" --synthetic llama-8b --format "$f" \
             --out "$sbs/models/$(twin "$f").ninfer" --gguf-twin "$peers/models/$(twin "$f").gguf"
     done
 }
@@ -319,6 +340,35 @@ parity() {
     return "$status"
 }
 
+one_call() {
+    # The twins' three tools in one command (header: one-call).
+    local limit="${1:-560}" t0=$SECONDS f status=0
+    local p="bash /tmp/peers/bin/peers.sh"
+    stash
+    PEERS_JOBS="${PEERS_JOBS:-16}" $p build-llama
+    synth
+    if [[ -x "$sbs/bin/gpu_ops" ]]; then
+        parity "${E2E_FILTER[@]}" || status=1
+        note "parity exit $status at $((SECONDS - t0)) s"
+    fi
+    for f in "${TWIN_FORMATS[@]}"; do ours twin "$f"; done
+    note "ours at $((SECONDS - t0)) s"
+    transformers_twin
+    note "transformers at $((SECONDS - t0)) s"
+    if [[ -n "${SBS_SMALL:-}" ]]; then
+        bash -c "$SBS_SMALL" || note "SBS_SMALL exit $?"
+        note "small at $((SECONDS - t0)) s"
+    fi
+    $p build-llama-wait $((limit - (SECONDS - t0) - 90)) || die "llama.cpp not built in time"
+    note "llama.cpp built at $((SECONDS - t0)) s"
+    llama twins
+    if [[ -n "${SBS_SMALL_LLAMA:-}" ]]; then
+        bash -c "$SBS_SMALL_LLAMA" || note "SBS_SMALL_LLAMA exit $?"
+    fi
+    note "one-call done at $((SECONDS - t0)) s (parity exit $status)"
+    return "$status"
+}
+
 summary() {
     bash /tmp/peers/bin/peers.sh summary "$out"
     python3 - "$out" <<'EOF'
@@ -351,6 +401,7 @@ case "$cmd" in
     transformers-twin) transformers_twin ;;
     parity) parity "${@:2}" ;;
     summary) summary ;;
+    one-call) one_call "${@:2}" ;;
     *)
         sed -n '2,/^set -euo pipefail/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
         [[ -z "$cmd" || "$cmd" == -h || "$cmd" == --help ]] || die "unknown subcommand: $cmd"

@@ -26,6 +26,10 @@
 #       bf16 (tools/transformers_peer.py) on each twin over the same windows.
 #       SMALL_MODELS narrows the models (space-separated stems). All logs in
 #       $OUT/logs.tgz; one OURS/TF line per run and the profiles last.
+#   bash .devcarry/small4/small-speed.sh llama   (after run, same machine)
+#       llama.cpp's llama-perplexity (scripts/peers.sh llama: -ngl 99 -fa on, the
+#       binary of peers.sh build-llama) on the same twin GGUFs, chunks c=512 and
+#       c=4096 over the same text: one PEER line each, logs in $OUT/logs-llama.tgz.
 set -u
 cmd="${1:-}"
 root="$(pwd)"
@@ -121,8 +125,21 @@ PY
     echo "all done at $((SECONDS - T0)) s"
 }
 
+llama_runs() {
+    local W=/tmp/s4 p=/tmp/peers/bin/peers.sh m c
+    for m in $MODELS; do
+      [[ -f $W/m/$m.gguf ]] || { echo "llama: $W/m/$m.gguf missing (small-speed.sh run first)"; continue; }
+      for c in 512 4096; do
+        timeout 120 bash $p llama $W/m/$m.gguf "$root/$TEXT" $c $W/log/llama-$m.c$c.json > /dev/null 2>&1 || echo "llama $m c=$c exit $?"
+      done
+    done
+    bash $p summary $W/log
+    (cd $W/log && tar czf $OUT/logs-llama.tgz llama-*)
+}
+
 case "$cmd" in
     prepare) prepare "$@" ;;
     run) run ;;
+    llama) llama_runs ;;
     *) sed -n '2,/^set -u/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'; [[ -z "$cmd" ]] || die "unknown subcommand: $cmd" ;;
 esac

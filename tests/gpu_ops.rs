@@ -698,6 +698,79 @@ fn residual_in_the_epilogue_then_bf16_norm_bit_identical() {
     }
 }
 
+/// RoPE in the q/k GEMM's epilogue (issue 12, rope8: `ops::matmul_rope_bf16`, the
+/// default route's `Backend::matmul_rope`) bit for bit against what it replaced,
+/// `matmul` then `rope_tabled`, on both wgmma epilogues (direct and TMA stores): the
+/// 8B q and k shapes (Q4_0, K 4096), d_head 64 / 128 / 256, both pairings, partial
+/// n_rot (neox 32 of 128, normal 48 of 64), linear scaling, YaRN, positions past 0,
+/// two and three windows a pass (positions repeat), M not a tile multiple, Q4_0 /
+/// Q8_0 / BF16 weights. The launcher's fallback (a neox n_rot of 48, d_head 80, M
+/// below the wgmma size) gives the same bits too, and `gemm_rope_fits` says which ran.
+#[test]
+fn rope_in_the_gemm_epilogue_bit_identical() {
+    let Some(dev) = device() else { return };
+    if !dev.has_function(ops::GEMM_WGMMA_KERNEL) {
+        eprintln!("skipped: no {}", ops::GEMM_WGMMA_KERNEL);
+        return;
+    }
+    let mut rng = rng_for("rope_epilogue");
+    let yarn = |f, t, b, r| Some(infernix_perplexity::backend::Yarn::new(f, t, b, r));
+    use RopeMode::{Neox, Normal};
+    use TensorFormat as F;
+    // (format, mode, n_heads, d_head, n_rot, base, scale, yarn, pos0, n_tokens, n_seqs, K, fused)
+    let cases = [
+        (F::Q4_0, Normal, 32, 128, 128, 500_000.0, 1.0, None, 0, 256, 2, 4096, true),
+        (F::Q4_0, Normal, 8, 128, 128, 500_000.0, 1.0, None, 3000, 150, 2, 4096, true),
+        (F::Bf16, Neox, 4, 256, 256, 1_000_000.0, 0.125, None, 17, 129, 1, 512, true),
+        (F::Q8_0, Neox, 6, 64, 64, 10_000.0, 1.0, yarn(2.0, 4096, 10_000.0, 64), 5000, 100, 3, 576, true),
+        (F::Q4_0, Neox, 8, 128, 32, 10_000.0, 1.0, None, 100, 200, 2, 1024, true),
+        (F::Q4_0, Normal, 4, 64, 48, 500_000.0, 0.5, None, 4000, 97, 2, 512, true),
+        (F::Q4_0, Normal, 16, 128, 128, 1_000_000.0, 1.0, yarn(4.0, 32768, 1_000_000.0, 128), 60_000, 260, 1, 512, true),
+        (F::Q4_0, Neox, 4, 128, 48, 10_000.0, 1.0, None, 7, 150, 2, 512, false),
+        (F::Q4_0, Normal, 6, 80, 80, 10_000.0, 1.0, None, 7, 150, 2, 512, false),
+        (F::Q4_0, Normal, 8, 128, 128, 500_000.0, 1.0, None, 9, 48, 2, 512, false),
+    ];
+    for (format, mode, n_heads, d_head, n_rot, base, scale, yarn, pos0, n_tokens, n_seqs, k, fused) in cases {
+        let (m, n) = (n_seqs * n_tokens, n_heads * d_head);
+        let p = RopeParams { n_heads, d_head, n_rot, mode, freq_base: base, freq_scale: scale, yarn };
+        assert_eq!(ops::gemm_rope_fits(dev, m, &p), fused, "gemm_rope_fits for {p:?} at M = {m}");
+        let bytes = twin::random_matrix(format, n, k, &mut rng);
+        let w = QuantMatrix::upload(dev, format, n, k, &bytes).unwrap();
+        let x = upload_bf16(dev, &randn(&mut rng, m * k, 1.0));
+        let pos: Vec<i32> = (0..n_tokens as i32).map(|t| pos0 + t).collect();
+        let max_pos = (pos0 + n_tokens as i32 - 1) as usize;
+        let posd = dev.upload(&pos).unwrap();
+        let n_pos = (max_pos + 1).next_power_of_two();
+        let mut table = poisoned::<f32>(dev, n_pos * n_rot);
+        ops::rope_table(dev, table.view_mut(), n_pos, &p).unwrap();
+        // Before: the product in f32, then the rotation in place.
+        let mut y = poisoned::<f32>(dev, m * n);
+        ops::matmul(dev, x.view(), m, &w, y.view_mut(), n).unwrap();
+        let plain = dev.download(&y).unwrap();
+        ops::rope_tabled(dev, y.view_mut(), n, m, posd.view(), max_pos, table.view(), &p).unwrap();
+        let reference = dev.download(&y).unwrap();
+        assert!(n_bits_differ(&plain, &reference) > 0, "the rotation is not a no-op");
+        for epilogue in [ops::GemmEpilogue::Direct, ops::GemmEpilogue::TmaStore] {
+            let mut yf = poisoned::<f32>(dev, m * n);
+            ops::matmul_rope_bf16_with(dev, epilogue, x.view(), m, &w, yf.view_mut(), posd.view(), max_pos, table.view(), &p).unwrap();
+            let out = dev.download(&yf).unwrap();
+            let n_diff = n_bits_differ(&out, &reference);
+            eprintln!(
+                "PARITY rope_epilogue {} {mode:?} {epilogue:?} fused={fused} heads={n_heads} d_head={d_head} n_rot={n_rot} yarn={} pos0={pos0} \
+                 windows={n_seqs}x{n_tokens} ({m}x{n}x{k}): {n_diff} of {} outputs differ from matmul + rope_tabled",
+                format.name(),
+                yarn.is_some(),
+                m * n
+            );
+            assert!(out.iter().all(|v| v.is_finite()), "matmul_rope left unwritten (NaN) outputs");
+            assert_eq!(n_diff, 0, "matmul_rope differs from matmul + rope_tabled");
+        }
+        // A table too short for the positions is refused, not read past its end.
+        let short = table.slice(0..max_pos * n_rot).unwrap();
+        assert!(ops::matmul_rope_bf16(dev, x.view(), m, &w, y.view_mut(), posd.view(), max_pos, short, &p).is_err());
+    }
+}
+
 /// The q, k and v projections in one GEMM (ops::matmul_qkv_bf16: the three
 /// weights, each in its own stored format, dequantized into one stacked bf16
 /// scratch, one wgmma GEMM whose epilogue writes each column into its
@@ -1407,24 +1480,23 @@ fn attention_v3_wgmma_against_cpu_backend() {
     let mut o = dev.alloc_zeros::<f32>(96).unwrap();
     let p = AttnParams { n_seqs: 1, n_tokens: 1, n_heads: 1, pos0: 0, window: 0, scale: 1.0, softcap: 0.0, q_stride: 64, out_stride: 64 };
     let err = ops::attention_exact::<f32, f32>(dev, V3, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p).unwrap_err();
-    assert!(format!("{err:#}").contains("v3 reads a bf16, fp8, int8 or k8v4 cache"), "{err:#}");
+    assert!(format!("{err:#}").contains("v3 reads a bf16 or quantized cache"), "{err:#}");
     let shape = KvShape { d_head: 96, ..shape };
     let kb = dev.alloc_zeros::<bf16>(shape.len()).unwrap();
     let p = AttnParams { q_stride: 96, out_stride: 96, ..p };
     let err = ops::attention_exact::<bf16, f32>(dev, V3, q.view(), kb.view(), kb.view(), shape, o.view_mut(), &p).unwrap_err();
     assert!(format!("{err:#}").contains("d_head 96"), "{err:#}");
-    assert!(!AttnKernel::covers(dev, "bf16", 96) && !AttnKernel::covers(dev, "nvfp4", 128) && AttnKernel::covers(dev, "bf16", 64));
+    assert!(!AttnKernel::covers(dev, "bf16", 96) && !AttnKernel::covers(dev, "f32", 128) && AttnKernel::covers(dev, "nvfp4", 128) && AttnKernel::covers(dev, "bf16", 64));
 }
 
-/// Kernel v3 on the caches whose K rows are one byte per element and one f32 scale per
-/// row (fp8, int8, k8v4 with its int4-g32 V; kernels/attention_sm90a.cu's decoding
-/// producer warpgroup), d_head 64 and 128, through [`attention_coded_case`] (the CPU
-/// backend's op with the same format and the tolerance v2 has for it; v3's own
-/// operands; the routed call bit-equal):
+/// Kernel v3 on every quantized cache (fp8, int8, k8v4, nvfp4, k4v2, vq2;
+/// kernels/attention_sm90a.cu's decoding producer warpgroup), d_head 64 and 128, through
+/// [`attention_coded_case`] (the CPU backend's op with the same format and the
+/// tolerance v2 has for it; v3's own operands; the routed call bit-equal):
 /// the quantized formats' cases at those head sizes, plus long rows over two passes
 /// (1024 then 70 tokens, 3 windows, d 64) and a 128-d window of 300 over passes of
-/// 700 and 333 (GQA 4/1), fp8 with both outputs. Formats v3 does not read, d_head 96
-/// and a missing module are errors.
+/// 700 and 333 (GQA 4/1), fp8 with both outputs. d_head 96 and a vq2 call without the
+/// codebook are errors.
 #[test]
 fn attention_v3_coded_against_cpu_backend() {
     let Some(dev) = device() else { return };
@@ -1439,7 +1511,7 @@ fn attention_v3_coded_against_cpu_backend() {
     cases.push(AttnCase { n_seqs: 3, n_heads: 6, n_kv_heads: 3, d_head: 64, n_ctx: 1100, passes: vec![1024, 70], window: 0, softcap: 0.0 });
     cases.push(AttnCase { n_seqs: 2, n_heads: 4, n_kv_heads: 1, d_head: 128, n_ctx: 1100, passes: vec![700, 333], window: 300, softcap: 0.0 });
     assert_eq!(cases.len(), 5);
-    for format in [KvFormat::Fp8, KvFormat::Int8, KvFormat::K8v4] {
+    for format in quantized_formats() {
         for (i, c) in cases.iter().enumerate() {
             attention_coded_case::<f32>(dev, &mut rng, V3, format, c, &book);
             if format == KvFormat::Fp8 && i % 2 == 1 {
@@ -1447,15 +1519,15 @@ fn attention_v3_coded_against_cpu_backend() {
             }
         }
     }
-    // nvfp4 and d_head 96 name v3's limits.
+    // vq2 without its codebook, and d_head 96, are errors.
     let shape = KvShape { n_seqs: 1, n_kv_heads: 1, n_ctx: 8, d_head: 64 };
-    let nv = KvFormat::Nvfp4;
-    let kc = dev.alloc_zeros::<u8>(shape.coded_bytes(nv.k())).unwrap();
+    let vq = KvFormat::Vq2;
+    let kc = dev.alloc_zeros::<u8>(shape.coded_bytes(vq.k())).unwrap();
     let q = dev.alloc_zeros::<f32>(96).unwrap();
     let mut o = dev.alloc_zeros::<f32>(96).unwrap();
     let p = AttnParams { n_seqs: 1, n_tokens: 1, n_heads: 1, pos0: 0, window: 0, scale: 1.0, softcap: 0.0, q_stride: 64, out_stride: 64 };
-    let err = ops::attention_coded_exact::<f32>(dev, V3, nv, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p, None).unwrap_err();
-    assert!(format!("{err:#}").contains("v3 reads a bf16, fp8, int8 or k8v4 cache"), "{err:#}");
+    let err = ops::attention_coded_exact::<f32>(dev, V3, vq, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p, None).unwrap_err();
+    assert!(format!("{err:#}").contains("codebook"), "{err:#}");
     let shape = KvShape { d_head: 96, ..shape };
     let kc = dev.alloc_zeros::<u8>(shape.coded_bytes(KvFormat::Fp8.k())).unwrap();
     let p = AttnParams { q_stride: 96, out_stride: 96, ..p };
@@ -2104,6 +2176,24 @@ fn prefill_wave_holds_whole_v2_query_tiles() {
             let (bq, bk) = ops::attn_flash_tiles(d, coded);
             assert_eq!(W % bq, 0, "wave of {W} tokens, v2 query tile of {bq} rows at d_head {d} (coded {coded})");
             assert!(bk % 16 == 0 && bk * d / 8 % 128 == 0, "key tile {bk} at d_head {d}: whole k-steps and an even chunk split");
+        }
+    }
+}
+
+#[test]
+fn v3_rows_are_src_kv_rows() {
+    // CPU only: kernel v3's row structs (ops::attn_v3_coded_row_bytes mirrors their
+    // bytes(D)) read exactly the rows src/kv writes, for every quantized format at v3's
+    // head sizes; every quantized format has a v3 kernel, the others none.
+    for format in KvFormat::ALL {
+        for d in [64, 128] {
+            let got = ops::attn_v3_coded_row_bytes(format.name(), d);
+            if format.is_quantized() {
+                assert_eq!(got, Some((format.k().row_bytes(d), format.v().row_bytes(d))), "{format} d_head {d}");
+                assert!(ops::ATTN_V3_KV.contains(&format.name()), "{format}: no v3 kernel");
+            } else {
+                assert_eq!(got, None, "{format} is not decoded by v3's producer");
+            }
         }
     }
 }

@@ -355,6 +355,25 @@ pub fn qkv_unfused<B: Backend + ?Sized>(b: &B, h: &B::Act, w: [&B::Matrix; 3], b
     Ok([q, k, v])
 }
 
+/// [`Backend::qkv_rope`] as [`Backend::qkv`], then [`Backend::rope`] of q and
+/// of k (`n_heads`: q's and k's head counts).
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_rope_unfused<B: Backend + ?Sized>(
+    b: &B,
+    h: &B::Act,
+    w: [&B::Matrix; 3],
+    bias: Option<&[B::Vector; 3]>,
+    n_heads: [usize; 2],
+    d_head: usize,
+    rows: PassRows,
+    p: &RopeParams,
+) -> Result<[B::Act; 3]> {
+    let [mut q, mut k, v] = b.qkv(h, w, bias)?;
+    b.rope(&mut q, n_heads[0], d_head, rows, p)?;
+    b.rope(&mut k, n_heads[1], d_head, rows, p)?;
+    Ok([q, k, v])
+}
+
 /// The ops a device provides. Every op checks the shapes it is given and
 /// names the op and the values in its error.
 pub trait Backend {
@@ -445,6 +464,35 @@ pub trait Backend {
     /// In place, rotates each head of `x` `(rows.n_rows(), n_heads * d_head)`;
     /// row `r` is at position `rows.position(r)`.
     fn rope(&self, x: &mut Self::Act, n_heads: usize, d_head: usize, rows: PassRows, p: &RopeParams) -> Result<()>;
+
+    /// RoPE folded into a projection: `x (n, n_in) · wᵀ` -> `(n, n_heads *
+    /// d_head)`, each head rotated as [`rope`](Self::rope) rotates it; the numbers
+    /// of [`matmul`](Self::matmul) then `rope`, which is the default body (the
+    /// CUDA default route rotates the f32 products in the GEMM's epilogue).
+    fn matmul_rope(&self, x: &Self::Act, w: &Self::Matrix, n_heads: usize, d_head: usize, rows: PassRows, p: &RopeParams) -> Result<Self::Act> {
+        let mut y = self.matmul(x, w)?;
+        self.rope(&mut y, n_heads, d_head, rows, p)?;
+        Ok(y)
+    }
+
+    /// [`qkv`](Self::qkv), then [`rope`](Self::rope) of q `(n, n_heads * d_head)`
+    /// and k `(n, n_kv_heads * d_head)` (a layer without QK norm); the numbers of
+    /// those calls, which is the default body ([`qkv_rope_unfused`]; the CUDA
+    /// default route runs q and k through [`matmul_rope`](Self::matmul_rope)).
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_rope(
+        &self,
+        h: &Self::Act,
+        w: [&Self::Matrix; 3],
+        bias: Option<&[Self::Vector; 3]>,
+        n_heads: usize,
+        n_kv_heads: usize,
+        d_head: usize,
+        rows: PassRows,
+        p: &RopeParams,
+    ) -> Result<[Self::Act; 3]> {
+        qkv_rope_unfused(self, h, w, bias, [n_heads, n_kv_heads], d_head, rows, p)
+    }
 
     /// For each window `s` of the pass: writes its rows of `k` `(n, n_kv_heads
     /// * d_head)` and `v` `(n, n_kv_heads * d_head_v)` to slot `s` of

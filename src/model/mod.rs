@@ -621,13 +621,21 @@ fn attend<B: Backend>(
 ) -> Result<B::Act> {
     let fail = || format!("layer {l}");
     // (n, n_heads * d_head), (n, n_kv_heads * d_head), (n, n_kv_heads * d_head_v)
-    let [mut q, mut k, v] = b.qkv(h, [&layer.wq, &layer.wk, &layer.wv], layer.bias.as_ref()).with_context(fail)?;
-    if let Some([nq, nk]) = &layer.qk_norm {
-        b.rms_norm_heads(&mut q, nq, hp.d_head, hp.rms_eps).with_context(fail)?;
-        b.rms_norm_heads(&mut k, nk, hp.d_head, hp.rms_eps).with_context(fail)?;
-    }
-    b.rope(&mut q, hp.n_heads, hp.d_head, rows, &layer.rope).with_context(fail)?;
-    b.rope(&mut k, hp.n_kv_heads, hp.d_head, rows, &layer.rope).with_context(fail)?;
+    let w = [&layer.wq, &layer.wk, &layer.wv];
+    let [q, k, v] = match &layer.qk_norm {
+        // RoPE straight after the projections: one seam, so a backend can rotate
+        // in the GEMM's epilogue.
+        None => b.qkv_rope(h, w, layer.bias.as_ref(), hp.n_heads, hp.n_kv_heads, hp.d_head, rows, &layer.rope).with_context(fail)?,
+        // QK norm (gemma3, qwen3) sits between the projections and RoPE.
+        Some([nq, nk]) => {
+            let [mut q, mut k, v] = b.qkv(h, w, layer.bias.as_ref()).with_context(fail)?;
+            b.rms_norm_heads(&mut q, nq, hp.d_head, hp.rms_eps).with_context(fail)?;
+            b.rms_norm_heads(&mut k, nk, hp.d_head, hp.rms_eps).with_context(fail)?;
+            b.rope(&mut q, hp.n_heads, hp.d_head, rows, &layer.rope).with_context(fail)?;
+            b.rope(&mut k, hp.n_kv_heads, hp.d_head, rows, &layer.rope).with_context(fail)?;
+            [q, k, v]
+        }
+    };
     // (n, n_heads * d_head_v)
     let mut a = b.attention(cache, l, &q, &k, &v, rows, &layer.attn).with_context(fail)?;
     if let Some(gate) = &layer.gate {

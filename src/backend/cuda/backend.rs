@@ -61,7 +61,10 @@
 //! RMSNorm instead ([`Backend::add_rms_norm`], `add_rmsnorm_dual`: the bits of
 //! `add_f32` then `rmsnorm_dual`). RoPE reads (cos, sin) from one table per
 //! set of frequencies, built once by `rope_table_f32` with `rope_f32`'s f64
-//! expression and kept for every layer and pass. The LM head
+//! expression and kept for every layer and pass; on the wgmma GEMM, the q and k
+//! projections of a layer without QK norm rotate in the GEMM's epilogue
+//! ([`Backend::qkv_rope`], `ops::matmul_rope_bf16`: the bits of the GEMM then
+//! `rope_tabled_f32`, no f32 round trip; `ops::gemm_rope_fits` says when). The LM head
 //! multiplies the final-normed rows with the head like any matmul of the
 //! route (bf16 on the tensor cores, or f32 FFMA) into f32 logits, reduced on
 //! the GPU with an f64 sum of exponentials. Weights stay in their stored block format
@@ -269,6 +272,23 @@ struct RopeTable {
     key: [u64; 7],
     n_pos: usize,
     table: DeviceBuffer<f32>,
+}
+
+/// The kernels' RoPE parameters of a `rope` call on `n_heads` heads of `d_head`.
+fn rope_params(n_heads: usize, d_head: usize, p: &RopeParams) -> ops::RopeParams {
+    ops::RopeParams {
+        n_heads,
+        d_head,
+        n_rot: p.rope_dim,
+        mode: match p.style {
+            RopeStyle::Normal => ops::RopeMode::Normal,
+            RopeStyle::Neox => ops::RopeMode::Neox,
+        },
+        freq_base: p.base,
+        // The seam divides the position by `scale`; the kernel multiplies by freq_scale.
+        freq_scale: 1.0 / p.scale,
+        yarn: p.yarn,
+    }
 }
 
 /// The frequencies of `p` as a table key: every input of the table's expression.
@@ -886,19 +906,7 @@ impl Backend for CudaBackend {
         if p.rope_dim == 0 || x.n_rows == 0 {
             return Ok(());
         }
-        let params = ops::RopeParams {
-            n_heads,
-            d_head,
-            n_rot: p.rope_dim,
-            mode: match p.style {
-                RopeStyle::Normal => ops::RopeMode::Normal,
-                RopeStyle::Neox => ops::RopeMode::Neox,
-            },
-            freq_base: p.base,
-            // The seam divides the position by `scale`; the kernel multiplies by freq_scale.
-            freq_scale: 1.0 / p.scale,
-            yarn: p.yarn,
-        };
+        let params = rope_params(n_heads, d_head, p);
         let n_cols = x.n_cols;
         let n_rows = x.n_rows;
         let max_pos = rows.pos0 + rows.n_tokens - 1;
@@ -908,6 +916,59 @@ impl Backend for CudaBackend {
         self.with_positions(rows.pos0, rows.n_tokens, |pos| {
             ops::rope_tabled(&self.dev, xv, n_cols, n_rows, pos, max_pos, t.table.view(), &params)
         })
+    }
+
+    fn matmul_rope(&self, x: &CudaAct, w: &CudaMatrix, n_heads: usize, d_head: usize, rows: PassRows, p: &RopeParams) -> Result<CudaAct> {
+        let params = rope_params(n_heads, d_head, p);
+        let fused = self.bf16_matmul_inputs()
+            && p.rope_dim > 0
+            && p.scale > 0.0
+            && x.n_rows == rows.n_rows()
+            && x.n_cols == w.q.n_cols
+            && w.q.n_rows == n_heads * d_head
+            && ops::gemm_rope_fits(&self.dev, x.n_rows, &params);
+        if !fused {
+            let mut y = self.matmul(x, w)?;
+            self.rope(&mut y, n_heads, d_head, rows, p)?;
+            return Ok(y);
+        }
+        let _prof = self.prof.scope(&self.dev, "matmul")?;
+        let mut y = self.new_act(x.n_rows, w.q.n_rows)?;
+        // gemm_rope_fits: the wgmma kernel, so rows (and tokens) are not 0.
+        let max_pos = rows.pos0 + rows.n_tokens - 1;
+        let mut tables = self.rope_tables.borrow_mut();
+        let t = self.rope_table(&mut tables, &params, max_pos + 1)?;
+        let mut tmp = None;
+        let xb = self.bf16_input(x, &mut tmp)?;
+        let yv = y.f32_mut("matmul_rope")?.view_mut();
+        self.with_positions(rows.pos0, rows.n_tokens, |pos| {
+            ops::matmul_rope_bf16(&self.dev, xb, x.n_rows, &w.q, yv, pos, max_pos, t.table.view(), &params)
+        })
+        .with_context(|| format!("matmul_rope {}", w.name))?;
+        Ok(y)
+    }
+
+    fn qkv_rope(
+        &self,
+        h: &CudaAct,
+        w: [&CudaMatrix; 3],
+        bias: Option<&[DeviceBuffer<f32>; 3]>,
+        n_heads: usize,
+        n_kv_heads: usize,
+        d_head: usize,
+        rows: PassRows,
+        p: &RopeParams,
+    ) -> Result<[CudaAct; 3]> {
+        // The stacked QKV GEMM (when on) and a bias (added after the product, before
+        // RoPE) keep the unfused order.
+        let widths = [w[0].q.n_rows, w[1].q.n_rows, w[2].q.n_rows];
+        let stacked = self.fuse_qkv && self.bf16_matmul_inputs() && ops::qkv_fusable(&self.dev, h.n_rows, widths);
+        if stacked || bias.is_some() {
+            return crate::backend::qkv_rope_unfused(self, h, w, bias, [n_heads, n_kv_heads], d_head, rows, p);
+        }
+        let q = self.matmul_rope(h, w[0], n_heads, d_head, rows, p)?;
+        let k = self.matmul_rope(h, w[1], n_kv_heads, d_head, rows, p)?;
+        Ok([q, k, self.matmul(h, w[2])?])
     }
 
     fn attention(
@@ -1260,7 +1321,8 @@ impl Backend for CudaBackend {
                          f32 reduce-add: the bits of the GEMM then add_f32) and the norm after it, read only by matmuls, in bf16 alone \
                          (rmsnorm_bf16: rmsnorm_dual's bf16 bits); with post norms (gemma3) the add folded into the next RMSNorm \
                          (add_rmsnorm_dual, the bits of add_f32 then rmsnorm_dual; the last layer's add a separate add_f32); RoPE's (cos, sin) from one table per \
-                         base and scale (rope_table_f32, the same f64 expression as rope_f32), the rotation reading it",
+                         base and scale (rope_table_f32, the same f64 expression as rope_f32), the rotation reading it, for q and k \
+                         (no QK norm, no bias, heads of 16-256 a power of two) in the wgmma GEMM's epilogue (gemm_bf16_wgmma rope_*)",
                         ops::GEMM_WGMMA_MIN_M,
                         ops::GEMM_WGMMA_MIN_N,
                         if self.fuse_qkv && self.dev.has_function(ops::GEMM_QKV_KERNEL) {

@@ -700,6 +700,15 @@ struct GemmParams {
     accumulate: i32,
     /// 1: the epilogue through shared memory and TMA stores (GemmEpilogue::TmaStore).
     store_tma: i32,
+    /// RoPE in the epilogue ([`GemmRope`]; rope_n_rot 0: none): the (n_pos, n_rot/2)
+    /// (cos, sin) table and the (rope_n_per_seq) positions.
+    rope_table: u64,
+    rope_pos: u64,
+    rope_n_per_seq: i32,
+    rope_d_head: i32,
+    rope_n_rot: i32,
+    /// 0 normal, 2 neox (rope_mode_arg).
+    rope_mode: i32,
 }
 const _: () = assert!(size_of::<GemmParams>() == 512 && align_of::<GemmParams>() == 128);
 // SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
@@ -829,7 +838,7 @@ pub fn matmul_bf16_with(
 fn matmul_bf16_raw(dev: &CudaDevice, kernel: MatmulKernel, xp: u64, x_len: usize, m: usize, w: &QuantMatrix, y: DevViewMut<f32>, ldy: usize) -> Result<()> {
     match kernel {
         MatmulKernel::MmaSync => matmul_portable(dev, "bf16", xp, x_len, m, w, y, ldy),
-        MatmulKernel::Wgmma => wgmma_with_scratch(dev, GemmEpilogue::from_env(), GemmDequant::from_env(), xp, x_len, m, w, y, ldy, false),
+        MatmulKernel::Wgmma => wgmma_with_scratch(dev, GemmEpilogue::from_env(), GemmDequant::from_env(), xp, x_len, m, w, y, ldy, false, None),
     }
 }
 
@@ -848,12 +857,13 @@ pub fn matmul_wgmma_with(
     ldy: usize,
     accumulate: bool,
 ) -> Result<()> {
-    wgmma_with_scratch(dev, epilogue, dequant, x.ptr(), x.len(), m, w, y, ldy, accumulate)
+    wgmma_with_scratch(dev, epilogue, dequant, x.ptr(), x.len(), m, w, y, ldy, accumulate, None)
 }
 
 /// The wgmma GEMM of x (m, K) bf16 at `xp` with W, a block-quantized W first
 /// dequantized to a bf16 scratch (or, `GemmDequant::Producer` where it fits, inside
-/// the GEMM); `accumulate`: y += the product.
+/// the GEMM); `accumulate`: y += the product; `rope`: RoPE in the epilogue (the
+/// caller checked `gemm_rope_fits`; not with `accumulate`, nor the producer dequant).
 #[allow(clippy::too_many_arguments)]
 fn wgmma_with_scratch(
     dev: &CudaDevice,
@@ -866,20 +876,22 @@ fn wgmma_with_scratch(
     y: DevViewMut<f32>,
     ldy: usize,
     accumulate: bool,
+    rope: Option<&GemmRope>,
 ) -> Result<()> {
     check_matmul_shapes("matmul (wgmma)", x_len, xp, m, w, &y, ldy)?;
+    ensure!(rope.is_none() || !accumulate, "matmul (wgmma): RoPE in the epilogue of an accumulating GEMM");
     if m == 0 || w.n_rows == 0 {
         return Ok(());
     }
     if w.format == TensorFormat::Bf16 {
-        return gemm_wgmma(dev, epilogue, xp, m, w.data.view().ptr(), w.n_rows, w.n_cols, y, ldy, accumulate);
+        return gemm_wgmma(dev, epilogue, xp, m, w.data.view().ptr(), w.n_rows, w.n_cols, y, ldy, accumulate, rope);
     }
-    if dequant == GemmDequant::Producer && gemm_producer_dequant_fits(dev, w) {
+    if rope.is_none() && dequant == GemmDequant::Producer && gemm_producer_dequant_fits(dev, w) {
         return gemm_q4_0_wgmma(dev, xp, m, w, y, ldy, accumulate);
     }
     let mut scratch = dev.alloc_uninit::<bf16>(w.n_rows * w.n_cols)?;
     dequant_bf16(dev, w, scratch.view_mut())?;
-    gemm_wgmma(dev, epilogue, xp, m, scratch.view().ptr(), w.n_rows, w.n_cols, y, ldy, accumulate)
+    gemm_wgmma(dev, epilogue, xp, m, scratch.view().ptr(), w.n_rows, w.n_cols, y, ldy, accumulate, rope)
     // `scratch` is freed in stream order, after the GEMM that reads it.
 }
 
@@ -1077,13 +1089,108 @@ pub fn matmul_add_bf16(dev: &CudaDevice, x: DevView<bf16>, m: usize, w: &QuantMa
     let n = w.n_rows;
     ensure!(y.len() == m * n, "matmul_add: y has {} elements, m * N = {m} * {n}", y.len());
     match bf16_kernel_for(dev, m, n) {
-        MatmulKernel::Wgmma => wgmma_with_scratch(dev, GemmEpilogue::from_env(), GemmDequant::from_env(), x.ptr(), x.len(), m, w, y, n, true),
+        MatmulKernel::Wgmma => wgmma_with_scratch(dev, GemmEpilogue::from_env(), GemmDequant::from_env(), x.ptr(), x.len(), m, w, y, n, true, None),
         MatmulKernel::MmaSync => {
             let mut t = dev.alloc_uninit::<f32>(m * n)?;
             matmul_portable(dev, "bf16", x.ptr(), x.len(), m, w, t.view_mut(), n)?;
             add_inplace(dev, y, t.view())
         }
     }
+}
+
+/// RoPE in the plain wgmma GEMM's epilogue, as the kernel takes it (GemmParams'
+/// rope_* fields): the (cos, sin) table and positions of `rope_tabled`.
+#[derive(Debug, Clone, Copy)]
+struct GemmRope {
+    table: u64,
+    pos: u64,
+    n_per_seq: usize,
+    d_head: usize,
+    n_rot: usize,
+    /// `rope_mode_arg`.
+    mode: i32,
+}
+
+/// Whether `matmul_rope_bf16` rotates in the GEMM's epilogue for an x of `m` rows
+/// and `p` (N = n_heads * d_head); otherwise it runs `matmul` then `rope_tabled`.
+/// The rule: the wgmma kernel (`bf16_kernel_for`; mma.sync has no such epilogue);
+/// whole heads in the 256-column tile (d_head a power of two, 16 to 256, so a
+/// tile's first column starts a head); n_rot even, 0 < n_rot <= d_head; neox: a
+/// pair (i, i + n_rot/2) sits in one thread's accumulators n_rot/16 column blocks
+/// apart, a compile-time offset, so n_rot a power of two from 16 (16, 32, ..., 256).
+/// Normal pairs (2i, 2i + 1) are always in one thread.
+pub fn gemm_rope_fits(dev: &CudaDevice, m: usize, p: &RopeParams) -> bool {
+    let n = p.n_heads * p.d_head;
+    let heads = p.d_head.is_power_of_two() && (16..=GEMM_BN).contains(&p.d_head);
+    let rot = p.n_rot > 0 && p.n_rot % 2 == 0 && p.n_rot <= p.d_head;
+    let pairs = match p.mode {
+        RopeMode::Normal => true,
+        RopeMode::Neox => p.n_rot.is_power_of_two() && p.n_rot >= 16,
+    };
+    n > 0 && heads && rot && pairs && bf16_kernel_for(dev, m, n) == MatmulKernel::Wgmma
+}
+
+/// y = x · Wᵀ, then RoPE of each head of every row, the rotation of `rope_tabled`
+/// (row t at position pos[t % pos.len()], (cos, sin) from `table`, built by
+/// `rope_table` for `p` over at least `max_pos + 1` positions): x (m, K) bf16, W
+/// (n_heads * d_head, K), y (m, n_heads * d_head) f32 contiguous. Where
+/// `gemm_rope_fits`, on the wgmma GEMM's accumulators in its epilogue (no f32 round
+/// trip: the same bits, rope.cu's expression on the same f32 products); otherwise
+/// `matmul` then `rope_tabled`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_rope_bf16(
+    dev: &CudaDevice,
+    x: DevView<bf16>,
+    m: usize,
+    w: &QuantMatrix,
+    y: DevViewMut<f32>,
+    pos: DevView<i32>,
+    max_pos: usize,
+    table: DevView<f32>,
+    p: &RopeParams,
+) -> Result<()> {
+    matmul_rope_bf16_with(dev, GemmEpilogue::from_env(), x, m, w, y, pos, max_pos, table, p)
+}
+
+/// `matmul_rope_bf16` with a chosen wgmma epilogue (tests compare both).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_rope_bf16_with(
+    dev: &CudaDevice,
+    epilogue: GemmEpilogue,
+    x: DevView<bf16>,
+    m: usize,
+    w: &QuantMatrix,
+    mut y: DevViewMut<f32>,
+    pos: DevView<i32>,
+    max_pos: usize,
+    table: DevView<f32>,
+    p: &RopeParams,
+) -> Result<()> {
+    let n = p.n_heads * p.d_head;
+    ensure!(
+        w.n_rows == n,
+        "matmul_rope: the weight has {} rows, n_heads * d_head = {} * {}",
+        w.n_rows,
+        p.n_heads,
+        p.d_head
+    );
+    ensure!(y.len() == m * n, "matmul_rope: y has {} elements, m * N = {m} * {n}", y.len());
+    if !gemm_rope_fits(dev, m, p) {
+        matmul::<bf16>(dev, x, m, w, y.slice_mut(0..m * n)?, n)?;
+        return rope_tabled(dev, y, n, m, pos, max_pos, table, p);
+    }
+    // rope_tabled's checks, for the epilogue's reads.
+    let n_per_seq = pos.len();
+    ensure!(n_per_seq > 0 && m % n_per_seq == 0, "matmul_rope: {m} rows are not whole windows of {n_per_seq} positions");
+    ensure!(
+        table.len() % p.n_rot == 0 && table.len() / p.n_rot > max_pos,
+        "matmul_rope: the (cos, sin) table covers {} positions of {} pairs, position {max_pos} is needed",
+        table.len() / p.n_rot,
+        p.n_rot / 2
+    );
+    ensure!(table.ptr() % 8 == 0, "matmul_rope: the (cos, sin) table is not 8-byte aligned");
+    let rope = GemmRope { table: table.ptr(), pos: pos.ptr(), n_per_seq, d_head: p.d_head, n_rot: p.n_rot, mode: rope_mode_arg(p.mode) };
+    wgmma_with_scratch(dev, epilogue, GemmDequant::from_env(), x.ptr(), x.len(), m, w, y, n, false, Some(&rope))
 }
 
 /// The mma.sync (bf16) or FFMA (f32) kernel of kernels/matmul.cu; `route` is "bf16" or "f32".
@@ -1256,11 +1363,12 @@ fn gemm_wgmma(
     y: DevViewMut<f32>,
     ldy: usize,
     accumulate: bool,
+    rope: Option<&GemmRope>,
 ) -> Result<()> {
     // TMA stores: 64 x 32 f32 boxes, rows of ldy f32 a multiple of 16 bytes.
     let tma = epilogue == GemmEpilogue::TmaStore && gemm_tma_store_fits(y.ptr(), ldy * 4, n * 4);
     let b = tensor_map_bf16(wp, n, k, GEMM_BN as u32)?;
-    gemm_wgmma_launch(dev, GEMM_WGMMA_KERNEL, GEMM_EPI_SMEM_BYTES, b, tma, xp, m, n, k, y, ldy, accumulate)
+    gemm_wgmma_launch(dev, GEMM_WGMMA_KERNEL, GEMM_EPI_SMEM_BYTES, b, tma, xp, m, n, k, y, ldy, accumulate, rope)
 }
 
 /// y = x · Wᵀ (or y += it) on gemm_q4_0_wgmma: x (m, k) bf16 at `xp`, W's stored Q4_0
@@ -1268,11 +1376,12 @@ fn gemm_wgmma(
 /// the caller checked); direct stores.
 fn gemm_q4_0_wgmma(dev: &CudaDevice, xp: u64, m: usize, w: &QuantMatrix, y: DevViewMut<f32>, ldy: usize, accumulate: bool) -> Result<()> {
     let b = tensor_map_q4_0_raw(w)?;
-    gemm_wgmma_launch(dev, GEMM_Q4_0_KERNEL, GEMM_RAW_SMEM_BYTES, b, false, xp, m, w.n_rows, w.n_cols, y, ldy, accumulate)
+    gemm_wgmma_launch(dev, GEMM_Q4_0_KERNEL, GEMM_RAW_SMEM_BYTES, b, false, xp, m, w.n_rows, w.n_cols, y, ldy, accumulate, None)
 }
 
 /// Launches the plain wgmma GEMM `name` (gemm_bf16_wgmma, or gemm_q4_0_wgmma with `b` over
-/// the stored blocks) with `smem` bytes of dynamic shared memory; `tma`: the TMA-store epilogue.
+/// the stored blocks) with `smem` bytes of dynamic shared memory; `tma`: the TMA-store
+/// epilogue; `rope`: RoPE in the epilogue (`gemm_rope_fits`, checked by the callers).
 #[allow(clippy::too_many_arguments)]
 fn gemm_wgmma_launch(
     dev: &CudaDevice,
@@ -1287,6 +1396,7 @@ fn gemm_wgmma_launch(
     y: DevViewMut<f32>,
     ldy: usize,
     accumulate: bool,
+    rope: Option<&GemmRope>,
 ) -> Result<()> {
     let f = wgmma_func_with(dev, name, smem)?;
     let params = GemmParams {
@@ -1301,6 +1411,12 @@ fn gemm_wgmma_launch(
         y_pairs: i32::from(ldy % 2 == 0 && y.ptr() % 8 == 0),
         accumulate: i32::from(accumulate),
         store_tma: i32::from(tma),
+        rope_table: rope.map_or(0, |r| r.table),
+        rope_pos: rope.map_or(0, |r| r.pos),
+        rope_n_per_seq: rope.map_or(Ok(0), |r| i32_of(r.n_per_seq, "positions"))?,
+        rope_d_head: rope.map_or(Ok(0), |r| i32_of(r.d_head, "d_head"))?,
+        rope_n_rot: rope.map_or(Ok(0), |r| i32_of(r.n_rot, "n_rot"))?,
+        rope_mode: rope.map_or(0, |r| r.mode),
     };
     // Persistent: one block per SM (its shared memory allows no second), each looping over tiles.
     let grid = wgmma_grid(dev, name, m.div_ceil(GEMM_BM) * n.div_ceil(GEMM_BN))?;
@@ -1309,7 +1425,9 @@ fn gemm_wgmma_launch(
     // SAFETY: `params` mirrors GemmParams of kernels/common.cuh (size asserted); the tensor maps
     // cover x (m, k) and W (n, k) as bf16, or W's n rows of stored Q4_0 blocks for
     // gemm_q4_0_wgmma (K % 256 == 0: gemm_producer_dequant_fits), which the callers checked; y
-    // covers (m, ldy) with ldy >= n, and so does y_map (16-byte aligned, checked) when store_tma is 1.
+    // covers (m, ldy) with ldy >= n, and so does y_map (16-byte aligned, checked) when store_tma is 1;
+    // with rope_n_rot > 0 the table covers every position of rope_pos and the heads fit the tile
+    // (matmul_rope_bf16 checked both).
     unsafe { lb.launch(cfg((grid, 1, 1), GEMM_THREADS, smem as u32)) }.map_err(|e| launch_err(name, e))?;
     Ok(())
 }
@@ -1655,7 +1773,7 @@ impl AttnKernel {
     }
     /// Whether kernel v3 runs this case: the sm_90a module is loaded (a compute
     /// capability 9.0 device, nvcc present at build time), a cache of one of
-    /// [`ATTN_V3_KV`] (bf16, fp8, int8, k8v4), d_head 64 or 128.
+    /// [`ATTN_V3_KV`] (bf16 and every quantized format), d_head 64 or 128.
     pub fn covers(dev: &CudaDevice, kv: &str, d_head: usize) -> bool {
         ATTN_V3_KV.contains(&kv) && ATTN_V3_HEAD_DIMS.contains(&d_head) && dev.has_function(&attn_v3_name(d_head, kv, "f32"))
     }
@@ -1679,7 +1797,7 @@ impl AttnKernel {
                  rounding (V)), tile n + 1 between tile n's MMAs, 8 warps per block for a quantized cache up to \
                  d_head 128; Hadamard-rotated \
                  K: q rotated (f32) in the kernel before its rounding; rotated V: the output rotated back (f32); \
-                 on a compute capability 9.0 device a cache of ops::ATTN_V3_DEFAULT_KV (bf16, fp8, int8) at the head sizes of \
+                 on a compute capability 9.0 device a cache of ops::ATTN_V3_DEFAULT_KV (bf16 and every quantized format) at the head sizes of \
                  ops::ATTN_V3_DEFAULT_HEAD_DIMS runs kernel v3 (attn_wgmma) instead"
             }
             Self::V3 => {
@@ -1687,10 +1805,11 @@ impl AttnKernel {
                  consumer warpgroups, S = Q·Kᵀ with Q and K from 128-byte-swizzled shared memory, P from \
                  registers for P·V, 128-key K/V stages filled by TMA from a producer warp through mbarriers, \
                  a persistent grid of one block per SM walking the query tiles longest first); v2's numerics \
-                 (q and P rounded to bf16, f32 scores, softmax and accumulation); a bf16 cache, or fp8 / int8 / \
-                 k8v4 rows brought raw by TMA and decoded by the producer warpgroup into the same bf16 stages \
-                 (src/kv's decode, code * scale, rounded to bf16; rotated K: q rotated (f32) before its \
-                 rounding; rotated V: the output rotated back (f32)); d_head 64/128"
+                 (q and P rounded to bf16, f32 scores, softmax and accumulation); a bf16 cache, or the rows of a \
+                 quantized one (fp8, int8, k8v4, nvfp4, k4v2, vq2) brought raw by TMA and decoded by the \
+                 producer warpgroup into the same bf16 stages (src/kv's decode, code * scale, rounded to bf16; \
+                 rotated K: q rotated (f32) before its rounding; rotated V: the output rotated back (f32)); \
+                 d_head 64/128"
             }
         }
     }
@@ -1747,14 +1866,42 @@ pub const ATTN_V3_DEFAULT_HEAD_DIMS: &[usize] = &[64, 128];
 /// (batched decode loads, two raw K stages; 2026-12-02 02:31 UTC, same call, v3 bf16 /
 /// fp8 / int8): ctx 4096 d 128 416.1 / 323.5 / 312.3, d 64 298.4 / 261.9 / 255.2
 /// (docs/performance.md, "Issue 11/12: quantized attention speed on v3 (attn6)").
-pub const ATTN_V3_DEFAULT_KV: &[&str] = &["bf16", "fp8", "int8"];
+/// k8v4 (attn7: v3 294.1 / 241.6 against v2 148.6 / 114.8 at ctx 4096, d 128 / 64),
+/// nvfp4, k4v2 and vq2 since v3q8, whose device calls (2026-12-02 11:00 and 11:15 UTC)
+/// passed their parity cases and the tiny models end to end on this route, v3 / v2 at
+/// ctx 4096 d 128 / d 64: nvfp4 256.9 / 164.1, 208.5 / 110.5; k4v2 283.4 / 169.9, 227.1
+/// / 121.2; vq2 244.4 / 136.3, 207.0 / 115.1 (docs/performance.md, "Issue 11: nvfp4,
+/// k4v2, vq2 on v3 (v3q8)").
+pub const ATTN_V3_DEFAULT_KV: &[&str] = &["bf16", "fp8", "int8", "k8v4", "nvfp4", "k4v2", "vq2"];
 
 /// Head sizes of kernel v3 (`attn_wgmma_d<D>_<kv>_<out>`).
 const ATTN_V3_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Caches kernel v3 reads: bf16 (TMA into the swizzled stages) and, decoded by its
-/// producer warpgroup, the formats whose K rows are one byte per element and one f32
-/// scale per row: fp8, int8 (V alike) and k8v4 (V int4 in groups of 32).
-pub const ATTN_V3_KV: &[&str] = &["bf16", "fp8", "int8", "k8v4"];
+/// producer warpgroup, every quantized format (kv::KvFormat::name): fp8, int8, k8v4
+/// (since attn7), nvfp4, k4v2, vq2 (since v3q8); the stored rows of
+/// [`attn_v3_coded_row_bytes`].
+pub const ATTN_V3_KV: &[&str] = &["bf16", "fp8", "int8", "k8v4", "nvfp4", "k4v2", "vq2"];
+/// Bytes of the stored K and V rows kernel v3's producer decodes for a quantized cache
+/// `kv` at `d_head` (the `bytes(D)` of the row structs in kernels/attention_sm90a.cu:
+/// RowBytes, RowInt4G32, RowInt2G32, RowNvfp4, RowVq2), or None for a cache it does not
+/// decode. The same as src/kv's `RowCodec::row_bytes` (tests: `v3_rows_are_src_kv_rows`).
+pub fn attn_v3_coded_row_bytes(kv: &str, d_head: usize) -> Option<(usize, usize)> {
+    let d = d_head;
+    let r16 = |n: usize| n.div_ceil(16) * 16;
+    let byte = r16(d + 4); // d one-byte codes, the f32 row scale
+    let int4 = r16(d / 2 + 4 * (d / 32)); // d/2 bytes of nibbles, d/32 f32 group scales
+    let int2 = r16(d / 4 + 4 * (d / 32)); // d/4 bytes of 2-bit codes, d/32 f32 group scales
+    let nvfp4 = r16(d / 2 + 4 + d / 16); // d/2 bytes of nibbles, the f32 row scale, d/16 E4M3 block scales
+    let vq2 = r16(d / 4 + 4); // d/4 codeword indices, the f32 RMS
+    Some(match kv {
+        "fp8" | "int8" => (byte, byte),
+        "k8v4" => (byte, int4),
+        "nvfp4" => (nvfp4, nvfp4),
+        "k4v2" => (int4, int2),
+        "vq2" => (vq2, vq2),
+        _ => return None,
+    })
+}
 /// Whether kernel v3 folds the row scale of a coded cache's K rows (one-byte codes) into
 /// S's columns as kernel v2 does, its K tile holding the exact code values
 /// (kernels/attention_sm90a.cu `FOLD_K`), rather than rounding code * scale to bf16.
@@ -1780,11 +1927,12 @@ fn attn_v3_name(d_head: usize, kv: &str, out: &str) -> String {
 /// the stages of K and of V (BN x d_head bf16 each), 4 mbarriers per stage; a coded
 /// cache (`raw_row_bytes` = the stored rows' bytes, K's and V's) adds two raw stages
 /// of BN stored K rows and one of V rows, four mbarriers, and K's column factors (one
-/// f32 per key) for each bf16 K stage.
-fn attn_v3_smem_bytes(d_head: usize, raw_row_bytes: Option<(usize, usize)>) -> usize {
+/// f32 per key) for each bf16 K stage; `book` (vq2) the codebook's 256 x 4 f32.
+fn attn_v3_smem_bytes(d_head: usize, raw_row_bytes: Option<(usize, usize)>, book: bool) -> usize {
     let st = attn_v3_stages(d_head);
     let raw = raw_row_bytes.map_or(0, |(kb, vb)| ATTN_V3_BN * (2 * kb + vb) + 4 * 8 + st * ATTN_V3_BN * 4);
-    1024 + ATTN_V3_BM * d_head * 2 + 2 * st * ATTN_V3_BN * d_head * 2 + 4 * st * 8 + raw
+    let book_bytes = if book { crate::kv::vq::N_CODES * crate::kv::vq::DIM * 4 } else { 0 };
+    1024 + ATTN_V3_BM * d_head * 2 + 2 * st * ATTN_V3_BN * d_head * 2 + 4 * st * 8 + raw + book_bytes
 }
 
 /// `AttnWgmmaArgs` of kernels/common.cuh (attn_wgmma_*'s one `__grid_constant__` parameter).
@@ -1821,6 +1969,9 @@ struct AttnWgmmaCodedArgs {
     a: AttnWgmmaArgs,
     /// Bit 0: K rows Hadamard-rotated; bit 1: V rows.
     rot: i32,
+    pad_: i32,
+    /// vq2's codebook (256 x 4 f32), or 0.
+    book: u64,
 }
 const _: () = assert!(size_of::<AttnWgmmaCodedArgs>() == 512);
 // SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
@@ -1954,8 +2105,9 @@ pub fn attention_coded<O: OutElem>(
     attention_coded_exact::<O>(dev, kernel, kv, q, k_cache, v_cache, shape, out, p, book)
 }
 
-/// [`attention_coded`] on exactly the kernel named: V2, or V3 (fp8 / int8 at d_head
-/// 64/128 on a device with the sm_90a module, else an error naming what is missing).
+/// [`attention_coded`] on exactly the kernel named: V2, or V3 (every quantized format
+/// at d_head 64/128 on a device with the sm_90a module, else an error naming what is
+/// missing).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_coded_exact<O: OutElem>(
     dev: &CudaDevice,
@@ -2119,13 +2271,13 @@ fn attention_launch<O: OutElem>(
     Ok(())
 }
 
-/// Kernel v3 (`attn_wgmma_d<D>_<kv>_<out>`, kv = bf16, fp8, int8, k8v4) for a call `attention_launch` checked
+/// Kernel v3 (`attn_wgmma_d<D>_<kv>_<out>`, kv of [`ATTN_V3_KV`]) for a call `attention_launch` checked
 /// (shapes, GQA, positions, q and out lengths).
 fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef, shape: KvShape, out: DevViewMut<O>, p: &AttnParams) -> Result<()> {
     let d = shape.d_head;
     ensure!(
         ATTN_V3_KV.contains(&cache.kv),
-        "attention kernel v3 reads a bf16, fp8, int8 or k8v4 cache ({ATTN_V3_KV:?}); a {} cache runs kernel v2",
+        "attention kernel v3 reads a bf16 or quantized cache ({ATTN_V3_KV:?}); a {} cache runs kernel v2",
         cache.kv
     );
     ensure!(ATTN_V3_HEAD_DIMS.contains(&d), "attention kernel v3: d_head {d} has no kernel (built: {ATTN_V3_HEAD_DIMS:?}); it runs kernel v2");
@@ -2137,10 +2289,14 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
     );
     ensure!(q.ptr() % 16 == 0 && p.q_stride % 4 == 0, "attention v3: q must be 16-byte aligned with a stride that is a multiple of 4");
     ensure!(out.ptr() % 8 == 0 && p.out_stride % 2 == 0, "attention v3: out must be 8-byte aligned with an even stride");
-    // A coded cache: K rows of d_head one-byte codes and an f32 scale; V rows the same,
-    // or (k8v4) d_head / 2 bytes of nibbles and d_head / 32 f32 group scales.
-    let k_row_bytes = (d + 4).div_ceil(16) * 16;
-    let v_row_bytes = if cache.kv == "k8v4" { (d / 2 + 4 * (d / 32)).div_ceil(16) * 16 } else { k_row_bytes };
+    // A coded cache: the stored rows of the kernel's row structs.
+    let (k_row_bytes, v_row_bytes) = if coded {
+        attn_v3_coded_row_bytes(cache.kv, d).with_context(|| format!("attention kernel v3: no row decoder for a {} cache", cache.kv))?
+    } else {
+        (2 * d, 2 * d)
+    };
+    let uses_book = cache.kv == "vq2";
+    ensure!(!uses_book || cache.book != 0, "attention kernel v3: a vq2 cache needs the codebook (ops::VqBook)");
     ensure!(
         !coded || (cache.k_row_bytes == k_row_bytes && cache.v_row_bytes == v_row_bytes),
         "attention kernel v3: {} rows of ({}, {}) bytes, expected ({k_row_bytes}, {v_row_bytes})",
@@ -2149,7 +2305,7 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
         cache.v_row_bytes
     );
     let f = func(dev, &name)?;
-    let smem = attn_v3_smem_bytes(d, coded.then_some((k_row_bytes, v_row_bytes)));
+    let smem = attn_v3_smem_bytes(d, coded.then_some((k_row_bytes, v_row_bytes)), uses_book);
     ensure!(
         smem <= dev.info().max_smem_per_block_bytes as usize,
         "attention: {name} needs {smem} bytes of shared memory, the device allows {}",
@@ -2187,7 +2343,7 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
     let n_items = p.n_tokens.div_ceil(ATTN_V3_BM) * p.n_heads * p.n_seqs;
     ensure!(n_items <= i32::MAX as usize, "attention: {n_items} work items exceed kernel v3's 32-bit item index");
     let grid = (n_items.min(dev.info().n_sms.max(1) as usize) as u32, 1, 1);
-    let coded_args = AttnWgmmaCodedArgs { a: args, rot: cache.rot };
+    let coded_args = AttnWgmmaCodedArgs { a: args, rot: cache.rot, pad_: 0, book: cache.book };
     let mut b = dev.stream().launch_builder(f);
     if coded {
         b.arg(&coded_args);
@@ -2198,7 +2354,8 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
     // AttnWgmmaCodedArgs (sizes asserted), the one the kernel named takes; the tensor maps
     // cover the first p.n_seqs slots' positions [0, pos0 + n_tokens) of both caches
     // (lengths checked by the callers, coded row bytes above); q and out checked by
-    // attention_launch and above; dynamic shared memory set to the kernel's need.
+    // attention_launch and above; a vq2 cache's codebook pointer checked by book_ptr (256
+    // x 4 f32, 16-byte aligned); dynamic shared memory set to the kernel's need.
     unsafe { b.launch(cfg(grid, ATTN_V3_THREADS, smem as u32)) }.map_err(|e| launch_err(&name, e))?;
     Ok(())
 }
@@ -2348,7 +2505,7 @@ pub fn lm_head<X: MatmulInput>(
             Some(wb) if wgmma_tile(rows) => {
                 let y = scratch.slice_mut(0..rows * n_vocab)?;
                 check_matmul_shapes("lm_head (wgmma)", h_tile.len(), h_tile.ptr(), rows, emb, &y, n_vocab)?;
-                gemm_wgmma(dev, GemmEpilogue::from_env(), h_tile.ptr(), rows, wb.view().ptr(), n_vocab, d_model, y, n_vocab, false)?;
+                gemm_wgmma(dev, GemmEpilogue::from_env(), h_tile.ptr(), rows, wb.view().ptr(), n_vocab, d_model, y, n_vocab, false, None)?;
             }
             _ => matmul::<X>(dev, h_tile, rows, emb, scratch.slice_mut(0..rows * n_vocab)?, n_vocab)?,
         }
