@@ -667,7 +667,8 @@ run_transformers() {
     (($# >= 3)) || die "usage: peers.sh transformers MODEL TOKENS[,TOKENS...] OUTJSON[,OUTJSON...] [BATCH]"
     local model outjson py site="${PEERS_SITE:-/tmp/site}" log status t i pairs=()
     local -a toks outs
-    model="$(resolve models "$1" .gguf)"
+    # With PEERS_TRANSFORMERS_RANDOM, MODEL only names the tokenizer of the token files: no file needed.
+    [[ -n "${PEERS_TRANSFORMERS_RANDOM:-}" ]] && model="$1" || model="$(resolve models "$1" .gguf)"
     IFS=, read -r -a toks <<<"$2"
     IFS=, read -r -a outs <<<"$3"
     local batch="${4:-}"
