@@ -347,7 +347,7 @@ one_call() {
     stash
     PEERS_JOBS="${PEERS_JOBS:-16}" $p build-llama
     synth
-    if [[ -x "$sbs/bin/gpu_ops" ]]; then
+    if [[ -x "$sbs/bin/gpu_ops" && "${SBS_SKIP_PARITY:-0}" != 1 ]]; then
         parity "${E2E_FILTER[@]}" || status=1
         note "parity exit $status at $((SECONDS - t0)) s"
     fi
@@ -378,7 +378,7 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "ours-*.json"))):
     o, t, w, e = r["results"]["overall"], r["timing"], r["workload"], r["execution"]
     line = (f"OURS {os.path.basename(path)[5:-5]:<58} PPL {o['perplexity']:>12.4f} targets {o['scored_tokens']:>7} "
             f"{t['tokens_per_second_processed']:>9,.0f} tok/s processed {t['tokens_per_second_scored']:>9,.0f} scored "
-            f"({t['scoring_seconds']:.2f} s) route {e['details'].get('route')} kv {e['kv_dtype']} "
+            f"({t['scoring_seconds']:.2f} s) route {e['details'].get('route')} kv {e.get('kv_format', e.get('kv_dtype'))} "
             f"x{e['details'].get('windows_per_pass')}")
     kl = r["results"].get("kl_divergence")
     if kl:
