@@ -107,6 +107,7 @@ impl Backend for Timed {
     type Vector = <Cpu as Backend>::Vector;
     type KvCache = <Cpu as Backend>::KvCache;
     type Recurrent = <Cpu as Backend>::Recurrent;
+    type ExpertCounts = <Cpu as Backend>::ExpertCounts;
     fn describe(&self) -> String {
         self.inner.describe()
     }
@@ -121,6 +122,12 @@ impl Backend for Timed {
     }
     fn new_kv_cache(&self, g: KvGeometry) -> Result<Self::KvCache> {
         self.inner.new_kv_cache(g)
+    }
+    fn new_expert_counts(&self, n_experts: usize) -> Result<Self::ExpertCounts> {
+        self.inner.new_expert_counts(n_experts)
+    }
+    fn read_expert_counts(&self, c: &Self::ExpertCounts) -> Result<Vec<u64>> {
+        self.inner.read_expert_counts(c)
     }
     fn embed(&self, t: &Self::Matrix, tokens: &[u32], scale: f64) -> Result<Self::Act> {
         self.time("embed", || self.inner.embed(t, tokens, scale))

@@ -724,7 +724,7 @@ pub struct ExecutionSpec {
     /// effective rotation of K and V is in [`ExecutionSpec::kv_k`] /
     /// [`ExecutionSpec::kv_v`] (the report's codec names end in `+hadamard`).
     /// Absent in reports written before it existed: `auto`.
-    #[serde(default, serialize_with = "serialize_rotation", deserialize_with = "deserialize_rotation")]
+    #[serde(default, serialize_with = "serialize_name", deserialize_with = "deserialize_name")]
     pub kv_rotation: KvRotation,
     /// Forced fast paths (`--fast-path`), by name.
     pub fast_paths: Vec<String>,
@@ -748,20 +748,18 @@ pub struct PrefillChunk {
     pub effective: usize,
 }
 
-fn serialize_name<S: serde::Serializer>(f: &KvFormat, s: S) -> std::result::Result<S::Ok, S::Error> {
-    s.serialize_str(f.name())
+/// A setting written by its flag name (`KvFormat`, `KvRotation`: `Display` is the name).
+fn serialize_name<T: std::fmt::Display, S: serde::Serializer>(v: &T, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.collect_str(v)
 }
 
-fn deserialize_name<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<KvFormat, D::Error> {
-    let name = <String as serde::Deserialize>::deserialize(d)?;
-    name.parse().map_err(serde::de::Error::custom)
-}
-
-fn serialize_rotation<S: serde::Serializer>(r: &KvRotation, s: S) -> std::result::Result<S::Ok, S::Error> {
-    s.serialize_str(r.name())
-}
-
-fn deserialize_rotation<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<KvRotation, D::Error> {
+/// A setting read back from its flag name (`FromStr`).
+fn deserialize_name<'de, T, D>(d: D) -> std::result::Result<T, D::Error>
+where
+    T: std::str::FromStr,
+    T::Err: std::fmt::Display,
+    D: serde::Deserializer<'de>,
+{
     let name = <String as serde::Deserialize>::deserialize(d)?;
     name.parse().map_err(serde::de::Error::custom)
 }
