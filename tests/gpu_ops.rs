@@ -2585,13 +2585,23 @@ fn delta_inputs(rng: &mut ChaCha8Rng, c: &DeltaCase) -> (infernix_perplexity::ba
 /// in passes `[bounds[i], bounds[i + 1])`, carrying the recurrent state.
 /// -> outputs `(n_seqs, n_tokens, n_v_heads * d_v)` and the final states.
 trait DeltaPasses {
+    fn try_run(
+        &self,
+        d: &DeltaInputs,
+        p: &infernix_perplexity::backend::DeltaNetParams,
+        c: &DeltaCase,
+        bounds: &[usize],
+    ) -> anyhow::Result<(Vec<f32>, Vec<infernix_perplexity::backend::RecurrentState>)>;
+
     fn run(
         &self,
         d: &DeltaInputs,
         p: &infernix_perplexity::backend::DeltaNetParams,
         c: &DeltaCase,
         bounds: &[usize],
-    ) -> (Vec<f32>, Vec<infernix_perplexity::backend::RecurrentState>);
+    ) -> (Vec<f32>, Vec<infernix_perplexity::backend::RecurrentState>) {
+        self.try_run(d, p, c, bounds).unwrap()
+    }
 }
 
 /// The rows of a backend's activations from and to the host.
@@ -2619,13 +2629,13 @@ impl HostActs for infernix_perplexity::backend::cuda::CudaBackend {
 }
 
 impl<B: HostActs> DeltaPasses for B {
-    fn run(
+    fn try_run(
         &self,
         d: &DeltaInputs,
         p: &infernix_perplexity::backend::DeltaNetParams,
         c: &DeltaCase,
         bounds: &[usize],
-    ) -> (Vec<f32>, Vec<infernix_perplexity::backend::RecurrentState>) {
+    ) -> anyhow::Result<(Vec<f32>, Vec<infernix_perplexity::backend::RecurrentState>)> {
         use infernix_perplexity::artifact::TensorView;
         use infernix_perplexity::backend::{DeltaNetWeights, PassRows};
         let vector = |name: &str, v: &[f32]| {
@@ -2634,7 +2644,7 @@ impl<B: HostActs> DeltaPasses for B {
             self.load_vector(&TensorView { entry: &entry, bytes: &bytes }).unwrap()
         };
         let w = DeltaNetWeights { conv: vector("conv", &d.conv), a: vector("a", &d.a), dt_bias: vector("dt_bias", &d.dt_bias), norm: vector("norm", &d.norm) };
-        let mut states = self.new_recurrent(p, c.n_seqs).unwrap();
+        let mut states = self.new_recurrent(p, c.n_seqs)?;
         let (ch, vd) = (p.conv_channels(), p.n_v_heads * p.d_v);
         let mut out = vec![f32::NAN; c.n_seqs * c.n_tokens * vd];
         for pass in bounds.windows(2) {
@@ -2645,13 +2655,13 @@ impl<B: HostActs> DeltaPasses for B {
                 let rows_of = (0..c.n_seqs).flat_map(|s| (t0..t1).flat_map(move |t| all[(s * c.n_tokens + t) * cols..][..cols].iter().copied()));
                 self.act(rows.n_rows(), cols, rows_of.collect())
             });
-            let y = self.host(&self.delta_net(&q, &z, &ba, &w, p, &mut states, rows).unwrap());
+            let y = self.host(&self.delta_net(&q, &z, &ba, &w, p, &mut states, rows)?);
             for (r, row) in y.chunks_exact(vd).enumerate() {
                 let (s, t) = (r / rows.n_tokens, t0 + r % rows.n_tokens);
                 out[(s * c.n_tokens + t) * vd..][..vd].copy_from_slice(row);
             }
         }
-        (out, self.recurrent_states(&states).unwrap())
+        Ok((out, self.recurrent_states(&states)?))
     }
 }
 
@@ -2823,8 +2833,8 @@ fn delta_net_chunked_scan_against_the_cpu_oracle() {
     let c = DeltaCase { n_k_heads: 2, n_v_heads: 4, d_k: 8, d_v: 6, width: 4, n_seqs: 1, n_tokens: 5 };
     let (p, d) = delta_inputs(&mut rng, &c);
     cuda.set_delta_scan(DeltaScan::ChunkTf32);
-    let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cuda.run(&d, &p, &c, &[0, 5])));
-    assert!(e.is_err(), "d_k 8 on the chunked scan must be refused");
+    let refused = format!("{:#}", cuda.try_run(&d, &p, &c, &[0, 5]).expect_err("d_k 8 on the chunked scan must be refused"));
+    assert!(refused.contains("delta-chunk-tf32"), "{refused}");
     let msg = format!("{:#}", infernix_perplexity::backend::cuda::delta_net::chunk_supports(8, 6).unwrap_err());
     assert!(msg.contains("d_k 8, d_v 6") && msg.contains("delta-chunk-tf32"), "{msg}");
 }

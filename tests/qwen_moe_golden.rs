@@ -12,10 +12,9 @@
 use std::path::{Path, PathBuf};
 
 use infernix_perplexity::artifact::{Architecture, Artifact};
-use infernix_perplexity::backend::BackendKind;
 use infernix_perplexity::convert::gguf::GgufValue;
 use infernix_perplexity::convert::{convert, ConvertOptions};
-use infernix_perplexity::model::{load_model, TargetScore};
+use infernix_perplexity::model::TargetScore;
 use serde_json::{json, Value};
 
 #[path = "common/seeded.rs"]
