@@ -388,7 +388,7 @@ mod tests {
         if n_tokens < 2 * n_ctx || stride == 0 || n_tokens <= n_ctx {
             return None;
         }
-        let n_chunk_max = (n_tokens - n_ctx + stride - 1) / stride;
+        let n_chunk_max = (n_tokens - n_ctx).div_ceil(stride);
         let n_chunk = if n_chunks_param < 0 { n_chunk_max } else { (n_chunks_param as usize).min(n_chunk_max) };
         let mut out = Vec::new();
         for i in 0..n_chunk {

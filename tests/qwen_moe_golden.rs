@@ -336,7 +336,7 @@ fn mxfp4_banks_run_on_the_cpu_and_cuda_accepts_them_but_not_an_mxfp4_embedding()
         }
     });
     let (e_art, _, _) = score(&e_path, &tmp.path().join("mxfp4_embd.ninfer"), None);
-    let e = format!("{:#}", check_cuda_support(&e_art).err().expect("CUDA must refuse an MXFP4 embedding"));
+    let e = format!("{:#}", check_cuda_support(&e_art).expect_err("CUDA must refuse an MXFP4 embedding"));
     assert!(e.contains("token_embd.weight") && e.contains("MXFP4") && e.contains("--backend cpu"), "{e}");
 }
 

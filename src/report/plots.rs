@@ -329,7 +329,7 @@ pub fn kl_histogram(h: &KlHistogram, mean: f64, p99: Option<f64>) -> Result<Stri
             .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 16, y + 5)], POINT.mix(0.75).filled()));
         let mut marks = vec![(mean, OVERALL, format!("mean KL {}", tick(mean)))];
         if let Some(p) = p99 {
-            marks.push((p, BLACK.into(), format!("99th percentile {}", tick(p))));
+            marks.push((p, BLACK, format!("99th percentile {}", tick(p))));
         }
         for (v, color, label) in marks {
             if v > 0.0 && v.is_finite() {

@@ -72,13 +72,12 @@ pub fn markdown(kl: &KlReport, model: &str) -> String {
     let _ = writeln!(md, "# Where the KL reference comparison moved most\n");
     let _ = writeln!(
         md,
-        "Model `{}` against reference `{}` (records SHA-256 `{}`, top-{} ids). KL is {}; nats. \
+        "Model `{}` against reference `{}` (records SHA-256 `{}`, top-{} ids). KL is a lower bound of KL(reference || this run) (the reference's top-k ids plus one bucket for the rest); nats. \
          In the text, the predicted token is in **[[ ]]**; `\\n` is a newline.\n",
         cell(model),
         cell(&kl.reference.path),
         kl.reference.sha256,
         kl.reference.top_k,
-        "a lower bound of KL(reference || this run) (the reference's top-k ids plus one bucket for the rest)"
     );
     let _ = writeln!(
         md,

@@ -60,8 +60,8 @@ pub fn exp_f64(x: f64) -> f64 {
         return 0.0;
     }
     const INV_LN2: f64 = std::f64::consts::LOG2_E; // 1.4426950408889634
-    const LN2_HI: f64 = 6.93147180369123816490e-01;
-    const LN2_LO: f64 = 1.90821492927058770002e-10;
+    const LN2_HI: f64 = 6.931_471_803_691_238e-1;
+    const LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
     const C: [f64; 14] = [
         1.0,
         1.0,

@@ -392,7 +392,7 @@ pub fn scan_with(
         unsafe { b.launch(cfg((gx, gy, 1), block, smem as u32)) }.map_err(|e| launch_err(name, e))?;
         return Ok(());
     }
-    chunk_supports(dk, dv).with_context(|| format!("{name}"))?;
+    chunk_supports(dk, dv).with_context(|| name.to_string())?;
     let smem = chunk_smem_bytes(dk, dv);
     allow_smem(dev, name, smem)?;
     let gx = u32::try_from(nv * (dv / chunk_bv(dv))).context("delta_net_chunk: heads")?;
