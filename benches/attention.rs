@@ -13,7 +13,9 @@
 //! cache of each quantized format (src/kv's rows, encoded by `kv_encode` from the
 //! same kind of random values; its tile loads decode and round to bf16, rotated
 //! formats rotate q and the output in the kernel) on the same shapes, for the
-//! quantized formats' target (within 20 % of bf16). Prints one `BENCH` line per row.
+//! quantized formats' target (within 20 % of bf16). Beside each fp8 row of v3, the fast
+//! path attn-fp8-qk (`v3+qk`: Q·Kᵀ by e4m3 wgmma on K's stored codes). Prints one
+//! `BENCH` line per row.
 //! For one device call, `INFERNIX_BENCH_SHAPES`, `INFERNIX_BENCH_FORMATS` and
 //! `INFERNIX_BENCH_V3_ONLY=1` narrow the rows (main()).
 //!
@@ -64,8 +66,9 @@ fn time_ms(dev: &CudaDevice, reps: usize, mut launch: impl FnMut() -> Result<()>
     Ok(times[reps / 2])
 }
 
-/// One row: `format` bf16 or a quantized format, on exactly `kernel`.
-fn bench(dev: &CudaDevice, s: &Shape, kernel: AttnKernel, format: KvFormat, book: &ops::VqBook, rng: &mut ChaCha8Rng) -> Result<()> {
+/// One row: `format` bf16 or a quantized format, on exactly `kernel`; `qk`: kernel v3's
+/// fast path attn-fp8-qk (`ops::attention_coded_fp8_qk`, fp8 only), row label `v3+qk`.
+fn bench(dev: &CudaDevice, s: &Shape, kernel: AttnKernel, format: KvFormat, book: &ops::VqBook, rng: &mut ChaCha8Rng, qk: bool) -> Result<()> {
     let kv = KvShape { n_seqs: s.n_seqs, n_kv_heads: s.n_kv_heads, n_ctx: s.n_tokens, d_head: s.d_head };
     let width = s.n_heads * s.d_head;
     let n_rows = s.n_seqs * s.n_tokens;
@@ -102,7 +105,9 @@ fn bench(dev: &CudaDevice, s: &Shape, kernel: AttnKernel, format: KvFormat, book
         out_stride: width,
     };
     let reps = if kernel == AttnKernel::V1 { 5 } else { 20 };
-    let ms = if quantized {
+    let ms = if qk {
+        time_ms(dev, reps, || ops::attention_coded_fp8_qk::<f32>(dev, format, qd.view(), kcq.view(), vcq.view(), kv, out.view_mut(), &p))?
+    } else if quantized {
         time_ms(dev, reps, || ops::attention_coded_exact::<f32>(dev, kernel, format, qd.view(), kcq.view(), vcq.view(), kv, out.view_mut(), &p, Some(book)))?
     } else {
         time_ms(dev, reps, || ops::attention_exact::<bf16, f32>(dev, kernel, qd.view(), kc.view(), vc.view(), kv, out.view_mut(), &p))?
@@ -110,7 +115,7 @@ fn bench(dev: &CudaDevice, s: &Shape, kernel: AttnKernel, format: KvFormat, book
     let sample = dev.download_range(&out, 0..n_rows * width)?;
     let bad = sample.iter().filter(|v| !v.is_finite()).count();
     if bad > 0 {
-        bail!("{} {} ({format}): {bad} outputs not finite", s.name, kernel.name());
+        bail!("{} {} ({format}, qk {qk}): {bad} outputs not finite", s.name, kernel.name());
     }
     // FlashAttention's count: 4 * b * s^2 * h * d, halved for causal. With a window, the
     // visible pairs instead (each query sees min(pos + 1, window) keys).
@@ -128,7 +133,7 @@ fn bench(dev: &CudaDevice, s: &Shape, kernel: AttnKernel, format: KvFormat, book
     println!(
         "BENCH attention {:<34} kernel {} {:<5} : {:9.3} ms  {:7.1} TFLOP/s   [{refs}]",
         s.name,
-        kernel.name(),
+        if qk { "v3+qk" } else { kernel.name() },
         format.name(),
         ms,
         tflops
@@ -172,7 +177,11 @@ fn main() -> Result<()> {
     for format in KvFormat::ALL.into_iter().filter(|f| (*f == KvFormat::Bf16 || f.is_quantized()) && wanted(*f)) {
         for s in chosen() {
             if AttnKernel::covers(&dev, format.name(), s.d_head) {
-                bench(&dev, s, AttnKernel::V3, format, &book, &mut rng)?;
+                bench(&dev, s, AttnKernel::V3, format, &book, &mut rng, false)?;
+            }
+            // The fast path attn-fp8-qk beside fp8's v3 row.
+            if format == KvFormat::Fp8 && ops::attn_fp8_qk_covers(&dev, s.d_head) {
+                bench(&dev, s, AttnKernel::V3, format, &book, &mut rng, true)?;
             }
         }
     }
@@ -181,10 +190,10 @@ fn main() -> Result<()> {
     }
     for format in KvFormat::ALL.into_iter().filter(|f| (*f == KvFormat::Bf16 || f.is_quantized()) && wanted(*f)) {
         for s in chosen() {
-            bench(&dev, s, AttnKernel::V2, format, &book, &mut rng)?;
+            bench(&dev, s, AttnKernel::V2, format, &book, &mut rng, false)?;
         }
     }
-    bench(&dev, &shapes[0], AttnKernel::V1, KvFormat::Bf16, &book, &mut rng)?;
-    bench(&dev, &shapes[1], AttnKernel::V1, KvFormat::Bf16, &book, &mut rng)?;
+    bench(&dev, &shapes[0], AttnKernel::V1, KvFormat::Bf16, &book, &mut rng, false)?;
+    bench(&dev, &shapes[1], AttnKernel::V1, KvFormat::Bf16, &book, &mut rng, false)?;
     Ok(())
 }

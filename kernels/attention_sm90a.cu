@@ -115,8 +115,39 @@
 // row by shuffles; times the exact 1/n, then the bf16 rounding), a rotated V by
 // rotating the output back, O = (H O') / n with O' = Σ p y / l in f32
 // (hadamard_frag on the accumulator layout, v2's code).
+// The named fast path attn-fp8-qk (attn_wgmma_d<D>_fp8qk_<out>, AttnWgmmaQkArgs; an
+// fp8 cache at d 64 / 128; ops::attention_coded_fp8_qk): S = Q·Kᵀ on K's stored E4M3
+// codes, so the producer does nothing for K but copies. Thread 0 brings each tile's
+// codes by TMA straight into the K stage (kc: a map of the D code bytes of each row,
+// row stride the row bytes, box (D, BN, 1), 128-byte swizzle at D 128, 64-byte at D 64:
+// the K-major layout wgmma reads, rows of D bytes = one swizzle span), completing on
+// full_k with its arrival (after its column factor); the raw K stages hold only the 16
+// bytes from byte D of each row (a.k: box (16, BN, 1), the f32 scale first), from which
+// the 128 threads store K's column factors kfac = row scale * (scale * log2 e) (the row
+// scale alone under a soft-cap) as FOLD_K does (store_kfac), into a ring of 2 ST slots
+// the consumers read during the softmax (not into registers ahead of it). V as the fp8
+// kernel. The
+// consumers stage Q as two e4m3 tiles (each 64 rows x D bytes per warpgroup, the same
+// swizzle): per row a power of two sq = 2^(7 - floor(log2 max|q|)) (max |q sq| in [128,
+// 256), inside E4M3's ±448; a power of two, so q sq is exact), hi = e4m3(q sq), lo =
+// e4m3(q sq - hi) (the difference exact in f32), each rounded to nearest even; and 1 /
+// sq per row in shared memory (qfac). S = hi·Kᵀ + lo·Kᵀ: wgmma m64n128k32 e4m3 x e4m3
+// into one f32 accumulator, 2 D / 32 instructions (as many as D / 16 bf16 k-steps).
+// Scores: y = S * kfac (the column's factor, one multiply as a bf16 cache's
+// `scale * log2 e`), masked, the row max taken over y (1 / sq > 0 keeps the order), p =
+// exp2(y / sq - m / sq) as one FFMA (y, 1 / sq, -m / sq) where v3 has one FADD, corr =
+// exp2((m_old - m) / sq); under a soft-cap x = cap tanh(S kfac (scale / sq) / cap) log2 e
+// as v3. Numerics against v3's fp8 kernel: q carried to about 2^-8 relative per element
+// (hi's 4 significant bits, then lo's 4; elements below 2^-9 of the row's largest lose
+// lo to E4M3's subnormal step) where v3 rounds it to bf16 (2^-9); K exact where v3
+// rounds code * scale to bf16; the e4m3 MMA's f32 accumulation (its internal
+// alignment of products is not IEEE f32); P, V and O as v3. A NaN in q or a code gives
+// NaN; an infinite q saturates to ±448 (v3: NaN or inf), a rotated K as v3 (q rotated
+// before the split).
 // Not covered here (the launcher sends them to v2): d_head 96 and 256, misaligned q /
 // out.
+// attn-fp8-qk: raw K stages of BN * 16 bytes, 2 ST slots of K's factors (not ST), plus BM
+// f32 (qfac): d 128 190048 bytes, d 64 167584.
 // Launch: grid (min(n_items, n_SMs), 1, 1), n_items = ceil(n_tokens / 128) *
 // n_heads * n_seqs; block 384, dynamic
 // shared memory 1024 (alignment slack) + 128 * D * 2 (Q) + 2 * ST * 128 * D * 2
@@ -200,6 +231,64 @@ __device__ __forceinline__ void wgmma_rs_m64n64k16_tb(float d[32], const uint32_
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)
         : "memory");
+}
+
+// attn-fp8-qk: D(64 x 128, f32) += A(64 x 32, e4m3, K-major, smem) * B(128 x 32, e4m3,
+// K-major, smem)ᵀ (fp8 operands are K-major only: no transpose immediates).
+__device__ __forceinline__ void wgmma_ss_m64n128k32_e4m3(float d[64], uint64_t desc_a, uint64_t desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(1)
+        : "memory");
+}
+
+// attn-fp8-qk: the descriptor of a K-major e4m3 tile whose rows are D bytes (one
+// swizzle span: 128-byte swizzle at D 128, 64-byte at D 64), 8-row groups 8 D bytes
+// apart (stride byte offset), leading byte offset unused (1). The tile base is aligned
+// to 8 D bytes, so a k-step of 32 bytes is the start address plus 32 (the swizzle
+// applies to the address bits, as with a bf16 tile's k-steps).
+template <int D>
+__device__ __forceinline__ uint64_t qk_desc(uint32_t addr) {
+    static_assert(D == 64 || D == 128, "qk_desc: rows of 64 or 128 bytes");
+    constexpr uint64_t layout = D == 128 ? 1 : 2;  // 128B or 64B swizzle
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)((8 * D) >> 4) << 32) | (layout << 62);
+}
+// Byte offset of 16-byte chunk j of row r in such a tile (the TMA unit's swizzle:
+// 128B: chunk j ^ (r % 8); 64B: chunk j ^ ((r / 2) % 4)).
+template <int D>
+__device__ __forceinline__ uint32_t qk_chunk(int r, int j) {
+    const int x = D == 128 ? (r & 7) : ((r >> 1) & 3);
+    return r * D + ((j ^ x) << 4);
+}
+// Two f32 as e4m3 (round to nearest even, saturating to ±448; NaN stays NaN): lo into
+// the low byte; and back to f32 (exact).
+__device__ __forceinline__ uint32_t e4m3x2_of(float lo, float hi) {
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ float2 f32x2_of_e4m3x2(uint32_t w) {
+    uint32_t h;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h) : "h"((unsigned short)(w & 0xFFFFu)));
+    return __half22float2(*reinterpret_cast<const __half2*>(&h));
+}
+__device__ __forceinline__ void st_shared_v2(uint32_t addr, uint32_t x, uint32_t y) {
+    asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(addr), "r"(x), "r"(y) : "memory");
 }
 
 // Keeps the compiler from moving accumulator accesses across an asynchronous wgmma.
@@ -383,13 +472,15 @@ struct RowVq2 {
 // structs above; fp8, int8: RowBytes; k8v4: RowBytes<CodeInt8>, RowInt4G32; nvfp4:
 // RowNvfp4 both; k4v2: RowInt4G32, RowInt2G32; vq2: RowVq2 both).
 struct CacheBf16 {
-    static constexpr bool CODED = false, BOOK = false;
+    static constexpr bool CODED = false, BOOK = false, QK = false;
     using KRow = RowBytes<CodeE4m3>;  // unused
     using VRow = RowBytes<CodeE4m3>;
 };
-template <typename KROW, typename VROW>
+// QK (attn-fp8-qk, fp8 rows only): S = Q·Kᵀ on the stored E4M3 codes (see the kernel's
+// comment at the top of this file).
+template <typename KROW, typename VROW, bool QK_ = false>
 struct CacheCoded {
-    static constexpr bool CODED = true, BOOK = KROW::BOOK || VROW::BOOK;
+    static constexpr bool CODED = true, BOOK = KROW::BOOK || VROW::BOOK, QK = QK_;
     using KRow = KROW;
     using VRow = VROW;
 };
@@ -445,9 +536,11 @@ __device__ __forceinline__ void decode_tile(uint32_t raw, uint32_t dst, int tid,
 // 2 (j % 2) + e, so the four lanes of a quad read 64 consecutive bytes per load (no
 // bank conflict; a layout of 128 bytes per q put all four in banks 0-3) and the 128
 // threads' stores are conflict-free. Thread tid (of 128) takes row tid.
-template <int D>
+// attn-fp8-qk (SCALES): the raw stage holds only the 16 bytes from byte D of each row
+// (the scale first), so row tid's scale is at 16 tid.
+template <int D, bool SCALES = false>
 __device__ __forceinline__ void store_kfac(uint32_t raw, uint32_t kf, int tid, float kmul) {
-    const float s = ld_shared_f32(raw + tid * coded_row_bytes(D) + D);
+    const float s = SCALES ? ld_shared_f32(raw + tid * 16) : ld_shared_f32(raw + tid * coded_row_bytes(D) + D);
     const int j = tid / 8, q = (tid % 8) / 2, e = tid % 2;
     st_shared_f32(kf + 4 * (16 * (j / 2) + 4 * q + 2 * (j % 2) + e), __fmul_rn(s, kmul));
 }
@@ -478,8 +571,12 @@ __device__ __forceinline__ Item item_of(int w, int n_qt, int n_heads, int n_seqs
 }
 
 template <int D, typename OUT, typename CACHE>
-__device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const int rot, const float* book_src) {
+__device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const int rot, const float* book_src, const TmaDesc* kc_map) {
     constexpr bool CODED = CACHE::CODED;
+    // attn-fp8-qk: K's codes by TMA into an e4m3 stage (kc_map), the scales (a.k: 16
+    // bytes per row from byte D) into the raw K stages, Q as e4m3 hi and lo tiles.
+    constexpr bool QK = CACHE::QK;
+    static_assert(!QK || (CODED && CACHE::KRow::ONE_SCALE), "attn-fp8-qk: rows of one-byte codes and one scale");
     static_assert(D % BOX == 0 && (D == 64 || D == 128), "attn_wgmma: d_head 64 or 128");
     constexpr int ST = stages(D);
     constexpr int NB = D / BOX;           // 64-column boxes per row
@@ -487,7 +584,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     constexpr int VS = BN / 16;           // k-steps of P·V
     constexpr int NS = BN / 8;            // 8-column accumulator chunks of S
     constexpr int NO = D / 8;             // of O
-    constexpr bool KF = CODED && FOLD_K && CACHE::KRow::ONE_SCALE;  // K's row scale folded into S's columns
+    constexpr bool KF = CODED && ((FOLD_K && CACHE::KRow::ONE_SCALE) || QK);  // K's row scale folded into S's columns
     constexpr int KQ = KF ? BN / 16 : 1;  // float4s of K factors per consumer lane and tile
     constexpr uint32_t Q_BYTES = BM * D * 2;
     constexpr uint32_t KV_BYTES = BN * D * 2;  // one stage of K (or of V)
@@ -498,7 +595,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     const uint32_t sk = sq + Q_BYTES;         // (ST, NB, BN, 64) bf16, swizzled
     const uint32_t sv = sk + ST * KV_BYTES;   // (ST, NB, BN, 64) bf16, swizzled
     // A coded cache: two raw stages of K rows and one of V rows (the TMA boxes as stored).
-    constexpr uint32_t RAW_K_BYTES = CODED ? BN * CACHE::KRow::bytes(D) : 0;
+    constexpr uint32_t RAW_K_BYTES = QK ? BN * 16 : CODED ? BN * CACHE::KRow::bytes(D) : 0;
     constexpr uint32_t RAW_V_BYTES = CODED ? BN * CACHE::VRow::bytes(D) : 0;
     const uint32_t rk = sv + ST * KV_BYTES, rv = rk + 2 * RAW_K_BYTES;
     // full_k[ST], full_v[ST], empty_k[ST], empty_v[ST]; coded: raw_k[2], raw_v, one spare.
@@ -509,7 +606,12 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     const uint32_t kfac = bars + 8 * 4 * ST + 32;
     // vq2: the block's copy of the codebook (256 x 4 f32), written by the producer
     // before its first decode.
-    const uint32_t book = kfac + ST * BN * 4;
+    // attn-fp8-qk: 2 ST slots of factors (tile g in slot g % 2 ST), read during the
+    // softmax after the K stage is released (see the producer).
+    constexpr int KFS = QK ? 2 * ST : ST;
+    const uint32_t book = kfac + KFS * BN * 4;
+    // attn-fp8-qk: each query row's 1 / sq (BM f32), written when Q is staged.
+    const uint32_t qfac = book + (CACHE::BOOK ? 256 * 16 : 0);
     auto full_k = [&](int s) { return bars + 8 * s; };
     auto full_v = [&](int s) { return bars + 8 * (ST + s); };
     auto empty_k = [&](int s) { return bars + 8 * (2 * ST + s); };
@@ -608,6 +710,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             Cursor fk{(int)blockIdx.x, 0, 0, 0, 0};
             seek(fk);
             Cursor fv = fk;
+            Cursor fc = fk;  // attn-fp8-qk: the tile whose codes go into the next e4m3 K stage
             if (tid == 0) {
 #pragma unroll
                 for (int r = 0; r < 2; ++r)
@@ -620,10 +723,24 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 const int slot = g & 1;
                 mbar_wait(raw_full_k + 8 * slot, (g / 2) & 1);
                 mbar_wait(empty_k(s), ph);
-                decode_tile<D, KRow, !KF>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, tid, book);
-                if constexpr (KF) store_kfac<D>(rk + slot * RAW_K_BYTES, kfac + s * BN * 4, tid, kmul);
-                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                mbar_arrive(full_k(s));
+                if constexpr (QK) {
+                    // The factors from the scales, then thread 0's arrival carries the
+                    // codes' copy (its bytes complete full_k), the others arrive. The
+                    // consumers read tile g's factors in its softmax, after releasing its K
+                    // stage, so they live in slot g % 2 ST: empty_k(s) for tile g means
+                    // every consumer warp finished S of tile g - ST, so its softmax of
+                    // tile g - 2 ST (the slot's last user) is done too. (Read ahead into
+                    // registers, as FOLD_K does, the 32 factors a lane needs made ptxas
+                    // spill at the 168 registers of the launch bound.)
+                    store_kfac<D, true>(rk + slot * RAW_K_BYTES, kfac + (g % KFS) * BN * 4, tid, kmul);
+                    if (tid == 0) fetch(fc, kc_map, BN * D, sk + s * KV_BYTES, full_k(s));
+                    else mbar_arrive(full_k(s));
+                } else {
+                    decode_tile<D, KRow, !KF>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, tid, book);
+                    if constexpr (KF) store_kfac<D>(rk + slot * RAW_K_BYTES, kfac + s * BN * 4, tid, kmul);
+                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                    mbar_arrive(full_k(s));
+                }
                 asm volatile("bar.sync 3, 128;\n" ::: "memory");
                 if (tid == 0 && fk.w < n_items) fetch(fk, &a.k, RAW_K_BYTES, rk + slot * RAW_K_BYTES, raw_full_k + 8 * slot);
                 mbar_wait(raw_full_v, g & 1);
@@ -689,6 +806,8 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
         uint32_t pa[VS][4];   // P of the previous tile, bf16, as the A fragments of its P·V
         float4 kq[KQ];        // a folded K: its column factors of the tile being scored (load_kf)
         (void)kq;
+        const float4* kfq = nullptr;  // attn-fp8-qk: this lane's factors of the tile being scored
+        (void)kfq;
         int gt = 0;           // tiles consumed so far by this block (the producer's g)
         for (int w = blockIdx.x; w < n_items; w += gridDim.x) {
             const Item it = item_of(w, n_qt, a.n_heads, a.n_seqs);
@@ -748,7 +867,41 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
 #pragma unroll
                     for (int e = 0; e < 8; ++e) v[e] *= inv_n;
                 }
-                st_shared_v4(sq + (ch / 8) * (BM * 128) + r * 128 + (((ch % 8) ^ (r & 7)) * 16), pack_bf16x8(v));
+                if constexpr (QK) {
+                    // The row's largest |q| over its D / 8 lanes (consecutive), its power of
+                    // two sq (amax sq in [128, 256): e4m3's range is ±448, and the scaling
+                    // is exact), hi = e4m3(q sq), lo = e4m3(q sq - hi) (the difference exact
+                    // in f32), 1 / sq for the row's scores (qfac).
+                    float amax = 0.f;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
+#pragma unroll
+                    for (int m = 1; m < D / 8; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+                    const uint32_t eb = (__float_as_uint(amax) >> 23) & 0xFFu;
+                    const bool ok = eb >= 8u && eb <= 254u;  // else (0, tiny, inf): sq = 1
+                    const float sqf = ok ? __uint_as_float((261u - eb) << 23) : 1.0f;
+                    const float rqf = ok ? __uint_as_float((eb - 7u) << 23) : 1.0f;
+                    uint32_t hw[2], lw[2];
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        uint32_t hb[2], lb[2];
+#pragma unroll
+                        for (int p2 = 0; p2 < 2; ++p2) {
+                            const float x0 = v[4 * h + 2 * p2] * sqf, x1 = v[4 * h + 2 * p2 + 1] * sqf;
+                            hb[p2] = e4m3x2_of(x0, x1);
+                            const float2 hf = f32x2_of_e4m3x2(hb[p2]);
+                            lb[p2] = e4m3x2_of(x0 - hf.x, x1 - hf.y);
+                        }
+                        hw[h] = hb[0] | (hb[1] << 16);
+                        lw[h] = lb[0] | (lb[1] << 16);
+                    }
+                    const uint32_t off = qk_chunk<D>(r, ch >> 1) + (ch & 1) * 8;
+                    st_shared_v2(sq + off, hw[0], hw[1]);
+                    st_shared_v2(sq + BM * D + off, lw[0], lw[1]);
+                    if (ch == 0) st_shared_f32(qfac + 4 * r, rqf);
+                } else {
+                    st_shared_v4(sq + (ch / 8) * (BM * 128) + r * 128 + (((ch % 8) ^ (r & 7)) * 16), pack_bf16x8(v));
+                }
             }
             // The generic-proxy writes made visible to wgmma (the async proxy), then the warpgroup's barrier.
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -761,11 +914,30 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             const int row_w = t0 + c * 64 + warp * 16;  // the warp's first row (token)
             const int qp0 = pos0 + row_w + g;           // this thread's rows: positions qp0 and qp0 + 8
             const int qp_min = pos0 + row_w, qp_max = qp_min + 15;
+            // attn-fp8-qk: 1 / sq of this thread's rows (g and g + 8 of the warp's 16).
+            float rq[2] = {1.0f, 1.0f};
+            if constexpr (QK) {
+                rq[0] = ld_shared_f32(qfac + 4 * (c * 64 + warp * 16 + g));
+                rq[1] = ld_shared_f32(qfac + 4 * (c * 64 + warp * 16 + g + 8));
+            }
 
             // S = Q·Kᵀ of block tile j (stage j % ST) issued as one commit group (not waited for).
             auto issue_s = [&](int j) {
 #pragma unroll
                 for (int e = 0; e < BN / 2; ++e) sc[e] = 0.f;
+                if constexpr (QK) {
+                    // hi and lo into the same accumulator: 2 D / 32 e4m3 k-steps.
+                    const uint64_t dk8 = qk_desc<D>(sk + (j % ST) * KV_BYTES);
+                    const uint64_t dh = qk_desc<D>(sq + c * 64 * D), dl = qk_desc<D>(sq + BM * D + c * 64 * D);
+                    wgmma_fence();
+#pragma unroll
+                    for (int kk = 0; kk < D / 32; ++kk) {
+                        wgmma_ss_m64n128k32_e4m3(sc, dh + 2 * kk, dk8 + 2 * kk);
+                        wgmma_ss_m64n128k32_e4m3(sc, dl + 2 * kk, dk8 + 2 * kk);
+                    }
+                    wgmma_commit();
+                    return;
+                }
                 const uint64_t dk = sw128_desc(sk + (j % ST) * KV_BYTES);
                 wgmma_fence();
 #pragma unroll
@@ -824,10 +996,15 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                     for (int e = 0; e < 4; ++e) {
                         float x;
                         if constexpr (KF) {
-                            const float4& k4 = kq[KF ? j / 2 : 0];
+                            float4 k4;
+                            if constexpr (QK) k4 = kfq[4 * (j / 2)];
+                            else k4 = kq[KF ? j / 2 : 0];
                             const float kf = (j % 2 == 0) ? ((e & 1) ? k4.y : k4.x) : ((e & 1) ? k4.w : k4.z);
                             // q·(c s) = (q·c) s: kernel v2's expressions (attention.cu, KF).
-                            if constexpr (CAP) x = cap * tanhf(sc[4 * j + e] * kf * scale / cap) * LOG2E;
+                            // attn-fp8-qk: x = S kf / sq, the row's 1 / sq applied in the
+                            // exponent below (y = S kf here, its row max the same key's).
+                            if constexpr (CAP && QK) x = cap * tanhf(sc[4 * j + e] * kf * (rq[e >> 1] * scale) / cap) * LOG2E;
+                            else if constexpr (CAP) x = cap * tanhf(sc[4 * j + e] * kf * scale / cap) * LOG2E;
                             else x = sc[4 * j + e] * kf;
                         } else if constexpr (CAP) {
                             x = cap * tanhf(sc[4 * j + e] * scale / cap) * LOG2E;
@@ -844,13 +1021,23 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                     }
                 }
                 float base_r[2];
+                // attn-fp8-qk without a soft-cap: m and the scores in units of 1 / sq
+                // (sq > 0 keeps the order), the exponent rq (y - m), one FFMA as the FADD.
+                constexpr bool RQ = QK && !CAP;
+                float nb[2];
+                (void)nb;
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     float m = fmaxf(fmaxf(mx[r][0], mx[r][1]), fmaxf(mx[r][2], mx[r][3]));
                     m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
                     m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
                     base_r[r] = m == -INFINITY ? 0.f : m;  // a row with nothing visible yet
-                    corr[r] = exp2_approx(m_run[r] - base_r[r]);    // 0 while m_run is -inf
+                    if constexpr (RQ) {
+                        corr[r] = exp2_approx((m_run[r] - base_r[r]) * rq[r]);  // 0 while m_run is -inf
+                        nb[r] = -base_r[r] * rq[r];
+                    } else {
+                        corr[r] = exp2_approx(m_run[r] - base_r[r]);    // 0 while m_run is -inf
+                    }
                     m_run[r] = m;
                 }
                 // Row sums in 4 chains per row, added pairwise at the end.
@@ -859,7 +1046,9 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 for (int j = 0; j < NS; ++j) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const float p = exp2_approx(sc[4 * j + e] - base_r[e >> 1]);
+                        float p;
+                        if constexpr (RQ) p = exp2_approx(fmaf(sc[4 * j + e], rq[e >> 1], nb[e >> 1]));
+                        else p = exp2_approx(sc[4 * j + e] - base_r[e >> 1]);
                         sc[4 * j + e] = p;
                         rs[e >> 1][(j & 1) * 2 + (e & 1)] += p;
                     }
@@ -880,7 +1069,9 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             // 0..15, store_kfac's order) into registers, loaded while S's wgmmas run (the
             // stage is full: full_k was waited for), before the K stage is released.
             auto load_kf = [&](int st) {
-                if constexpr (KF) {
+                if constexpr (QK) {
+                    (void)st;
+                } else if constexpr (KF) {
                     const float4* kfp = reinterpret_cast<const float4*>(attn3_smem + (kfac + st * BN * 4 - smem_addr(attn3_smem))) + (lane & 3);
 #pragma unroll
                     for (int i = 0; i < KQ; ++i) kq[i] = kfp[4 * i];
@@ -916,6 +1107,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             wgmma_wait<0>();
             fence_regs(sc);
             release(empty_k(gt % ST));
+            if constexpr (QK) kfq = reinterpret_cast<const float4*>(attn3_smem + (kfac + (gt % KFS) * BN * 4 - smem_addr(attn3_smem))) + (lane & 3);
             softmax_tile(tile_first, corr);
             pack_p();
             for (int i = 1; i < n_tiles; ++i) {
@@ -929,6 +1121,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 wgmma_wait<1>();  // S of tile i done (groups retire in order); P·V of i - 1 may run
                 fence_regs(sc);
                 release(empty_k(s));
+                if constexpr (QK) kfq = reinterpret_cast<const float4*>(attn3_smem + (kfac + (j % KFS) * BN * 4 - smem_addr(attn3_smem))) + (lane & 3);
                 softmax_tile(tile_first + i, corr);
                 wgmma_wait<0>();  // P·V of tile i - 1 done: pa and o are free
                 fence_regs(o);
@@ -988,7 +1181,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
 #define ATTN_WGMMA(D, outn, OUT)                                                                                 \
     extern "C" __global__ void __launch_bounds__(attn3::THREADS, 1) attn_wgmma_d##D##_bf16_##outn(              \
         const __grid_constant__ AttnWgmmaArgs a) {                                                               \
-        attn3::attn_wgmma_impl<D, OUT, attn3::CacheBf16>(a, 0, nullptr);                                         \
+        attn3::attn_wgmma_impl<D, OUT, attn3::CacheBf16>(a, 0, nullptr, nullptr);                                         \
     }
 ATTN_WGMMA(64, f32, float)
 ATTN_WGMMA(64, bf16, bf16)
@@ -1002,7 +1195,7 @@ ATTN_WGMMA(128, bf16, bf16)
 #define ATTN_WGMMA_CODED(D, fmt, KROW, VROW, outn, OUT)                                                          \
     extern "C" __global__ void __launch_bounds__(attn3::THREADS, 1) attn_wgmma_d##D##_##fmt##_##outn(            \
         const __grid_constant__ AttnWgmmaCodedArgs a) {                                                          \
-        attn3::attn_wgmma_impl<D, OUT, attn3::CacheCoded<KROW, VROW>>(a.a, a.rot, a.book);                       \
+        attn3::attn_wgmma_impl<D, OUT, attn3::CacheCoded<KROW, VROW>>(a.a, a.rot, a.book, nullptr);              \
     }
 ATTN_WGMMA_CODED(64, fp8, attn3::RowBytes<CodeE4m3>, attn3::RowBytes<CodeE4m3>, f32, float)
 ATTN_WGMMA_CODED(64, fp8, attn3::RowBytes<CodeE4m3>, attn3::RowBytes<CodeE4m3>, bf16, bf16)
@@ -1018,3 +1211,17 @@ ATTN_WGMMA_CODED(64, k4v2, attn3::RowInt4G32, attn3::RowInt2G32, f32, float)
 ATTN_WGMMA_CODED(128, k4v2, attn3::RowInt4G32, attn3::RowInt2G32, f32, float)
 ATTN_WGMMA_CODED(64, vq2, attn3::RowVq2, attn3::RowVq2, f32, float)
 ATTN_WGMMA_CODED(128, vq2, attn3::RowVq2, attn3::RowVq2, f32, float)
+
+// attn_wgmma_d<D>_fp8qk_<out> (attn-fp8-qk): an fp8 cache with S = Q·Kᵀ on the stored
+// E4M3 codes (AttnWgmmaQkArgs: c.a.k the map of the rows' scale bytes, kc the codes'
+// swizzled map; V as the fp8 kernel).
+#define ATTN_WGMMA_QK(D, outn, OUT)                                                                              \
+    extern "C" __global__ void __launch_bounds__(attn3::THREADS, 1) attn_wgmma_d##D##_fp8qk_##outn(              \
+        const __grid_constant__ AttnWgmmaQkArgs a) {                                                             \
+        attn3::attn_wgmma_impl<D, OUT, attn3::CacheCoded<attn3::RowBytes<CodeE4m3>, attn3::RowBytes<CodeE4m3>, true>>( \
+            a.c.a, a.c.rot, a.c.book, &a.kc);                                                                    \
+    }
+ATTN_WGMMA_QK(64, f32, float)
+ATTN_WGMMA_QK(64, bf16, bf16)
+ATTN_WGMMA_QK(128, f32, float)
+ATTN_WGMMA_QK(128, bf16, bf16)

@@ -854,3 +854,17 @@ struct AttnWgmmaCodedArgs {
 };
 static_assert(sizeof(AttnWgmmaCodedArgs) == 512, "AttnWgmmaCodedArgs layout (ops::AttnWgmmaCodedArgs)");
 // --- end attnq5 ---
+
+// --- qk9 ---
+// Parameters of attn_wgmma_d<D>_fp8qk_<out> (kernels/attention_sm90a.cu, the named fast
+// path attn-fp8-qk), mirrored by `ops::AttnWgmmaQkArgs`: `c` as for the fp8 kernel except
+// that c.a.k maps the 16 bytes from byte d_head of each K row (the f32 scale first), seen
+// as (16, kv_len, n_seqs * n_kv_heads), box (16, 128, 1), no swizzle; kc maps K's d_head
+// code bytes per row, (d_head, kv_len, n_seqs * n_kv_heads), row stride the row bytes,
+// box (d_head, 128, 1), 128-byte swizzle at d_head 128, 64-byte at 64.
+struct AttnWgmmaQkArgs {
+    AttnWgmmaCodedArgs c;
+    TmaDesc kc;
+};
+static_assert(sizeof(AttnWgmmaQkArgs) == 640, "AttnWgmmaQkArgs layout (ops::AttnWgmmaQkArgs)");
+// --- end qk9 ---

@@ -1977,6 +1977,64 @@ const _: () = assert!(size_of::<AttnWgmmaCodedArgs>() == 512);
 // SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
 unsafe impl cudarc::driver::DeviceRepr for AttnWgmmaCodedArgs {}
 
+/// `AttnWgmmaQkArgs` of kernels/common.cuh (attn_wgmma_d<D>_fp8qk_<out>'s parameter,
+/// [`FAST_PATH_ATTN_FP8_QK`]): `c.a.k` maps the 16 bytes from byte d_head of each K row
+/// (the scale), `kc` the rows' d_head code bytes, swizzled for wgmma ([`tensor_map_u8_rows`]).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AttnWgmmaQkArgs {
+    c: AttnWgmmaCodedArgs,
+    kc: cudarc::driver::sys::CUtensorMap,
+}
+const _: () = assert!(size_of::<AttnWgmmaQkArgs>() == 640);
+// SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
+unsafe impl cudarc::driver::DeviceRepr for AttnWgmmaQkArgs {}
+
+/// A 3-D byte tensor map over `width` bytes of each row of one layer's coded cache
+/// (n_slabs, n_ctx, rows of `row_bytes`; `ptr` the first row's first mapped byte), seen
+/// as (width, kv_len, n_slabs): rows at or past kv_len read as zeros; boxes of
+/// (width, ATTN_V3_BN, 1). `swizzle`: the wgmma swizzle of rows of `width` bytes (128-byte
+/// for 128, 64-byte for 64), else none.
+fn tensor_map_u8_rows(ptr: u64, width: usize, row_bytes: usize, kv_len: usize, n_ctx: usize, n_slabs: usize, swizzle: bool) -> Result<cudarc::driver::sys::CUtensorMap> {
+    use cudarc::driver::sys;
+    ensure!(
+        ptr % 16 == 0 && row_bytes % 16 == 0 && width % 16 == 0 && width <= row_bytes,
+        "attention v3: map of {width} of {row_bytes} bytes per row at {ptr:#x} not 16-byte aligned"
+    );
+    let sw = match (swizzle, width) {
+        (false, _) => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+        (true, 128) => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+        (true, 64) => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B,
+        (true, w) => bail!("attention v3: no wgmma swizzle for rows of {w} bytes"),
+    };
+    let dims = [width as u64, kv_len as u64, n_slabs as u64];
+    let strides = [row_bytes as u64, (n_ctx * row_bytes) as u64];
+    let boxes = [width as u32, ATTN_V3_BN as u32, 1u32];
+    let elem_strides = [1u32; 3];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
+    // SAFETY: dims, boxes and elem_strides have rank 3's length, strides 2; the map is
+    // written by the call.
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            3,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sw,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    r.result().map_err(|e| anyhow!("cuTensorMapEncodeTiled (dims {dims:?}, strides {strides:?}, box {boxes:?}): {e}"))?;
+    // SAFETY: the call succeeded, so it wrote the whole map.
+    Ok(unsafe { map.assume_init() })
+}
+
 /// A 3-D bf16 tensor map over one layer's cache (n_slabs, n_ctx, d_head) seen as
 /// (d_head, kv_len, n_slabs): rows at or past kv_len read as zeros; boxes of
 /// (64, ATTN_V3_BN, 1), 128-byte swizzle.
@@ -2146,6 +2204,58 @@ pub fn attention_coded_exact<O: OutElem>(
     attention_launch::<O>(dev, kernel, q, cache, shape, out, p)
 }
 
+/// [`attention_coded_exact`] with kernel v3 and the named fast path
+/// [`FAST_PATH_ATTN_FP8_QK`] (`attn_wgmma_d<D>_fp8qk_<out>`): an fp8 cache at d_head 64 or
+/// 128 on sm_90a, S = Q·Kᵀ by e4m3 wgmma on K's stored codes (q as e4m3 hi + lo times a
+/// per-row power of two, K's row scales folded into S's columns); V as kernel v3's fp8.
+/// H200, causal ctx 4096, TFLOP/s, this / v3 fp8 / v3 bf16 in the same call (qk9,
+/// 2026-12-02 14:37 UTC): d 128 372.3 / 329.7 / 424.2, d 64 245.9 / 267.4 / 296.6
+/// (docs/performance.md); parity: tests/gpu_ops.rs `attention_v3_fp8_qk_against_cpu_backend`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_coded_fp8_qk<O: OutElem>(
+    dev: &CudaDevice,
+    kv: impl Into<KvCodecs>,
+    q: DevView<f32>,
+    k_cache: DevView<u8>,
+    v_cache: DevView<u8>,
+    shape: KvShape,
+    out: DevViewMut<O>,
+    p: &AttnParams,
+) -> Result<()> {
+    let KvCodecs { format, k: kc, v: vc } = kv.into();
+    ensure!(format == KvFormat::Fp8, "attention: {FAST_PATH_ATTN_FP8_QK} reads an fp8 cache, not {format}");
+    ensure!(attn_fp8_qk_covers(dev, shape.d_head), "attention: {FAST_PATH_ATTN_FP8_QK} has no kernel at d_head {} on this device (d_head 64 or 128, sm_90a)", shape.d_head);
+    let (nk, nv) = (shape.coded_bytes(kc), shape.coded_bytes(vc));
+    ensure!(k_cache.len() == nk && v_cache.len() == nv, "attention {format}: caches of ({}, {}) bytes, shape {shape:?} needs ({nk}, {nv})", k_cache.len(), v_cache.len());
+    format.check_dims(shape.d_head, shape.d_head).with_context(|| format!("attention {format}"))?;
+    let cache = CacheRef {
+        kv: format.name(),
+        k: k_cache.ptr(),
+        v: v_cache.ptr(),
+        k_row_bytes: kc.row_bytes(shape.d_head),
+        v_row_bytes: vc.row_bytes(shape.d_head),
+        rot: i32::from(kc.rotate) | (i32::from(vc.rotate) << 1),
+        book: 0,
+    };
+    attention_launch_checks(q, shape, &out, p)?;
+    if p.n_seqs * p.n_tokens == 0 {
+        return Ok(());
+    }
+    attention_v3::<O>(dev, q, &cache, shape, out, p, true)
+}
+
+/// The fast path of kernel v3 for an fp8 cache: Q·Kᵀ on the tensor cores in K's stored
+/// precision (e4m3 wgmma), q split into two e4m3 terms (kernels/attention_sm90a.cu).
+/// Reachable through [`attention_coded_fp8_qk`] only: not yet in
+/// `backend::FAST_PATHS`, since the model forward does not route it (so naming it on
+/// the command line would change nothing).
+pub const FAST_PATH_ATTN_FP8_QK: &str = "attn-fp8-qk";
+
+/// Whether [`attention_coded_fp8_qk`] has a kernel for `d_head` on this device.
+pub fn attn_fp8_qk_covers(dev: &CudaDevice, d_head: usize) -> bool {
+    ATTN_V3_HEAD_DIMS.contains(&d_head) && dev.has_function(&attn_v3_name(d_head, "fp8qk", "f32"))
+}
+
 /// One layer's K and V caches as a kernel sees them (lengths checked by the caller).
 struct CacheRef {
     /// Kernel-name suffix of the cache type: bf16, f32, or a quantized format's name.
@@ -2161,15 +2271,8 @@ struct CacheRef {
     book: u64,
 }
 
-fn attention_launch<O: OutElem>(
-    dev: &CudaDevice,
-    kernel: AttnKernel,
-    q: DevView<f32>,
-    cache: CacheRef,
-    shape: KvShape,
-    out: DevViewMut<O>,
-    p: &AttnParams,
-) -> Result<()> {
+/// The checks every attention launch makes (shapes, GQA, positions, q and out lengths).
+fn attention_launch_checks<O: OutElem>(q: DevView<f32>, shape: KvShape, out: &DevViewMut<O>, p: &AttnParams) -> Result<()> {
     let d = shape.d_head;
     ensure!(ATTN_HEAD_DIMS.contains(&d), "attention: d_head {d} has no kernel (built: {ATTN_HEAD_DIMS:?})");
     ensure!(
@@ -2184,11 +2287,26 @@ fn attention_launch<O: OutElem>(
     let n_rows = p.n_seqs * p.n_tokens;
     Rows { n_rows, n_cols: p.n_heads * d, stride: p.q_stride }.check(q.len(), "attention", "q")?;
     Rows { n_rows, n_cols: p.n_heads * d, stride: p.out_stride }.check(out.len(), "attention", "out")?;
+    Ok(())
+}
+
+fn attention_launch<O: OutElem>(
+    dev: &CudaDevice,
+    kernel: AttnKernel,
+    q: DevView<f32>,
+    cache: CacheRef,
+    shape: KvShape,
+    out: DevViewMut<O>,
+    p: &AttnParams,
+) -> Result<()> {
+    let d = shape.d_head;
+    attention_launch_checks(q, shape, &out, p)?;
+    let n_rows = p.n_seqs * p.n_tokens;
     if n_rows == 0 {
         return Ok(());
     }
     let (name, smem, block_q, threads) = match kernel {
-        AttnKernel::V3 => return attention_v3::<O>(dev, q, &cache, shape, out, p),
+        AttnKernel::V3 => return attention_v3::<O>(dev, q, &cache, shape, out, p, false),
         AttnKernel::V1 => {
             ensure!(
                 matches!(cache.kv, "bf16" | "f32"),
@@ -2273,8 +2391,9 @@ fn attention_launch<O: OutElem>(
 
 /// Kernel v3 (`attn_wgmma_d<D>_<kv>_<out>`, kv of [`ATTN_V3_KV`]) for a call `attention_launch` checked
 /// (shapes, GQA, positions, q and out lengths).
-fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef, shape: KvShape, out: DevViewMut<O>, p: &AttnParams) -> Result<()> {
+fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef, shape: KvShape, out: DevViewMut<O>, p: &AttnParams, qk: bool) -> Result<()> {
     let d = shape.d_head;
+    ensure!(!qk || cache.kv == "fp8", "attention: {FAST_PATH_ATTN_FP8_QK} reads an fp8 cache, not {}", cache.kv);
     ensure!(
         ATTN_V3_KV.contains(&cache.kv),
         "attention kernel v3 reads a bf16 or quantized cache ({ATTN_V3_KV:?}); a {} cache runs kernel v2",
@@ -2282,7 +2401,7 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
     );
     ensure!(ATTN_V3_HEAD_DIMS.contains(&d), "attention kernel v3: d_head {d} has no kernel (built: {ATTN_V3_HEAD_DIMS:?}); it runs kernel v2");
     let coded = cache.kv != "bf16";
-    let name = attn_v3_name(d, cache.kv, O::NAME);
+    let name = attn_v3_name(d, if qk { "fp8qk" } else { cache.kv }, O::NAME);
     ensure!(
         dev.has_function(&name),
         "attention kernel v3: {name} is not loaded (it needs a compute capability 9.0 device and nvcc at build time)"
@@ -2305,7 +2424,13 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
         cache.v_row_bytes
     );
     let f = func(dev, &name)?;
-    let smem = attn_v3_smem_bytes(d, coded.then_some((k_row_bytes, v_row_bytes)), uses_book);
+    // attn-fp8-qk: the raw K stages hold 16 bytes per row (the scales), K's factors have 2
+    // ST slots (not ST), and BM f32 of the query rows' 1 / sq follow.
+    let smem = if qk {
+        attn_v3_smem_bytes(d, Some((16, v_row_bytes)), uses_book) + attn_v3_stages(d) * ATTN_V3_BN * 4 + ATTN_V3_BM * 4
+    } else {
+        attn_v3_smem_bytes(d, coded.then_some((k_row_bytes, v_row_bytes)), uses_book)
+    };
     ensure!(
         smem <= dev.info().max_smem_per_block_bytes as usize,
         "attention: {name} needs {smem} bytes of shared memory, the device allows {}",
@@ -2323,7 +2448,7 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
         }
     };
     let args = AttnWgmmaArgs {
-        k: map(cache.k, k_row_bytes)?,
+        k: if qk { tensor_map_u8_rows(cache.k + d as u64, 16, k_row_bytes, kv_len, shape.n_ctx, n_slabs, false)? } else { map(cache.k, k_row_bytes)? },
         v: map(cache.v, v_row_bytes)?,
         q: q.ptr(),
         out: out.ptr(),
@@ -2344,14 +2469,22 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
     ensure!(n_items <= i32::MAX as usize, "attention: {n_items} work items exceed kernel v3's 32-bit item index");
     let grid = (n_items.min(dev.info().n_sms.max(1) as usize) as u32, 1, 1);
     let coded_args = AttnWgmmaCodedArgs { a: args, rot: cache.rot, pad_: 0, book: cache.book };
+    let qk_args = if qk {
+        Some(AttnWgmmaQkArgs { c: coded_args, kc: tensor_map_u8_rows(cache.k, d, k_row_bytes, kv_len, shape.n_ctx, n_slabs, true)? })
+    } else {
+        None
+    };
     let mut b = dev.stream().launch_builder(f);
-    if coded {
+    if let Some(qa) = &qk_args {
+        b.arg(qa);
+    } else if coded {
         b.arg(&coded_args);
     } else {
         b.arg(&args);
     }
     // SAFETY: `args` mirrors AttnWgmmaArgs of kernels/common.cuh, `coded_args`
-    // AttnWgmmaCodedArgs (sizes asserted), the one the kernel named takes; the tensor maps
+    // AttnWgmmaCodedArgs, `qk_args` AttnWgmmaQkArgs (sizes asserted), the one the kernel
+    // named takes; the tensor maps
     // cover the first p.n_seqs slots' positions [0, pos0 + n_tokens) of both caches
     // (lengths checked by the callers, coded row bytes above); q and out checked by
     // attention_launch and above; a vq2 cache's codebook pointer checked by book_ptr (256
