@@ -128,6 +128,9 @@ pub struct Args {
     /// Force the named fast path (repeatable). Unknown names are an error that lists the valid ones.
     #[arg(long = "fast-path", value_name = "NAME")]
     pub fast_paths: Vec<String>,
+    /// Turn off the named fast path where it is on by default (repeatable).
+    #[arg(long = "no-fast-path", value_name = "NAME")]
+    pub no_fast_paths: Vec<String>,
     /// Use the original int8 prefill attention kernel (needs --kv-dtype int8).
     #[arg(long)]
     pub use_original_int8_prefill_kernel: bool,

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 
-use crate::backend::{effective_prefill_chunk, ExecutionSpec, Precision, PrefillChunk, FAST_PATHS};
+use crate::backend::{effective_prefill_chunk, ExecutionSpec, Precision, PrefillChunk, FAST_PATHS, FAST_PATH_ATTN_FP8_QK};
 use crate::cli::{Args, BackendArg, MethodArg};
 use crate::kv::{KvFormat, KvRotation};
 use crate::plan::{validate_prefill_chunk, Method, Shard};
@@ -282,10 +282,17 @@ fn execution_spec(args: &Args) -> Result<ExecutionSpec> {
              (the flag applies to the quantized formats; drop it or use auto)"
         );
     }
-    for name in &args.fast_paths {
+    for (flag, name) in args.fast_paths.iter().map(|n| ("--fast-path", n)).chain(args.no_fast_paths.iter().map(|n| ("--no-fast-path", n))) {
         if !FAST_PATHS.contains(&name.as_str()) {
-            let valid = if FAST_PATHS.is_empty() { "none exist yet".to_string() } else { format!("valid: {}", FAST_PATHS.join(", ")) };
-            bail!("--fast-path {name}: no such fast path ({valid})");
+            bail!("{flag} {name}: no such fast path (valid: {})", FAST_PATHS.join(", "));
+        }
+    }
+    for name in &args.fast_paths {
+        if args.no_fast_paths.contains(name) {
+            bail!("--fast-path {name} and --no-fast-path {name}: choose one");
+        }
+        if name == FAST_PATH_ATTN_FP8_QK && kv_format != KvFormat::Fp8 {
+            bail!("--fast-path {name} reads an fp8 cache: it needs --kv-dtype fp8 (the run's KV format is {kv_format})");
         }
         if lossless || args.reproducible {
             let flag = if reference { "--reference" } else if lossless { "--lossless" } else { "--reproducible" };
@@ -317,6 +324,7 @@ fn execution_spec(args: &Args) -> Result<ExecutionSpec> {
         kv_format,
         kv_rotation,
         fast_paths: args.fast_paths.clone(),
+        fast_paths_off: args.no_fast_paths.clone(),
         original_int8_prefill_kernel: args.use_original_int8_prefill_kernel,
         original_nvfp4_prefill_kernel: args.use_original_nvfp4_prefill_kernel,
         lossless,
@@ -465,8 +473,15 @@ mod tests {
     fn route_flags_are_checked() {
         let err = |extra: &[&str]| cfg(extra).unwrap_err().to_string();
         assert!(err(&["--fast-path", "int8-attn"])
-            .contains("--fast-path int8-attn: no such fast path (valid: delta-chunk-tf32, delta-chunk-3xtf32)"));
+            .contains("--fast-path int8-attn: no such fast path (valid: delta-chunk-tf32, delta-chunk-3xtf32, attn-fp8-qk)"));
+        assert!(err(&["--no-fast-path", "int8-attn"]).contains("--no-fast-path int8-attn: no such fast path"));
         assert_eq!(cfg(&["--fast-path", "delta-chunk-tf32"]).unwrap().execution.fast_paths, vec!["delta-chunk-tf32".to_string()]);
+        let off = cfg(&["--no-fast-path", "attn-fp8-qk"]).unwrap().execution;
+        assert_eq!((off.fast_paths.len(), off.fast_paths_off), (0, vec!["attn-fp8-qk".to_string()]));
+        assert!(err(&["--fast-path", "attn-fp8-qk", "--no-fast-path", "attn-fp8-qk"]).contains("choose one"));
+        let e = err(&["--fast-path", "attn-fp8-qk", "--kv-dtype", "int8"]);
+        assert!(e.contains("--fast-path attn-fp8-qk") && e.contains("needs --kv-dtype fp8"), "{e}");
+        assert_eq!(cfg(&["--fast-path", "attn-fp8-qk"]).unwrap().execution.fast_paths, vec!["attn-fp8-qk".to_string()]);
         for flag in ["--lossless", "--reproducible", "--reference"] {
             let e = err(&["--fast-path", "delta-chunk-3xtf32", flag]);
             assert!(e.contains(&format!("--fast-path delta-chunk-3xtf32 with {flag}")), "{e}");

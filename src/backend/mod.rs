@@ -687,7 +687,17 @@ pub const FAST_PATH_DELTA_CHUNK_3XTF32: &str = "delta-chunk-3xtf32";
 /// per configuration (docs/performance.md); `--fast-path NAME` forces one,
 /// rejects names not in this table (listing it) and refuses every one under
 /// `--lossless`, `--reference` and `--reproducible`.
-pub const FAST_PATHS: &[&str] = &[FAST_PATH_DELTA_CHUNK_TF32, FAST_PATH_DELTA_CHUNK_3XTF32];
+pub const FAST_PATHS: &[&str] = &[FAST_PATH_DELTA_CHUNK_TF32, FAST_PATH_DELTA_CHUNK_3XTF32, FAST_PATH_ATTN_FP8_QK];
+
+/// Attention kernel v3 over an fp8 cache with S = Q·Kᵀ by e4m3 wgmma on K's
+/// stored codes (q as two e4m3 terms times a per-row power of two, K's row
+/// scales folded into S's columns; kernels/attention_sm90a.cu
+/// `attn_wgmma_d<D>_fp8qk`): on by default on the CUDA default route at the head
+/// sizes of `cuda::ops::ATTN_FP8_QK_DEFAULT_HEAD_DIMS` (d 128, where the H200
+/// measured it faster than the decoding kernel and its parity cases closer to the
+/// CPU backend's op; docs/performance.md, qk9); naming it forces it at d 64 too;
+/// `--no-fast-path attn-fp8-qk` turns it off.
+pub const FAST_PATH_ATTN_FP8_QK: &str = "attn-fp8-qk";
 
 /// Tokens of one prompt-attention wave of the kernel that stores the
 /// quantized KV formats: the query rows one launch of the CUDA prefill
@@ -728,6 +738,10 @@ pub struct ExecutionSpec {
     pub kv_rotation: KvRotation,
     /// Forced fast paths (`--fast-path`), by name.
     pub fast_paths: Vec<String>,
+    /// Fast paths turned off where they are on by default (`--no-fast-path`), by
+    /// name. Absent in reports written before it existed: none.
+    #[serde(default)]
+    pub fast_paths_off: Vec<String>,
     pub original_int8_prefill_kernel: bool,
     pub original_nvfp4_prefill_kernel: bool,
     /// Every operation correctly rounded in f32, exact KV (f32 or bf16), no fast path.
@@ -773,6 +787,7 @@ impl ExecutionSpec {
             kv_format: KvFormat::F32,
             kv_rotation: KvRotation::Auto,
             fast_paths: Vec::new(),
+            fast_paths_off: Vec::new(),
             original_int8_prefill_kernel: false,
             original_nvfp4_prefill_kernel: false,
             lossless: true,

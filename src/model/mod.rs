@@ -48,7 +48,7 @@ use anyhow::{bail, ensure, Context, Result};
 use crate::artifact::meta::{Architecture, HParams};
 use crate::artifact::names::{self, blk};
 use crate::artifact::{Artifact, TensorView};
-use crate::backend::cuda::{CudaBackend, Route, RouteOptions};
+use crate::backend::cuda::{CudaBackend, FastPathUse, Route, RouteOptions};
 use crate::backend::{
     AttnParams, Backend, BackendKind, DeviceMemory, ExecutionInfo, ExecutionSpec, Expert, HeadRequest, KvGeometry, MoeRouting, PassRows, Precision,
     RopeParams, Yarn, MAX_TOP_K,
@@ -742,7 +742,15 @@ pub fn cuda_route(spec: &ExecutionSpec) -> Result<(Route, RouteOptions)> {
         "--reference on CUDA: the route has {} matmul inputs; --reference implies --lossless (f32)",
         spec.matmul_inputs.name()
     );
-    Ok((route, RouteOptions { reference: spec.reference, reproducible: spec.reproducible, kv_rotation: spec.kv_rotation }))
+    Ok((
+        route,
+        RouteOptions {
+            reference: spec.reference,
+            reproducible: spec.reproducible,
+            kv_rotation: spec.kv_rotation,
+            attn_fp8_qk: FastPathUse::of(spec, crate::backend::FAST_PATH_ATTN_FP8_QK),
+        },
+    ))
 }
 
 /// Loads `artifact` on the chosen backend, with YaRN of `rope_yarn_factor`
@@ -754,8 +762,12 @@ pub fn load_model(artifact: &Artifact, kind: BackendKind, rope_yarn_factor: f64)
             check_cuda_support(artifact)?;
             let (route, opts) = cuda_route(&spec)?;
             let mut backend = CudaBackend::open_with(device, route, spec.kv_format, opts).context("backend cuda")?;
-            if let Some(kernel) = crate::backend::cuda::delta_net::DeltaScan::for_fast_paths(&spec.fast_paths)? {
+            use crate::backend::cuda::delta_net::DeltaScan;
+            if let Some(kernel) = DeltaScan::for_fast_paths(&spec.fast_paths)? {
                 backend.set_delta_scan(kernel);
+            } else if FastPathUse::of(&spec, crate::backend::FAST_PATH_DELTA_CHUNK_3XTF32) == FastPathUse::Off {
+                // --no-fast-path turns the route's default chunked scan off.
+                backend.set_delta_scan(DeltaScan::Exact);
             }
             Ok(Box::new(Transformer::load(backend, artifact)?.with_rope_yarn(rope_yarn_factor)?))
         }

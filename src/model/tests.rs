@@ -502,7 +502,13 @@ fn cuda_runs_reference_and_reproducible_and_refuses_a_reference_off_the_fp32_rou
         argv.extend_from_slice(extra);
         crate::config::RunConfig::from_args(&crate::cli::Args::try_parse_from(argv).unwrap()).unwrap().spec_for_cuda()
     };
-    let both = |reference, reproducible| RouteOptions { reference, reproducible, ..RouteOptions::default() };
+    // The attention fast path is off wherever the route runs no fast path.
+    let both = |reference, reproducible| RouteOptions {
+        reference,
+        reproducible,
+        attn_fp8_qk: if reference || reproducible { FastPathUse::Off } else { FastPathUse::Auto },
+        ..RouteOptions::default()
+    };
     // --reference implies --lossless: the FP32 route, with the codec applied exactly.
     let s = spec(&["--reference", "--kv-dtype", "int8"]);
     assert_eq!(cuda_route(&s).unwrap(), (Route::Fp32, both(true, false)));
@@ -511,6 +517,9 @@ fn cuda_runs_reference_and_reproducible_and_refuses_a_reference_off_the_fp32_rou
     assert_eq!(cuda_route(&spec(&["--reference", "--reproducible"])).unwrap(), (Route::Fp32, both(true, true)));
     assert_eq!(cuda_route(&spec(&["--lossless", "--reproducible"])).unwrap(), (Route::Fp32, both(false, true)));
     assert_eq!(cuda_route(&spec(&[])).unwrap(), (Route::Bf16TensorCore, both(false, false)));
+    assert_eq!(cuda_route(&spec(&["--lossless"])).unwrap().1.attn_fp8_qk, FastPathUse::Off);
+    assert_eq!(cuda_route(&spec(&["--fast-path", "attn-fp8-qk"])).unwrap().1.attn_fp8_qk, FastPathUse::Forced);
+    assert_eq!(cuda_route(&spec(&["--no-fast-path", "attn-fp8-qk"])).unwrap().1.attn_fp8_qk, FastPathUse::Off);
     // A spec built by hand that asks for --reference on bf16 inputs, or two precisions, is refused.
     let mut bad = spec(&["--reference"]);
     (bad.matmul_inputs, bad.lm_head_inputs) = (Precision::Bf16, Precision::Bf16);

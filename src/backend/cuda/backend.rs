@@ -180,8 +180,34 @@ enum KvLayers {
     Decoded(Vec<[DeviceBuffer<f32>; 2]>),
 }
 
+/// How a named fast path that is on by default where qualified is used.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum FastPathUse {
+    /// Where qualified (its default head sizes, devices, formats).
+    #[default]
+    Auto,
+    /// Named by `--fast-path`: wherever it has a kernel, else an error.
+    Forced,
+    /// `--no-fast-path`, or `--reproducible` (no fast path there).
+    Off,
+}
+
+impl FastPathUse {
+    /// The use `spec` asks for of the fast path `name`.
+    pub fn of(spec: &crate::backend::ExecutionSpec, name: &str) -> Self {
+        let named = |list: &[String]| list.iter().any(|n| n == name);
+        if spec.reproducible || spec.lossless || named(&spec.fast_paths_off) {
+            Self::Off
+        } else if named(&spec.fast_paths) {
+            Self::Forced
+        } else {
+            Self::Auto
+        }
+    }
+}
+
 /// The route settings beside [`Route`] and the KV format (`ExecutionSpec`'s
-/// `reference`, `reproducible` and `kv_rotation`).
+/// `reference`, `reproducible`, `kv_rotation` and the attention's fast path).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RouteOptions {
     /// `--reference`: the FP32 route with the KV codec applied exactly (the CPU's
@@ -192,6 +218,8 @@ pub struct RouteOptions {
     /// `--kv-rotation`: the quantized codecs' rotation (`auto`: the format table's),
     /// given to the encoders and the attention kernels (their `rotate` / `rot` flags).
     pub kv_rotation: crate::kv::KvRotation,
+    /// [`crate::backend::FAST_PATH_ATTN_FP8_QK`]: fp8 attention with Q·Kᵀ on K's stored codes.
+    pub attn_fp8_qk: FastPathUse,
 }
 
 /// The KV cache of the windows of one pass on the device.
@@ -548,7 +576,52 @@ impl CudaBackend {
             .with_context(|| format!("attention: store K ({})", f.format))?;
         ops::kv_encode(&self.dev, f.v, v.f32("attention")?.view(), n_seqs, n, v.n_cols, vc.view_mut(), shape, p.pos0, n_bad.view_mut(), book)
             .with_context(|| format!("attention: store V ({})", f.format))?;
+        if self.fp8_qk_at(shape.d_head)? {
+            return ops::attention_coded_fp8_qk::<O>(&self.dev, f, q.f32("attention")?.view(), kc.view(), vc.view(), shape, out.view_mut(), p);
+        }
         ops::attention_coded::<O>(&self.dev, f, q.f32("attention")?.view(), kc.view(), vc.view(), shape, out.view_mut(), p, book)
+    }
+
+    /// Whether an fp8 cache's attention at `d_head` runs the fast path
+    /// [`crate::backend::FAST_PATH_ATTN_FP8_QK`]: by default at the head sizes of
+    /// `ops::ATTN_FP8_QK_DEFAULT_HEAD_DIMS` where the device has its kernel; forced,
+    /// wherever it has one (else an error naming it); never when turned off.
+    fn fp8_qk_at(&self, d_head: usize) -> Result<bool> {
+        if self.kv_dtype != KvFormat::Fp8 || self.route != Route::Bf16TensorCore || self.opts.reference {
+            return Ok(false);
+        }
+        let covers = ops::attn_fp8_qk_covers(&self.dev, d_head);
+        Ok(match self.opts.attn_fp8_qk {
+            FastPathUse::Off => false,
+            FastPathUse::Auto => covers && ops::ATTN_FP8_QK_DEFAULT_HEAD_DIMS.contains(&d_head),
+            FastPathUse::Forced => {
+                ensure!(
+                    covers,
+                    "--fast-path {}: no kernel at d_head {d_head} on this device (d_head 64 or 128 on sm_90a); drop it",
+                    crate::backend::FAST_PATH_ATTN_FP8_QK
+                );
+                true
+            }
+        })
+    }
+
+    /// The report's line on the attention fast path.
+    fn attention_fast_path(&self) -> String {
+        let name = crate::backend::FAST_PATH_ATTN_FP8_QK;
+        if self.kv_dtype != KvFormat::Fp8 || self.route != Route::Bf16TensorCore || self.opts.reference {
+            return format!("none ({name} reads an fp8 cache on the default route)");
+        }
+        let how = match self.opts.attn_fp8_qk {
+            FastPathUse::Off => return format!("{name} off (--no-fast-path or --reproducible): kernel v3's decoding fp8 kernel"),
+            FastPathUse::Auto => "on by default",
+            FastPathUse::Forced => "forced (--fast-path)",
+        };
+        let dims: Vec<usize> = ops::ATTN_V3_HEAD_DIMS.iter().copied().filter(|&d| self.fp8_qk_at(d).unwrap_or(false)).collect();
+        format!(
+            "{name} {how}, at d_head {dims:?} on this device: attn_wgmma_d<D>_fp8qk (kernel v3; S = Q·Kᵀ by e4m3 wgmma on K's \
+             stored codes, q as e4m3 hi + lo times a per-row power of two, K's row scales folded into S's columns; V decoded \
+             as kernel v3's fp8 kernel does)"
+        )
     }
 
     /// `--reference`: K and V rows stored as decode(encode(row)) through their codecs
@@ -1358,6 +1431,7 @@ impl Backend for CudaBackend {
                     "off"
                 },
                 "attention_kernel": self.attention_kernel().name(),
+                "attention_fast_path": self.attention_fast_path(),
                 "attention": self.attention_description(),
                 "kv_cache": self.kv_cache_kernels(),
                 "kv_k_codec": self.stored_codecs().0.name(),

@@ -19,7 +19,7 @@ pub mod ops;
 pub mod profile;
 pub mod ptx;
 
-pub use backend::{CudaBackend, Route, RouteOptions};
+pub use backend::{CudaBackend, FastPathUse, Route, RouteOptions};
 pub use buffer::{DevView, DevViewMut, DeviceBuffer, Elem, QuantMatrix};
 pub use device::{device_count, driver_present, driver_version, CudaDevice, DeviceInfo, NO_KERNELS};
 pub use ptx::{build_info, source_file_hashes, KernelBuildInfo};

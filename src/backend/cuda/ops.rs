@@ -1875,7 +1875,7 @@ pub const ATTN_V3_DEFAULT_HEAD_DIMS: &[usize] = &[64, 128];
 pub const ATTN_V3_DEFAULT_KV: &[&str] = &["bf16", "fp8", "int8", "k8v4", "nvfp4", "k4v2", "vq2"];
 
 /// Head sizes of kernel v3 (`attn_wgmma_d<D>_<kv>_<out>`).
-const ATTN_V3_HEAD_DIMS: [usize; 2] = [64, 128];
+pub const ATTN_V3_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Caches kernel v3 reads: bf16 (TMA into the swizzled stages) and, decoded by its
 /// producer warpgroup, every quantized format (kv::KvFormat::name): fp8, int8, k8v4
 /// (since attn7), nvfp4, k4v2, vq2 (since v3q8); the stored rows of
@@ -2244,12 +2244,14 @@ pub fn attention_coded_fp8_qk<O: OutElem>(
     attention_v3::<O>(dev, q, &cache, shape, out, p, true)
 }
 
-/// The fast path of kernel v3 for an fp8 cache: Q·Kᵀ on the tensor cores in K's stored
-/// precision (e4m3 wgmma), q split into two e4m3 terms (kernels/attention_sm90a.cu).
-/// Reachable through [`attention_coded_fp8_qk`] only: not yet in
-/// `backend::FAST_PATHS`, since the model forward does not route it (so naming it on
-/// the command line would change nothing).
-pub const FAST_PATH_ATTN_FP8_QK: &str = "attn-fp8-qk";
+pub use crate::backend::FAST_PATH_ATTN_FP8_QK;
+
+/// The head sizes at which the default route runs [`FAST_PATH_ATTN_FP8_QK`] for an fp8
+/// cache unless it is turned off: where the H200 measured it faster than kernel v3's
+/// decoding fp8 kernel (qk9, causal ctx 4096: d 128 372.3 against 329.7 TFLOP/s; at
+/// d 64 it was slower, 245.9 against 267.4, so d 64 keeps the decoding kernel unless
+/// the fast path is named).
+pub const ATTN_FP8_QK_DEFAULT_HEAD_DIMS: &[usize] = &[128];
 
 /// Whether [`attention_coded_fp8_qk`] has a kernel for `d_head` on this device.
 pub fn attn_fp8_qk_covers(dev: &CudaDevice, d_head: usize) -> bool {
