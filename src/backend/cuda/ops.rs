@@ -2298,8 +2298,12 @@ pub use crate::backend::FAST_PATH_ATTN_INT8_QK;
 
 /// The (format, head sizes) at which the default route runs [`FAST_PATH_ATTN_INT8_QK`]
 /// unless it is turned off: where the H200 measured it faster than kernel v3's decoding
-/// kernel of that format (qk10, docs/performance.md).
-pub const ATTN_INT8_QK_DEFAULT_HEAD_DIMS: &[(KvFormat, &[usize])] = &[(KvFormat::Int8, &[]), (KvFormat::K8v4, &[])];
+/// kernel of that format (qk10, 2026-12-02 15:30 UTC, causal ctx 4096, TFLOP/s, fast
+/// path / decoding kernel: int8 d 128 317.1 / 302.7, k8v4 d 128 303.1 / 293.0; at d 64
+/// slower, 220.1 / 246.0 and 212.8 / 240.1, so d 64 keeps the decoding kernel unless
+/// named; at ctx 512 d 128 also slower, 137.7 / 147.0 and 136.1 / 144.6:
+/// docs/performance.md).
+pub const ATTN_INT8_QK_DEFAULT_HEAD_DIMS: &[(KvFormat, &[usize])] = &[(KvFormat::Int8, &[128]), (KvFormat::K8v4, &[128])];
 
 /// Whether the default route runs [`FAST_PATH_ATTN_INT8_QK`] for `format` at `d_head`
 /// ([`ATTN_INT8_QK_DEFAULT_HEAD_DIMS`]).
