@@ -14,8 +14,8 @@
 //! same kind of random values; its tile loads decode and round to bf16, rotated
 //! formats rotate q and the output in the kernel) on the same shapes, for the
 //! quantized formats' target (within 20 % of bf16). Beside each fp8 row of v3, the fast
-//! path attn-fp8-qk (`v3+qk`: Q·Kᵀ by e4m3 wgmma on K's stored codes). Prints one
-//! `BENCH` line per row.
+//! path attn-fp8-qk (`v3+qk`: Q·Kᵀ by e4m3 wgmma on K's stored codes); beside each int8
+//! and k8v4 row, attn-int8-qk (`v3+qk`: by s8 wgmma). Prints one `BENCH` line per row.
 //! For one device call, `INFERNIX_BENCH_SHAPES`, `INFERNIX_BENCH_FORMATS` and
 //! `INFERNIX_BENCH_V3_ONLY=1` narrow the rows (main()).
 //!
@@ -67,7 +67,8 @@ fn time_ms(dev: &CudaDevice, reps: usize, mut launch: impl FnMut() -> Result<()>
 }
 
 /// One row: `format` bf16 or a quantized format, on exactly `kernel`; `qk`: kernel v3's
-/// fast path attn-fp8-qk (`ops::attention_coded_fp8_qk`, fp8 only), row label `v3+qk`.
+/// fast path attn-fp8-qk (`ops::attention_coded_fp8_qk`, fp8) or attn-int8-qk
+/// (`ops::attention_coded_int8_qk`, int8 and k8v4), row label `v3+qk`.
 fn bench(dev: &CudaDevice, s: &Shape, kernel: AttnKernel, format: KvFormat, book: &ops::VqBook, rng: &mut ChaCha8Rng, qk: bool) -> Result<()> {
     let kv = KvShape { n_seqs: s.n_seqs, n_kv_heads: s.n_kv_heads, n_ctx: s.n_tokens, d_head: s.d_head };
     let width = s.n_heads * s.d_head;
@@ -106,7 +107,11 @@ fn bench(dev: &CudaDevice, s: &Shape, kernel: AttnKernel, format: KvFormat, book
     };
     let reps = if kernel == AttnKernel::V1 { 5 } else { 20 };
     let ms = if qk {
-        time_ms(dev, reps, || ops::attention_coded_fp8_qk::<f32>(dev, format, qd.view(), kcq.view(), vcq.view(), kv, out.view_mut(), &p))?
+        if format == KvFormat::Fp8 {
+            time_ms(dev, reps, || ops::attention_coded_fp8_qk::<f32>(dev, format, qd.view(), kcq.view(), vcq.view(), kv, out.view_mut(), &p))?
+        } else {
+            time_ms(dev, reps, || ops::attention_coded_int8_qk::<f32>(dev, format, qd.view(), kcq.view(), vcq.view(), kv, out.view_mut(), &p))?
+        }
     } else if quantized {
         time_ms(dev, reps, || ops::attention_coded_exact::<f32>(dev, kernel, format, qd.view(), kcq.view(), vcq.view(), kv, out.view_mut(), &p, Some(book)))?
     } else {
@@ -181,6 +186,10 @@ fn main() -> Result<()> {
             }
             // The fast path attn-fp8-qk beside fp8's v3 row.
             if format == KvFormat::Fp8 && ops::attn_fp8_qk_covers(&dev, s.d_head) {
+                bench(&dev, s, AttnKernel::V3, format, &book, &mut rng, true)?;
+            }
+            // The fast path attn-int8-qk beside int8's and k8v4's v3 rows.
+            if ops::attn_int8_qk_covers(&dev, format, s.d_head) {
                 bench(&dev, s, AttnKernel::V3, format, &book, &mut rng, true)?;
             }
         }

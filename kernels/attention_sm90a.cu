@@ -144,6 +144,21 @@
 // alignment of products is not IEEE f32); P, V and O as v3. A NaN in q or a code gives
 // NaN; an infinite q saturates to ±448 (v3: NaN or inf), a rotated K as v3 (q rotated
 // before the split).
+// The named fast path attn-int8-qk (attn_wgmma_d<D>_<int8|k8v4>qk_f32, AttnWgmmaQkArgs
+// as attn-fp8-qk; an int8 or k8v4 cache, whose K rows are alike: D int8 codes, the f32
+// scale at byte D; ops::attention_coded_int8_qk): attn-fp8-qk's structure (codes by TMA
+// into the K stage, factors from the scales, the same swizzle and descriptors) with S
+// by s8 x s8 -> s32 wgmma m64n128k32. Q per row: s = 127 / max|q| (f32), hi = rn(q s)
+// in [-127, 127], lo = rn(256 (q s - hi)) clamped to ±127, 1 / (256 s) in qfac. S =
+// (hi·Kᵀ << 8) + lo·Kᵀ on one s32 accumulator: the hi wgmmas are waited for, the
+// accumulator shifted (exact: |hi·k| <= 128 * 127 * 127, times 256 below 2^31), then
+// lo's wgmmas added (two accumulators would cost 64 registers per thread in consumers
+// that already spill at the launch bound's 168). S's s32 to f32 in the softmax (one
+// rounding above 2^24), then as attn-fp8-qk: y = S kfac, p = exp2(y rq - m rq). Numerics
+// against v3's int8 kernel: q to about 2^-16 of the row's largest |q| (hi's step
+// max|q| / 127, lo's 256 times finer) where v3 rounds each element to bf16; K exact
+// where v3 rounds code * scale to bf16; P, V and O as v3. A NaN or infinite q gives a
+// NaN row (qfac NaN; v3: NaN as well); a rotated K as v3 (q rotated before the split).
 // Not covered here (the launcher sends them to v2): d_head 96 and 256, misaligned q /
 // out.
 // attn-fp8-qk: raw K stages of BN * 16 bytes, 2 ST slots of K's factors (not ST), plus BM
@@ -253,6 +268,31 @@ __device__ __forceinline__ void wgmma_ss_m64n128k32_e4m3(float d[64], uint64_t d
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(1)
+        : "memory");
+}
+
+// attn-int8-qk: D(64 x 128, s32) += A(64 x 32, s8, K-major, smem) * B(128 x 32, s8,
+// K-major, smem)ᵀ; the accumulator lives in the f32 registers of S (their bits).
+__device__ __forceinline__ void wgmma_ss_m64n128k32_s8(float d[64], uint64_t desc_a, uint64_t desc_b) {
+    uint32_t* u = reinterpret_cast<uint32_t*>(d);
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p;\n}\n"
+        : "+r"(u[0]), "+r"(u[1]), "+r"(u[2]), "+r"(u[3]), "+r"(u[4]), "+r"(u[5]), "+r"(u[6]), "+r"(u[7]),
+          "+r"(u[8]), "+r"(u[9]), "+r"(u[10]), "+r"(u[11]), "+r"(u[12]), "+r"(u[13]), "+r"(u[14]), "+r"(u[15]),
+          "+r"(u[16]), "+r"(u[17]), "+r"(u[18]), "+r"(u[19]), "+r"(u[20]), "+r"(u[21]), "+r"(u[22]), "+r"(u[23]),
+          "+r"(u[24]), "+r"(u[25]), "+r"(u[26]), "+r"(u[27]), "+r"(u[28]), "+r"(u[29]), "+r"(u[30]), "+r"(u[31]),
+          "+r"(u[32]), "+r"(u[33]), "+r"(u[34]), "+r"(u[35]), "+r"(u[36]), "+r"(u[37]), "+r"(u[38]), "+r"(u[39]),
+          "+r"(u[40]), "+r"(u[41]), "+r"(u[42]), "+r"(u[43]), "+r"(u[44]), "+r"(u[45]), "+r"(u[46]), "+r"(u[47]),
+          "+r"(u[48]), "+r"(u[49]), "+r"(u[50]), "+r"(u[51]), "+r"(u[52]), "+r"(u[53]), "+r"(u[54]), "+r"(u[55]),
+          "+r"(u[56]), "+r"(u[57]), "+r"(u[58]), "+r"(u[59]), "+r"(u[60]), "+r"(u[61]), "+r"(u[62]), "+r"(u[63])
         : "l"(desc_a), "l"(desc_b), "r"(1)
         : "memory");
 }
@@ -472,15 +512,16 @@ struct RowVq2 {
 // structs above; fp8, int8: RowBytes; k8v4: RowBytes<CodeInt8>, RowInt4G32; nvfp4:
 // RowNvfp4 both; k4v2: RowInt4G32, RowInt2G32; vq2: RowVq2 both).
 struct CacheBf16 {
-    static constexpr bool CODED = false, BOOK = false, QK = false;
+    static constexpr bool CODED = false, BOOK = false, QK = false, QKI = false;
     using KRow = RowBytes<CodeE4m3>;  // unused
     using VRow = RowBytes<CodeE4m3>;
 };
-// QK (attn-fp8-qk, fp8 rows only): S = Q·Kᵀ on the stored E4M3 codes (see the kernel's
-// comment at the top of this file).
-template <typename KROW, typename VROW, bool QK_ = false>
+// QK_ (0: off): S = Q·Kᵀ on K's stored codes (see the kernel's comment at the top of
+// this file): 1 attn-fp8-qk (E4M3 rows, e4m3 wgmma), 2 attn-int8-qk (int8 K rows of
+// int8 and k8v4, s8 wgmma; QKI).
+template <typename KROW, typename VROW, int QK_ = 0>
 struct CacheCoded {
-    static constexpr bool CODED = true, BOOK = KROW::BOOK || VROW::BOOK, QK = QK_;
+    static constexpr bool CODED = true, BOOK = KROW::BOOK || VROW::BOOK, QK = QK_ != 0, QKI = QK_ == 2;
     using KRow = KROW;
     using VRow = VROW;
 };
@@ -576,6 +617,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     // attn-fp8-qk: K's codes by TMA into an e4m3 stage (kc_map), the scales (a.k: 16
     // bytes per row from byte D) into the raw K stages, Q as e4m3 hi and lo tiles.
     constexpr bool QK = CACHE::QK;
+    constexpr bool QKI = CACHE::QKI;  // attn-int8-qk: s8 codes, q as int8 hi and lo
     static_assert(!QK || (CODED && CACHE::KRow::ONE_SCALE), "attn-fp8-qk: rows of one-byte codes and one scale");
     static_assert(D % BOX == 0 && (D == 64 || D == 128), "attn_wgmma: d_head 64 or 128");
     constexpr int ST = stages(D);
@@ -867,7 +909,34 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
 #pragma unroll
                     for (int e = 0; e < 8; ++e) v[e] *= inv_n;
                 }
-                if constexpr (QK) {
+                if constexpr (QKI) {
+                    // attn-int8-qk: the row's largest |q| over its D / 8 lanes, s = 127 /
+                    // amax (f32), hi = rn(q s) in [-127, 127], lo = rn((q s - hi) 256)
+                    // clamped to [-127, 127] (q s - hi is exact in f32, within ±1/2), so
+                    // q s = hi + lo / 256 to 2^-9; 1 / (256 s) = amax / 32512 per row (qfac).
+                    // amax 0: s = 0, the row's codes 0; amax inf or NaN: qfac NaN.
+                    float amax = 0.f;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
+#pragma unroll
+                    for (int m = 1; m < D / 8; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+                    const bool fin = amax <= 3.0e38f;  // false for inf and NaN
+                    const float sf = (amax > 0.f && fin) ? 127.0f / amax : 0.f;
+                    const float rqf = fin ? amax * (1.0f / 32512.0f) : __int_as_float(0x7FC00000);
+                    uint32_t hw[2] = {0u, 0u}, lw[2] = {0u, 0u};
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        const float x = v[e] * sf;
+                        const int hq = __float2int_rn(x);
+                        const int lq = min(max(__float2int_rn((x - (float)hq) * 256.0f), -127), 127);
+                        hw[e >> 2] |= ((uint32_t)hq & 0xFFu) << (8 * (e & 3));
+                        lw[e >> 2] |= ((uint32_t)lq & 0xFFu) << (8 * (e & 3));
+                    }
+                    const uint32_t off = qk_chunk<D>(r, ch >> 1) + (ch & 1) * 8;
+                    st_shared_v2(sq + off, hw[0], hw[1]);
+                    st_shared_v2(sq + BM * D + off, lw[0], lw[1]);
+                    if (ch == 0) st_shared_f32(qfac + 4 * r, rqf);
+                } else if constexpr (QK) {
                     // The row's largest |q| over its D / 8 lanes (consecutive), its power of
                     // two sq (amax sq in [128, 256): e4m3's range is ±448, and the scaling
                     // is exact), hi = e4m3(q sq), lo = e4m3(q sq - hi) (the difference exact
@@ -925,7 +994,28 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             auto issue_s = [&](int j) {
 #pragma unroll
                 for (int e = 0; e < BN / 2; ++e) sc[e] = 0.f;
-                if constexpr (QK) {
+                if constexpr (QKI) {
+                    // attn-int8-qk: hi·Kᵀ (D / 32 s8 k-steps), waited for, the s32
+                    // accumulator shifted left by 8 (exact: |hi·k| <= D 127 127, times 256
+                    // below 2^31 at D <= 128), then lo·Kᵀ added: S = 256 hi·k + lo·k.
+                    // Nothing else is in flight here (the previous tile's groups were
+                    // waited for), so the wait costs only hi's latency.
+                    const uint64_t dk8 = qk_desc<D>(sk + (j % ST) * KV_BYTES);
+                    const uint64_t dh = qk_desc<D>(sq + c * 64 * D), dl = qk_desc<D>(sq + BM * D + c * 64 * D);
+                    wgmma_fence();
+#pragma unroll
+                    for (int kk = 0; kk < D / 32; ++kk) wgmma_ss_m64n128k32_s8(sc, dh + 2 * kk, dk8 + 2 * kk);
+                    wgmma_commit();
+                    wgmma_wait<0>();
+                    fence_regs(sc);
+#pragma unroll
+                    for (int e = 0; e < BN / 2; ++e) sc[e] = __int_as_float(__float_as_int(sc[e]) << 8);
+                    wgmma_fence();
+#pragma unroll
+                    for (int kk = 0; kk < D / 32; ++kk) wgmma_ss_m64n128k32_s8(sc, dl + 2 * kk, dk8 + 2 * kk);
+                    wgmma_commit();
+                    return;
+                } else if constexpr (QK) {
                     // hi and lo into the same accumulator: 2 D / 32 e4m3 k-steps.
                     const uint64_t dk8 = qk_desc<D>(sk + (j % ST) * KV_BYTES);
                     const uint64_t dh = qk_desc<D>(sq + c * 64 * D), dl = qk_desc<D>(sq + BM * D + c * 64 * D);
@@ -995,6 +1085,8 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         float x;
+                        // attn-int8-qk: S's s32 bits as f32 (exact below 2^24, else rounded to nearest even).
+                        if constexpr (QKI) sc[4 * j + e] = (float)__float_as_int(sc[4 * j + e]);
                         if constexpr (KF) {
                             float4 k4;
                             if constexpr (QK) k4 = kfq[4 * (j / 2)];
@@ -1218,10 +1310,22 @@ ATTN_WGMMA_CODED(128, vq2, attn3::RowVq2, attn3::RowVq2, f32, float)
 #define ATTN_WGMMA_QK(D, outn, OUT)                                                                              \
     extern "C" __global__ void __launch_bounds__(attn3::THREADS, 1) attn_wgmma_d##D##_fp8qk_##outn(              \
         const __grid_constant__ AttnWgmmaQkArgs a) {                                                             \
-        attn3::attn_wgmma_impl<D, OUT, attn3::CacheCoded<attn3::RowBytes<CodeE4m3>, attn3::RowBytes<CodeE4m3>, true>>( \
+        attn3::attn_wgmma_impl<D, OUT, attn3::CacheCoded<attn3::RowBytes<CodeE4m3>, attn3::RowBytes<CodeE4m3>, 1>>( \
             a.c.a, a.c.rot, a.c.book, &a.kc);                                                                    \
     }
 ATTN_WGMMA_QK(64, f32, float)
 ATTN_WGMMA_QK(64, bf16, bf16)
 ATTN_WGMMA_QK(128, f32, float)
 ATTN_WGMMA_QK(128, bf16, bf16)
+
+// attn_wgmma_d<D>_<fmt>qk_f32 (attn-int8-qk): an int8 or k8v4 cache with S = Q·Kᵀ by s8
+// wgmma on K's stored int8 codes (AttnWgmmaQkArgs as attn-fp8-qk; V as the format's kernel).
+#define ATTN_WGMMA_QKI(D, fmt, VROW)                                                                            \
+    extern "C" __global__ void __launch_bounds__(attn3::THREADS, 1) attn_wgmma_d##D##_##fmt##qk_f32(             \
+        const __grid_constant__ AttnWgmmaQkArgs a) {                                                             \
+        attn3::attn_wgmma_impl<D, float, attn3::CacheCoded<attn3::RowBytes<CodeInt8>, VROW, 2>>(a.c.a, a.c.rot, a.c.book, &a.kc); \
+    }
+ATTN_WGMMA_QKI(64, int8, attn3::RowBytes<CodeInt8>)
+ATTN_WGMMA_QKI(128, int8, attn3::RowBytes<CodeInt8>)
+ATTN_WGMMA_QKI(64, k8v4, attn3::RowInt4G32)
+ATTN_WGMMA_QKI(128, k8v4, attn3::RowInt4G32)

@@ -131,7 +131,8 @@ pub struct Args {
     /// Turn off the named fast path where it is on by default (repeatable).
     #[arg(long = "no-fast-path", value_name = "NAME")]
     pub no_fast_paths: Vec<String>,
-    /// Use the original int8 prefill attention kernel (needs --kv-dtype int8).
+    /// Use the original int8 prefill attention kernel, kernel v3's decoding kernel: the fast path
+    /// attn-int8-qk off (needs --kv-dtype int8).
     #[arg(long)]
     pub use_original_int8_prefill_kernel: bool,
     /// Use the original nvfp4 prefill attention kernel (needs --kv-dtype nvfp4).

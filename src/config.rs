@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 
-use crate::backend::{effective_prefill_chunk, ExecutionSpec, Precision, PrefillChunk, FAST_PATHS, FAST_PATH_ATTN_FP8_QK};
+use crate::backend::{effective_prefill_chunk, ExecutionSpec, Precision, PrefillChunk, FAST_PATHS, FAST_PATH_ATTN_FP8_QK, FAST_PATH_ATTN_INT8_QK};
 use crate::cli::{Args, BackendArg, MethodArg};
 use crate::kv::{KvFormat, KvRotation};
 use crate::plan::{validate_prefill_chunk, Method, Shard};
@@ -294,6 +294,12 @@ fn execution_spec(args: &Args) -> Result<ExecutionSpec> {
         if name == FAST_PATH_ATTN_FP8_QK && kv_format != KvFormat::Fp8 {
             bail!("--fast-path {name} reads an fp8 cache: it needs --kv-dtype fp8 (the run's KV format is {kv_format})");
         }
+        if name == FAST_PATH_ATTN_INT8_QK && !matches!(kv_format, KvFormat::Int8 | KvFormat::K8v4) {
+            bail!("--fast-path {name} reads an int8 or k8v4 cache: it needs --kv-dtype int8 or k8v4 (the run's KV format is {kv_format})");
+        }
+        if name == FAST_PATH_ATTN_INT8_QK && args.use_original_int8_prefill_kernel {
+            bail!("--fast-path {name} and --use-original-int8-prefill-kernel: choose one");
+        }
         if lossless || args.reproducible {
             let flag = if reference { "--reference" } else if lossless { "--lossless" } else { "--reproducible" };
             bail!("--fast-path {name} with {flag}: fast paths change rounding and are off on that route");
@@ -310,8 +316,11 @@ fn execution_spec(args: &Args) -> Result<ExecutionSpec> {
         if kv_format != needs {
             bail!("{flag} needs --kv-dtype {needs} (the run's KV format is {kv_format})");
         }
-        // No original prefill kernel exists in this tree: say so rather than run another one.
-        bail!("{flag}: no original {needs} prefill kernel exists in this build yet");
+        // int8: kernel v3's decoding kernel, the fast path attn-int8-qk turned off
+        // (model::cuda_route). nvfp4: no original prefill kernel exists in this tree.
+        if needs != KvFormat::Int8 {
+            bail!("{flag}: no original {needs} prefill kernel exists in this build yet");
+        }
     }
     let f = args.rope_yarn_factor;
     if !(f.is_finite() && (1.0..=4.0).contains(&f)) {
@@ -473,7 +482,7 @@ mod tests {
     fn route_flags_are_checked() {
         let err = |extra: &[&str]| cfg(extra).unwrap_err().to_string();
         assert!(err(&["--fast-path", "int8-attn"])
-            .contains("--fast-path int8-attn: no such fast path (valid: delta-chunk-tf32, delta-chunk-3xtf32, attn-fp8-qk)"));
+            .contains("--fast-path int8-attn: no such fast path (valid: delta-chunk-tf32, delta-chunk-3xtf32, attn-fp8-qk, attn-int8-qk)"));
         assert!(err(&["--no-fast-path", "int8-attn"]).contains("--no-fast-path int8-attn: no such fast path"));
         assert_eq!(cfg(&["--fast-path", "delta-chunk-tf32"]).unwrap().execution.fast_paths, vec!["delta-chunk-tf32".to_string()]);
         let off = cfg(&["--no-fast-path", "attn-fp8-qk"]).unwrap().execution;
@@ -488,8 +497,13 @@ mod tests {
         }
         let e = err(&["--use-original-int8-prefill-kernel"]);
         assert!(e.contains("needs --kv-dtype int8") && e.contains("fp8"), "{e}");
-        let e = err(&["--use-original-int8-prefill-kernel", "--kv-dtype", "int8"]);
-        assert!(e.contains("no original int8 prefill kernel exists"), "{e}");
+        let c = cfg(&["--use-original-int8-prefill-kernel", "--kv-dtype", "int8"]).unwrap();
+        assert!(c.execution.original_int8_prefill_kernel);
+        let e = err(&["--fast-path", "attn-int8-qk", "--kv-dtype", "fp8"]);
+        assert!(e.contains("needs --kv-dtype int8 or k8v4"), "{e}");
+        let e = err(&["--fast-path", "attn-int8-qk", "--kv-dtype", "int8", "--use-original-int8-prefill-kernel"]);
+        assert!(e.contains("choose one"), "{e}");
+        assert_eq!(cfg(&["--fast-path", "attn-int8-qk", "--kv-dtype", "k8v4"]).unwrap().execution.fast_paths, vec!["attn-int8-qk".to_string()]);
         assert!(err(&["--use-original-nvfp4-prefill-kernel", "--kv-dtype", "int8"]).contains("needs --kv-dtype nvfp4"));
         for bad in ["0.5", "4.5", "NaN", "inf"] {
             assert!(err(&["--rope-yarn-factor", bad]).contains("--rope-yarn-factor"), "{bad}");

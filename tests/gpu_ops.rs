@@ -1559,10 +1559,10 @@ fn attention_v3_fp8_qk_against_cpu_backend() {
     cases.push(AttnCase { n_seqs: 2, n_heads: 4, n_kv_heads: 1, d_head: 128, n_ctx: 1100, passes: vec![700, 333], window: 300, softcap: 0.0 });
     assert_eq!(cases.len(), 5);
     for (i, c) in cases.iter().enumerate() {
-        fp8_qk_case::<f32>(dev, &mut rng, c, KvRotation::Off);
+        fp8_qk_case::<f32>(dev, &mut rng, c, KvRotation::Off, KvFormat::Fp8);
         if i % 2 == 1 {
-            fp8_qk_case::<bf16>(dev, &mut rng, c, KvRotation::Off);
-            fp8_qk_case::<f32>(dev, &mut rng, c, KvRotation::On);
+            fp8_qk_case::<bf16>(dev, &mut rng, c, KvRotation::Off, KvFormat::Fp8);
+            fp8_qk_case::<f32>(dev, &mut rng, c, KvRotation::On, KvFormat::Fp8);
         }
     }
     // Formats other than fp8, and d_head 96, are errors.
@@ -1580,19 +1580,68 @@ fn attention_v3_fp8_qk_against_cpu_backend() {
     assert!(format!("{err:#}").contains("d_head 96"), "{err:#}");
 }
 
-/// One case of [`attention_v3_fp8_qk_against_cpu_backend`]: the passes of `c` encoded
-/// into an fp8 cache (codecs under `rotation`) on the device and in the CPU backend's
-/// cache, the fast path's output against the CPU op's.
-fn fp8_qk_case<O: Elem + Poison + ops::OutElem>(dev: &CudaDevice, rng: &mut ChaCha8Rng, c: &AttnCase, rotation: KvRotation) {
+/// Kernel v3's fast path attn-int8-qk (`ops::attention_coded_int8_qk`: S = Q·Kᵀ by s8
+/// wgmma on K's stored int8 codes, q as int8 hi + lo / 256 times 127 / max|q| per row)
+/// against the CPU backend's op on the same int8 and k8v4 caches, every case of
+/// `attention_v3_coded_against_cpu_backend`, K and V Hadamard-rotated for two of them.
+/// The CPU op gets the f32 q. Tolerance: v3's int8 / k8v4 budget, [`tol_attn_coded`]:
+/// K exact where v3 rounds code * scale to bf16 (2^-9 relative), q within about 2^-16
+/// of the row's largest |q| (hi's step is max|q| / 127, lo's 1/256 of that, each
+/// rounded to nearest) where v3 rounds each element to 2^-9 of itself; S's s32 sum exact, its conversion
+/// to f32 one rounding; V and P as v3. The original kernels stay tested by that test.
+#[test]
+fn attention_v3_int8_qk_against_cpu_backend() {
+    let Some(dev) = device() else { return };
+    let mut rng = rng_for("attention_v3_int8_qk");
+    if !ops::attn_int8_qk_covers(dev, KvFormat::Int8, 128) {
+        eprintln!("attention v3 int8-qk: no sm_90a module on this device; nothing to check");
+        return;
+    }
+    let mut cases: Vec<AttnCase> = coded_attention_cases().into_iter().filter(|c| c.d_head == 64 || c.d_head == 128).collect();
+    cases.push(AttnCase { n_seqs: 3, n_heads: 6, n_kv_heads: 3, d_head: 64, n_ctx: 1100, passes: vec![1024, 70], window: 0, softcap: 0.0 });
+    cases.push(AttnCase { n_seqs: 2, n_heads: 4, n_kv_heads: 1, d_head: 128, n_ctx: 1100, passes: vec![700, 333], window: 300, softcap: 0.0 });
+    assert_eq!(cases.len(), 5);
+    for format in [KvFormat::Int8, KvFormat::K8v4] {
+        for (i, c) in cases.iter().enumerate() {
+            fp8_qk_case::<f32>(dev, &mut rng, c, KvRotation::Off, format);
+            if i % 2 == 1 {
+                fp8_qk_case::<f32>(dev, &mut rng, c, KvRotation::On, format);
+            }
+        }
+    }
+    // fp8, bf16 output and d_head 96 are errors.
+    let shape = KvShape { n_seqs: 1, n_kv_heads: 1, n_ctx: 8, d_head: 64 };
+    let q = dev.alloc_zeros::<f32>(96).unwrap();
+    let mut o = dev.alloc_zeros::<f32>(96).unwrap();
+    let p = AttnParams { n_seqs: 1, n_tokens: 1, n_heads: 1, pos0: 0, window: 0, scale: 1.0, softcap: 0.0, q_stride: 64, out_stride: 64 };
+    let kc = dev.alloc_zeros::<u8>(shape.coded_bytes(KvFormat::Fp8.k())).unwrap();
+    let err = ops::attention_coded_int8_qk::<f32>(dev, KvFormat::Fp8, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p).unwrap_err();
+    assert!(format!("{err:#}").contains("int8"), "{err:#}");
+    let kc = dev.alloc_zeros::<u8>(shape.coded_bytes(KvFormat::Int8.k())).unwrap();
+    let mut ob = dev.alloc_zeros::<bf16>(96).unwrap();
+    let err = ops::attention_coded_int8_qk::<bf16>(dev, KvFormat::Int8, q.view(), kc.view(), kc.view(), shape, ob.view_mut(), &p).unwrap_err();
+    assert!(format!("{err:#}").contains("f32"), "{err:#}");
+    let shape = KvShape { d_head: 96, ..shape };
+    let kc = dev.alloc_zeros::<u8>(shape.coded_bytes(KvFormat::Int8.k())).unwrap();
+    let p = AttnParams { q_stride: 96, out_stride: 96, ..p };
+    let err = ops::attention_coded_int8_qk::<f32>(dev, KvFormat::Int8, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p).unwrap_err();
+    assert!(format!("{err:#}").contains("d_head 96"), "{err:#}");
+}
+
+/// One case of [`attention_v3_fp8_qk_against_cpu_backend`] (format fp8) or
+/// [`attention_v3_int8_qk_against_cpu_backend`] (int8, k8v4): the passes of `c` encoded
+/// into a `format` cache (codecs under `rotation`) on the device and in the CPU
+/// backend's cache, the fast path's output against the CPU op's.
+fn fp8_qk_case<O: Elem + Poison + ops::OutElem>(dev: &CudaDevice, rng: &mut ChaCha8Rng, c: &AttnCase, rotation: KvRotation, format: KvFormat) {
     use infernix_perplexity::backend::cpu::{CpuBackend, CpuTensor};
     use infernix_perplexity::backend::{Backend, KvGeometry, PassRows};
     let d = c.d_head;
-    let codecs = KvFormat::Fp8.codecs(rotation);
+    let codecs = format.codecs(rotation);
     let shape = KvShape { n_seqs: c.n_seqs, n_kv_heads: c.n_kv_heads, n_ctx: c.n_ctx, d_head: d };
     let mut kc = dev.upload(&vec![0xFFu8; shape.coded_bytes(codecs.k)]).unwrap();
     let mut vc = dev.upload(&vec![0xFFu8; shape.coded_bytes(codecs.v)]).unwrap();
     let mut n_bad = dev.alloc_zeros::<u64>(1).unwrap();
-    let cpu = CpuBackend { kv_k: codecs.k, kv_v: codecs.v, ..CpuBackend::with_kv(KvFormat::Fp8) };
+    let cpu = CpuBackend { kv_k: codecs.k, kv_v: codecs.v, ..CpuBackend::with_kv(format) };
     let g = KvGeometry { n_layers: 1, n_kv_heads: c.n_kv_heads, d_head: d, d_head_v: d, max_pos: c.n_ctx, n_seqs: c.n_seqs };
     let mut cpu_cache = cpu.new_kv_cache(g).unwrap();
     let scale = 1.0 / (d as f32).sqrt();
@@ -1609,7 +1658,11 @@ fn fp8_qk_case<O: Elem + Poison + ops::OutElem>(dev: &CudaDevice, rng: &mut ChaC
         ops::kv_encode(dev, codecs.v, vd.view(), c.n_seqs, n_tokens, kv_stride, vc.view_mut(), shape, pos0, n_bad.view_mut(), None).unwrap();
         let p = AttnParams { n_seqs: c.n_seqs, n_tokens, n_heads: c.n_heads, pos0, window: c.window, scale, softcap: c.softcap, q_stride: width, out_stride: width };
         let mut out = poisoned::<O>(dev, n_rows * width);
-        ops::attention_coded_fp8_qk::<O>(dev, codecs, qd.view(), kc.view(), vc.view(), shape, out.view_mut(), &p).unwrap();
+        if format == KvFormat::Fp8 {
+            ops::attention_coded_fp8_qk::<O>(dev, codecs, qd.view(), kc.view(), vc.view(), shape, out.view_mut(), &p).unwrap();
+        } else {
+            ops::attention_coded_int8_qk::<O>(dev, codecs, qd.view(), kc.view(), vc.view(), shape, out.view_mut(), &p).unwrap();
+        }
         let gpu: Vec<f32> = dev.download(&out).unwrap().into_iter().map(Poison::as_f32).collect();
         let dense = |x: &[f32]| -> Vec<f32> { (0..n_rows).flat_map(|r| x[r * kv_stride..r * kv_stride + kv_w].to_vec()).collect() };
         let rows = PassRows { n_seqs: c.n_seqs, n_tokens, pos0 };
@@ -1625,8 +1678,8 @@ fn fp8_qk_case<O: Elem + Poison + ops::OutElem>(dev: &CudaDevice, rng: &mut ChaC
             )
             .unwrap();
         let what = format!(
-            "attention v3 {} d{d} fp8 rot={rotation:?}->{} {} windows h{}/{} pos0={pos0} n={n_tokens} win={} cap={}",
-            ops::FAST_PATH_ATTN_FP8_QK,
+            "attention v3 {} d{d} {format} rot={rotation:?}->{} {} windows h{}/{} pos0={pos0} n={n_tokens} win={} cap={}",
+            if format == KvFormat::Fp8 { ops::FAST_PATH_ATTN_FP8_QK } else { ops::FAST_PATH_ATTN_INT8_QK },
             O::NAME,
             c.n_seqs,
             c.n_heads,
@@ -1634,7 +1687,7 @@ fn fp8_qk_case<O: Elem + Poison + ops::OutElem>(dev: &CudaDevice, rng: &mut ChaC
             c.window,
             c.softcap
         );
-        check(&what, &gpu, &to_f64(&cpu_out.data), tol_attn_coded(KvFormat::Fp8));
+        check(&what, &gpu, &to_f64(&cpu_out.data), tol_attn_coded(format));
         pos0 += n_tokens;
     }
     assert_eq!(dev.download(&n_bad).unwrap()[0], 0, "random rows are finite");

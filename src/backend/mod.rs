@@ -687,7 +687,7 @@ pub const FAST_PATH_DELTA_CHUNK_3XTF32: &str = "delta-chunk-3xtf32";
 /// per configuration (docs/performance.md); `--fast-path NAME` forces one,
 /// rejects names not in this table (listing it) and refuses every one under
 /// `--lossless`, `--reference` and `--reproducible`.
-pub const FAST_PATHS: &[&str] = &[FAST_PATH_DELTA_CHUNK_TF32, FAST_PATH_DELTA_CHUNK_3XTF32, FAST_PATH_ATTN_FP8_QK];
+pub const FAST_PATHS: &[&str] = &[FAST_PATH_DELTA_CHUNK_TF32, FAST_PATH_DELTA_CHUNK_3XTF32, FAST_PATH_ATTN_FP8_QK, FAST_PATH_ATTN_INT8_QK];
 
 /// Attention kernel v3 over an fp8 cache with S = Q·Kᵀ by e4m3 wgmma on K's
 /// stored codes (q as two e4m3 terms times a per-row power of two, K's row
@@ -698,6 +698,17 @@ pub const FAST_PATHS: &[&str] = &[FAST_PATH_DELTA_CHUNK_TF32, FAST_PATH_DELTA_CH
 /// CPU backend's op; docs/performance.md, qk9); naming it forces it at d 64 too;
 /// `--no-fast-path attn-fp8-qk` turns it off.
 pub const FAST_PATH_ATTN_FP8_QK: &str = "attn-fp8-qk";
+
+/// Kernel v3 with S = Q·Kᵀ by s8 wgmma on an int8 (or k8v4) cache's stored K codes
+/// (`cuda::ops::attention_coded_int8_qk`, `attn_wgmma_d<D>_<int8|k8v4>qk`): q rounded
+/// to int8 hi + lo / 256 per row (about 2^-16 of the row's largest element) where the
+/// decoding kernel rounds q to bf16; K exact where that kernel rounds code * scale to
+/// bf16. On by default on the CUDA default route at the head sizes of
+/// `cuda::ops::ATTN_INT8_QK_DEFAULT_HEAD_DIMS` (per format, where the H200 measured
+/// it faster than the decoding kernel; docs/performance.md, qk10); naming it forces
+/// it wherever it has a kernel; `--no-fast-path attn-int8-qk` or
+/// `--use-original-int8-prefill-kernel` turn it off.
+pub const FAST_PATH_ATTN_INT8_QK: &str = "attn-int8-qk";
 
 /// Tokens of one prompt-attention wave of the kernel that stores the
 /// quantized KV formats: the query rows one launch of the CUDA prefill
@@ -742,6 +753,8 @@ pub struct ExecutionSpec {
     /// name. Absent in reports written before it existed: none.
     #[serde(default)]
     pub fast_paths_off: Vec<String>,
+    /// `--use-original-int8-prefill-kernel`: an int8 cache's attention on kernel v3's
+    /// decoding kernel (the fast path [`FAST_PATH_ATTN_INT8_QK`] turned off).
     pub original_int8_prefill_kernel: bool,
     pub original_nvfp4_prefill_kernel: bool,
     /// Every operation correctly rounded in f32, exact KV (f32 or bf16), no fast path.

@@ -749,6 +749,11 @@ pub fn cuda_route(spec: &ExecutionSpec) -> Result<(Route, RouteOptions)> {
             reproducible: spec.reproducible,
             kv_rotation: spec.kv_rotation,
             attn_fp8_qk: FastPathUse::of(spec, crate::backend::FAST_PATH_ATTN_FP8_QK),
+            attn_int8_qk: if spec.original_int8_prefill_kernel {
+                FastPathUse::Off
+            } else {
+                FastPathUse::of(spec, crate::backend::FAST_PATH_ATTN_INT8_QK)
+            },
         },
     ))
 }

@@ -507,6 +507,7 @@ fn cuda_runs_reference_and_reproducible_and_refuses_a_reference_off_the_fp32_rou
         reference,
         reproducible,
         attn_fp8_qk: if reference || reproducible { FastPathUse::Off } else { FastPathUse::Auto },
+        attn_int8_qk: if reference || reproducible { FastPathUse::Off } else { FastPathUse::Auto },
         ..RouteOptions::default()
     };
     // --reference implies --lossless: the FP32 route, with the codec applied exactly.
@@ -520,6 +521,11 @@ fn cuda_runs_reference_and_reproducible_and_refuses_a_reference_off_the_fp32_rou
     assert_eq!(cuda_route(&spec(&["--lossless"])).unwrap().1.attn_fp8_qk, FastPathUse::Off);
     assert_eq!(cuda_route(&spec(&["--fast-path", "attn-fp8-qk"])).unwrap().1.attn_fp8_qk, FastPathUse::Forced);
     assert_eq!(cuda_route(&spec(&["--no-fast-path", "attn-fp8-qk"])).unwrap().1.attn_fp8_qk, FastPathUse::Off);
+    let int8 = |extra: &[&str]| cuda_route(&spec(&[&["--kv-dtype", "int8"][..], extra].concat())).unwrap().1.attn_int8_qk;
+    assert_eq!(int8(&[]), FastPathUse::Auto);
+    assert_eq!(int8(&["--fast-path", "attn-int8-qk"]), FastPathUse::Forced);
+    assert_eq!(int8(&["--no-fast-path", "attn-int8-qk"]), FastPathUse::Off);
+    assert_eq!(int8(&["--use-original-int8-prefill-kernel"]), FastPathUse::Off);
     // A spec built by hand that asks for --reference on bf16 inputs, or two precisions, is refused.
     let mut bad = spec(&["--reference"]);
     (bad.matmul_inputs, bad.lm_head_inputs) = (Precision::Bf16, Precision::Bf16);

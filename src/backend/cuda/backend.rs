@@ -220,6 +220,8 @@ pub struct RouteOptions {
     pub kv_rotation: crate::kv::KvRotation,
     /// [`crate::backend::FAST_PATH_ATTN_FP8_QK`]: fp8 attention with Q·Kᵀ on K's stored codes.
     pub attn_fp8_qk: FastPathUse,
+    /// [`crate::backend::FAST_PATH_ATTN_INT8_QK`]: int8 / k8v4 attention with Q·Kᵀ on K's stored codes.
+    pub attn_int8_qk: FastPathUse,
 }
 
 /// The KV cache of the windows of one pass on the device.
@@ -579,6 +581,10 @@ impl CudaBackend {
         if self.fp8_qk_at(shape.d_head)? {
             return ops::attention_coded_fp8_qk::<O>(&self.dev, f, q.f32("attention")?.view(), kc.view(), vc.view(), shape, out.view_mut(), p);
         }
+        // attn-int8-qk writes f32 (as kernel v3's int8 and k8v4 kernels).
+        if O::NAME == "f32" && self.int8_qk_at(shape.d_head)? {
+            return ops::attention_coded_int8_qk::<O>(&self.dev, f, q.f32("attention")?.view(), kc.view(), vc.view(), shape, out.view_mut(), p);
+        }
         ops::attention_coded::<O>(&self.dev, f, q.f32("attention")?.view(), kc.view(), vc.view(), shape, out.view_mut(), p, book)
     }
 
@@ -605,8 +611,49 @@ impl CudaBackend {
         })
     }
 
+    /// Whether an int8 or k8v4 cache's attention at `d_head` runs the fast path
+    /// [`crate::backend::FAST_PATH_ATTN_INT8_QK`]: by default at the format's head sizes
+    /// of `ops::ATTN_INT8_QK_DEFAULT_HEAD_DIMS` where the device has its kernel (f32
+    /// output only: the caller checks the output type); forced, wherever
+    /// it has one (else an error naming it); never when turned off.
+    fn int8_qk_at(&self, d_head: usize) -> Result<bool> {
+        if !matches!(self.kv_dtype, KvFormat::Int8 | KvFormat::K8v4) || self.route != Route::Bf16TensorCore || self.opts.reference {
+            return Ok(false);
+        }
+        let covers = ops::attn_int8_qk_covers(&self.dev, self.kv_dtype, d_head);
+        Ok(match self.opts.attn_int8_qk {
+            FastPathUse::Off => false,
+            FastPathUse::Auto => covers && ops::attn_int8_qk_default(self.kv_dtype, d_head),
+            FastPathUse::Forced => {
+                ensure!(
+                    covers,
+                    "--fast-path {}: no kernel at d_head {d_head} on this device (d_head 64 or 128 on sm_90a); drop it",
+                    crate::backend::FAST_PATH_ATTN_INT8_QK
+                );
+                true
+            }
+        })
+    }
+
     /// The report's line on the attention fast path.
     fn attention_fast_path(&self) -> String {
+        if matches!(self.kv_dtype, KvFormat::Int8 | KvFormat::K8v4) && self.route == Route::Bf16TensorCore && !self.opts.reference {
+            let name = crate::backend::FAST_PATH_ATTN_INT8_QK;
+            let how = match self.opts.attn_int8_qk {
+                FastPathUse::Off => {
+                    return format!("{name} off (--no-fast-path, --use-original-int8-prefill-kernel or --reproducible): kernel v3's decoding kernel")
+                }
+                FastPathUse::Auto => "on by default",
+                FastPathUse::Forced => "forced (--fast-path)",
+            };
+            let dims: Vec<usize> = ops::ATTN_V3_HEAD_DIMS.iter().copied().filter(|&d| self.int8_qk_at(d).unwrap_or(false)).collect();
+            return format!(
+                "{name} {how}, at d_head {dims:?} on this device: attn_wgmma_d<D>_{}qk (kernel v3; S = Q·Kᵀ by s8 wgmma on K's \
+                 stored codes, q as int8 hi + lo / 256 times 127 / max|q| per row, K's row scales folded into S's columns; V \
+                 decoded as kernel v3's kernel does)",
+                self.kv_dtype.name()
+            );
+        }
         let name = crate::backend::FAST_PATH_ATTN_FP8_QK;
         if self.kv_dtype != KvFormat::Fp8 || self.route != Route::Bf16TensorCore || self.opts.reference {
             return format!("none ({name} reads an fp8 cache on the default route)");

@@ -2244,7 +2244,80 @@ pub fn attention_coded_fp8_qk<O: OutElem>(
     attention_v3::<O>(dev, q, &cache, shape, out, p, true)
 }
 
+/// [`attention_coded_exact`] with kernel v3 and the named fast path
+/// [`FAST_PATH_ATTN_INT8_QK`] (`attn_wgmma_d<D>_<int8|k8v4>qk_f32`): an int8 or k8v4 cache
+/// (K rows of int8 codes and an f32 scale in both) at d_head 64 or 128 on sm_90a, S =
+/// Q·Kᵀ by s8 wgmma on K's stored codes (q as int8 hi + lo / 256 times 127 / max|q| per
+/// row, hi·Kᵀ shifted left by 8 in the s32 accumulator before lo·Kᵀ is added; K's row
+/// scales folded into S's columns as attn-fp8-qk); V as kernel v3's decoding kernel.
+/// f32 output only (as the int8 and k8v4 kernels). Parity: tests/gpu_ops.rs
+/// `attention_v3_int8_qk_against_cpu_backend`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_coded_int8_qk<O: OutElem>(
+    dev: &CudaDevice,
+    kv: impl Into<KvCodecs>,
+    q: DevView<f32>,
+    k_cache: DevView<u8>,
+    v_cache: DevView<u8>,
+    shape: KvShape,
+    out: DevViewMut<O>,
+    p: &AttnParams,
+) -> Result<()> {
+    let KvCodecs { format, k: kc, v: vc } = kv.into();
+    ensure!(
+        matches!(format, KvFormat::Int8 | KvFormat::K8v4),
+        "attention: {FAST_PATH_ATTN_INT8_QK} reads an int8 or k8v4 cache, not {format}"
+    );
+    ensure!(
+        attn_int8_qk_covers(dev, format, shape.d_head),
+        "attention: {FAST_PATH_ATTN_INT8_QK} has no kernel at d_head {} on this device (d_head 64 or 128, sm_90a)",
+        shape.d_head
+    );
+    let (nk, nv) = (shape.coded_bytes(kc), shape.coded_bytes(vc));
+    ensure!(k_cache.len() == nk && v_cache.len() == nv, "attention {format}: caches of ({}, {}) bytes, shape {shape:?} needs ({nk}, {nv})", k_cache.len(), v_cache.len());
+    format.check_dims(shape.d_head, shape.d_head).with_context(|| format!("attention {format}"))?;
+    let cache = CacheRef {
+        kv: format.name(),
+        k: k_cache.ptr(),
+        v: v_cache.ptr(),
+        k_row_bytes: kc.row_bytes(shape.d_head),
+        v_row_bytes: vc.row_bytes(shape.d_head),
+        rot: i32::from(kc.rotate) | (i32::from(vc.rotate) << 1),
+        book: 0,
+    };
+    attention_launch_checks(q, shape, &out, p)?;
+    if p.n_seqs * p.n_tokens == 0 {
+        return Ok(());
+    }
+    ensure!(O::NAME == "f32", "attention: {FAST_PATH_ATTN_INT8_QK} writes f32 output (an int8 cache has no bf16-output kernel)");
+    attention_v3::<O>(dev, q, &cache, shape, out, p, true)
+}
+
 pub use crate::backend::FAST_PATH_ATTN_FP8_QK;
+pub use crate::backend::FAST_PATH_ATTN_INT8_QK;
+
+/// The (format, head sizes) at which the default route runs [`FAST_PATH_ATTN_INT8_QK`]
+/// unless it is turned off: where the H200 measured it faster than kernel v3's decoding
+/// kernel of that format (qk10, 2026-12-02 15:30 UTC, causal ctx 4096, TFLOP/s, fast
+/// path / decoding kernel: int8 d 128 317.1 / 302.7, k8v4 d 128 303.1 / 293.0; at d 64
+/// slower, 220.1 / 246.0 and 212.8 / 240.1, so d 64 keeps the decoding kernel unless
+/// named; at ctx 512 d 128 also slower, 137.7 / 147.0 and 136.1 / 144.6:
+/// docs/performance.md).
+pub const ATTN_INT8_QK_DEFAULT_HEAD_DIMS: &[(KvFormat, &[usize])] = &[(KvFormat::Int8, &[128]), (KvFormat::K8v4, &[128])];
+
+/// Whether the default route runs [`FAST_PATH_ATTN_INT8_QK`] for `format` at `d_head`
+/// ([`ATTN_INT8_QK_DEFAULT_HEAD_DIMS`]).
+pub fn attn_int8_qk_default(format: KvFormat, d_head: usize) -> bool {
+    ATTN_INT8_QK_DEFAULT_HEAD_DIMS.iter().any(|(f, dims)| *f == format && dims.contains(&d_head))
+}
+
+/// Whether [`attention_coded_int8_qk`] has a kernel for `format` (int8 or k8v4) at
+/// `d_head` on this device.
+pub fn attn_int8_qk_covers(dev: &CudaDevice, format: KvFormat, d_head: usize) -> bool {
+    matches!(format, KvFormat::Int8 | KvFormat::K8v4)
+        && ATTN_V3_HEAD_DIMS.contains(&d_head)
+        && dev.has_function(&attn_v3_name(d_head, &format!("{}qk", format.name()), "f32"))
+}
 
 /// The head sizes at which the default route runs [`FAST_PATH_ATTN_FP8_QK`] for an fp8
 /// cache unless it is turned off: where the H200 measured it faster than kernel v3's
@@ -2395,7 +2468,11 @@ fn attention_launch<O: OutElem>(
 /// (shapes, GQA, positions, q and out lengths).
 fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef, shape: KvShape, out: DevViewMut<O>, p: &AttnParams, qk: bool) -> Result<()> {
     let d = shape.d_head;
-    ensure!(!qk || cache.kv == "fp8", "attention: {FAST_PATH_ATTN_FP8_QK} reads an fp8 cache, not {}", cache.kv);
+    ensure!(
+        !qk || matches!(cache.kv, "fp8" | "int8" | "k8v4"),
+        "attention: {FAST_PATH_ATTN_FP8_QK} / {FAST_PATH_ATTN_INT8_QK} read an fp8, int8 or k8v4 cache, not {}",
+        cache.kv
+    );
     ensure!(
         ATTN_V3_KV.contains(&cache.kv),
         "attention kernel v3 reads a bf16 or quantized cache ({ATTN_V3_KV:?}); a {} cache runs kernel v2",
@@ -2403,7 +2480,8 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
     );
     ensure!(ATTN_V3_HEAD_DIMS.contains(&d), "attention kernel v3: d_head {d} has no kernel (built: {ATTN_V3_HEAD_DIMS:?}); it runs kernel v2");
     let coded = cache.kv != "bf16";
-    let name = attn_v3_name(d, if qk { "fp8qk" } else { cache.kv }, O::NAME);
+    let qk_name = format!("{}qk", cache.kv);
+    let name = attn_v3_name(d, if qk { &qk_name } else { cache.kv }, O::NAME);
     ensure!(
         dev.has_function(&name),
         "attention kernel v3: {name} is not loaded (it needs a compute capability 9.0 device and nvcc at build time)"
