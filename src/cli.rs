@@ -92,7 +92,7 @@ pub struct Args {
     /// prefilled side by side while their passes together stay within this
     /// many tokens (fewer when the device's memory says so; 1 window when a
     /// single pass is already larger). Changes speed, never a score. Default:
-    /// 16384 on CUDA, 8192 on the CPU.
+    /// 32768 on CUDA, 8192 on the CPU.
     #[arg(long, value_name = "TOKENS")]
     pub batch_tokens: Option<usize>,
 

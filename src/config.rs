@@ -350,14 +350,17 @@ fn ppl_stride_method(context: usize, stride: usize) -> Result<Method> {
     Ok(Method::PplStride { context, stride })
 }
 
-/// `--batch-tokens` when not given: 16384 rows a pass on CUDA, 8192 on the CPU.
-/// On the H200 16384 measured 1.0-1.5 % (8B Q4_0 twin, chunks c=512 and c=4096) to
-/// 15 % (the SmolLM2 twin) faster than 8192, the same scores to every bit (docs/performance.md,
-/// e2e7); the CPU keeps 8192, where a pass's memory (the LM head's logits of
-/// every scored row) would double for no measured gain.
+/// `--batch-tokens` when not given: 32768 rows a pass on CUDA, 8192 on the CPU.
+/// On the H200 (2026-12-02 18:21 UTC, one call, the same scores to every bit at each size;
+/// docs/performance.md "Issue 12: larger passes") 32768 against 16384 measured +0.5-0.6 % (8B
+/// Q4_0 twin, chunks c=512 and c=4096), +5.5-7.1 % (SmolLM2 twin) and +2.3-5.2 % (Gemma-3 twin);
+/// 65536 gained a further 0.05-0.13 % on the 8B and 3.6-5.1 % on SmolLM2 for 1.7x the device
+/// memory (28.2 GB against 16.4 at c=4096 on the 8B), so 32768. A pass that does not fit the device's
+/// memory is halved (`Scorer::prepare`). The CPU keeps 8192, where a pass's memory (the LM
+/// head's logits of every scored row) would grow for no measured gain.
 pub fn default_batch_tokens(cuda: bool) -> usize {
     if cuda {
-        16384
+        32768
     } else {
         8192
     }

@@ -40,6 +40,44 @@ pub(super) fn grid_1d(n: usize, block: u32) -> Result<u32> {
     u32::try_from(n.div_ceil(block as usize)).map_err(|_| anyhow!("{n} elements exceed one 1-D grid"))
 }
 
+/// The most blocks of a grid's y dimension (CUDA's limit).
+pub(super) const GRID_Y_MAX: usize = 65535;
+
+/// One launch of a kernel with a row (token) per `blockIdx.y`, over rows `row0..row0 + n_rows`
+/// of the whole call: its position index `t % n_per_seq` (t counted from the slice's first row)
+/// reads `pos[pos0..]`, so every row sees the position it has in the whole call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct RowSlice {
+    pub row0: usize,
+    pub n_rows: usize,
+    pub pos0: usize,
+    pub n_per_seq: usize,
+}
+
+/// Slices of at most `max` rows covering `n_rows` rows made of whole windows of `n_per_seq`
+/// positions (row t at position index t % n_per_seq): whole windows per slice while a window fits
+/// (slices start at multiples of n_per_seq), else each window in parts (pos0 the part's offset,
+/// n_per_seq its length). Kernels with a row per `blockIdx.y` run one launch per slice, so a pass
+/// of more than 65535 rows (`--batch-tokens 65536`) launches, with every row's arithmetic unchanged.
+pub(super) fn row_slices(n_rows: usize, n_per_seq: usize, max: usize) -> Vec<RowSlice> {
+    debug_assert!(n_per_seq > 0 && max > 0 && n_rows % n_per_seq == 0);
+    let mut out = Vec::new();
+    if n_per_seq <= max {
+        let step = max / n_per_seq * n_per_seq;
+        for row0 in (0..n_rows).step_by(step) {
+            out.push(RowSlice { row0, n_rows: step.min(n_rows - row0), pos0: 0, n_per_seq });
+        }
+    } else {
+        for w0 in (0..n_rows).step_by(n_per_seq) {
+            for s0 in (0..n_per_seq).step_by(max) {
+                let n = max.min(n_per_seq - s0);
+                out.push(RowSlice { row0: w0 + s0, n_rows: n, pos0: s0, n_per_seq: n });
+            }
+        }
+    }
+    out
+}
+
 pub(super) fn launch_err(name: &str, e: cudarc::driver::DriverError) -> anyhow::Error {
     anyhow!("launching CUDA kernel {name}: {e}")
 }
@@ -275,17 +313,22 @@ pub fn rope(dev: &CudaDevice, x: DevViewMut<f32>, token_stride: usize, n_tokens:
         return Ok(());
     }
     let f = func(dev, "rope_f32")?;
-    let (xp, pp, nps) = (x.ptr(), pos.ptr(), i32_of(n_per_seq, "positions")?);
+    i32_of(n_per_seq, "positions")?;
+    let (xp, pp) = (x.ptr(), pos.ptr());
     let (nh, dh, nr) = (i32_of(p.n_heads, "n_heads")?, i32_of(p.d_head, "d_head")?, i32_of(p.n_rot, "n_rot")?);
     let ts = token_stride as i64;
     let mode = rope_mode_arg(p.mode);
     let gx = grid_1d(p.n_heads * p.n_rot / 2, 128)?;
     let (yf, yl, yh, ya) = yarn_args(p)?;
-    let mut b = dev.stream().launch_builder(f);
-    b.arg(&xp).arg(&pp).arg(&nps).arg(&nh).arg(&dh).arg(&nr).arg(&ts).arg(&mode).arg(&p.freq_base).arg(&p.freq_scale);
-    b.arg(&yf).arg(&yl).arg(&yh).arg(&ya);
-    // SAFETY: arguments match `rope_f32` in kernels/rope.cu; x covers n_tokens rows of n_heads * d_head.
-    unsafe { b.launch(cfg((gx, n_tokens as u32, 1), 128, 0)) }.map_err(|e| launch_err("rope_f32", e))?;
+    for sl in row_slices(n_tokens, n_per_seq, GRID_Y_MAX) {
+        let (xs, ps, nps) = (xp + (sl.row0 * token_stride * 4) as u64, pp + (sl.pos0 * 4) as u64, sl.n_per_seq as i32);
+        let mut b = dev.stream().launch_builder(f);
+        b.arg(&xs).arg(&ps).arg(&nps).arg(&nh).arg(&dh).arg(&nr).arg(&ts).arg(&mode).arg(&p.freq_base).arg(&p.freq_scale);
+        b.arg(&yf).arg(&yl).arg(&yh).arg(&ya);
+        // SAFETY: arguments match `rope_f32` in kernels/rope.cu; x covers n_tokens rows of n_heads * d_head,
+        // the slice's rows lie within them and its positions within pos (row_slices).
+        unsafe { b.launch(cfg((gx, sl.n_rows as u32, 1), 128, 0)) }.map_err(|e| launch_err("rope_f32", e))?;
+    }
     Ok(())
 }
 
@@ -343,17 +386,22 @@ pub fn rope_tabled(
         return Ok(());
     }
     let f = func(dev, "rope_tabled_f32")?;
-    let (xp, pp, tp, nps) = (x.ptr(), pos.ptr(), table.ptr(), i32_of(n_per_seq, "positions")?);
+    i32_of(n_per_seq, "positions")?;
+    let (xp, pp, tp) = (x.ptr(), pos.ptr(), table.ptr());
     let (nh, dh, nr) = (i32_of(p.n_heads, "n_heads")?, i32_of(p.d_head, "d_head")?, i32_of(p.n_rot, "n_rot")?);
     let ts = token_stride as i64;
     let mode = rope_mode_arg(p.mode);
     let gx = grid_1d(p.n_heads * p.n_rot / 2, 128)?;
-    let mut b = dev.stream().launch_builder(f);
-    b.arg(&xp).arg(&pp).arg(&nps).arg(&nh).arg(&dh).arg(&nr).arg(&ts).arg(&mode).arg(&tp);
-    // SAFETY: arguments match `rope_tabled_f32` in kernels/rope.cu; x covers n_tokens rows of
-    // n_heads * d_head; the table covers every position up to max_pos (checked; pos holds a range
-    // the caller bounded by max_pos).
-    unsafe { b.launch(cfg((gx, n_tokens as u32, 1), 128, 0)) }.map_err(|e| launch_err("rope_tabled_f32", e))?;
+    for sl in row_slices(n_tokens, n_per_seq, GRID_Y_MAX) {
+        let (xs, ps, nps) = (xp + (sl.row0 * token_stride * 4) as u64, pp + (sl.pos0 * 4) as u64, sl.n_per_seq as i32);
+        let mut b = dev.stream().launch_builder(f);
+        b.arg(&xs).arg(&ps).arg(&nps).arg(&nh).arg(&dh).arg(&nr).arg(&ts).arg(&mode).arg(&tp);
+        // SAFETY: arguments match `rope_tabled_f32` in kernels/rope.cu; x covers n_tokens rows of
+        // n_heads * d_head, the slice's rows lie within them and its positions within pos (row_slices);
+        // the table covers every position up to max_pos (checked; pos holds a range the caller
+        // bounded by max_pos).
+        unsafe { b.launch(cfg((gx, sl.n_rows as u32, 1), 128, 0)) }.map_err(|e| launch_err("rope_tabled_f32", e))?;
+    }
     Ok(())
 }
 
@@ -411,12 +459,17 @@ pub fn gated<O: OutElem>(
     let (gp, upp, op) = (gate.ptr(), up.ptr(), out.ptr());
     let n_cols = i32_of(gate_rows.n_cols, "n_cols")?;
     let (gs, us, os) = (gate_rows.stride as i64, up_stride as i64, out_stride as i64);
-    let gy = u32::try_from(gate_rows.n_rows).map_err(|_| anyhow!("gated: {} rows", gate_rows.n_rows))?;
-    ensure!(gy <= 65535, "gated: {gy} rows exceed the grid's y limit 65535");
-    let mut b = dev.stream().launch_builder(f);
-    b.arg(&gp).arg(&upp).arg(&op).arg(&n_cols).arg(&gs).arg(&us).arg(&os);
-    // SAFETY: arguments match `gated_<act>_<out>` in kernels/elementwise.cu; three layouts checked.
-    unsafe { b.launch(cfg((grid_1d(gate_rows.n_cols, 256)?, gy, 1), 256, 0)) }.map_err(|e| launch_err(&name, e))?;
+    let gx = grid_1d(gate_rows.n_cols, 256)?;
+    for sl in row_slices(gate_rows.n_rows, 1, GRID_Y_MAX) {
+        let r0 = sl.row0 as u64;
+        let (gs0, us0) = (gp + r0 * gate_rows.stride as u64 * 4, upp + r0 * up_stride as u64 * 4);
+        let os0 = op + r0 * out_stride as u64 * std::mem::size_of::<O>() as u64;
+        let mut b = dev.stream().launch_builder(f);
+        b.arg(&gs0).arg(&us0).arg(&os0).arg(&n_cols).arg(&gs).arg(&us).arg(&os);
+        // SAFETY: arguments match `gated_<act>_<out>` in kernels/elementwise.cu; three layouts checked,
+        // the slice's rows lie within them (row_slices).
+        unsafe { b.launch(cfg((gx, sl.n_rows as u32, 1), 256, 0)) }.map_err(|e| launch_err(&name, e))?;
+    }
     Ok(())
 }
 
@@ -2729,4 +2782,45 @@ pub fn lm_head<X: MatmulInput>(
         per_tile(row0, rows, scratch.slice(0..rows * n_vocab)?)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Every row is launched exactly once, no launch exceeds the limit, and each row reads
+        /// the position index it has in the whole call.
+        #[test]
+        fn row_slices_cover_each_row_once_at_its_position(n_windows in 1usize..20, n_per_seq in 1usize..40, max in 1usize..50) {
+            let n_rows = n_windows * n_per_seq;
+            let mut seen = vec![0u32; n_rows];
+            for sl in row_slices(n_rows, n_per_seq, max) {
+                prop_assert!(sl.n_rows >= 1 && sl.n_rows <= max, "{sl:?}");
+                for t in 0..sl.n_rows {
+                    let row = sl.row0 + t;
+                    seen[row] += 1;
+                    prop_assert_eq!(sl.pos0 + t % sl.n_per_seq, row % n_per_seq, "{:?} row {}", sl, row);
+                }
+            }
+            prop_assert!(seen.iter().all(|&c| c == 1), "{seen:?}");
+        }
+    }
+
+    #[test]
+    fn row_slices_keep_one_launch_below_the_limit() {
+        // 16 windows of 4096 rows: the limit holds 15 whole windows, then one.
+        let s = row_slices(65536, 4096, GRID_Y_MAX);
+        assert_eq!(s, vec![
+            RowSlice { row0: 0, n_rows: 61440, pos0: 0, n_per_seq: 4096 },
+            RowSlice { row0: 61440, n_rows: 4096, pos0: 0, n_per_seq: 4096 },
+        ]);
+        assert_eq!(row_slices(16384, 512, GRID_Y_MAX).len(), 1);
+        // Windows longer than the limit (a pass of 70000 positions each: --context and --prefill-chunk 70000).
+        let s = row_slices(2 * 70000, 70000, GRID_Y_MAX);
+        assert_eq!(s.len(), 4);
+        assert_eq!(s[1], RowSlice { row0: 65535, n_rows: 4465, pos0: 65535, n_per_seq: 4465 });
+        assert_eq!(s[2], RowSlice { row0: 70000, n_rows: 65535, pos0: 0, n_per_seq: 65535 });
+    }
 }
