@@ -356,7 +356,7 @@ fn ppl_stride_method(context: usize, stride: usize) -> Result<Method> {
 /// Q4_0 twin, chunks c=512 and c=4096), +5.5-7.1 % (SmolLM2 twin) and +2.3-5.2 % (Gemma-3 twin);
 /// 65536 gained a further 0.05-0.13 % on the 8B and 3.6-5.1 % on SmolLM2 for 1.7x the device
 /// memory (28.2 GB against 16.4 at c=4096 on the 8B), so 32768. A pass that does not fit the device's
-/// memory is halved (`Scorer::prepare`). The CPU keeps 8192, where a pass's memory (the LM
+/// memory is halved (`Transformer::prepare`). The CPU keeps 8192, where a pass's memory (the LM
 /// head's logits of every scored row) would grow for no measured gain.
 pub fn default_batch_tokens(cuda: bool) -> usize {
     if cuda {
