@@ -126,12 +126,11 @@ fn bad_input_is_one_line_exit_2_and_no_report() {
     assert_rejected(&with(&["--emulate-bf16-tc"]), &fresh("i"), &["--emulate-bf16-tc", "--backend cpu"]);
     assert_rejected(&with(&["--backend", "cpu", "--emulate-bf16-tc", "--lossless"]), &fresh("j"), &["--emulate-bf16-tc", "--lossless"]);
     // The numeric-route flags (issue 11).
-    let route_cases: [(&str, &[&str], &[&str]); 13] = [
+    let route_cases: [(&str, &[&str], &[&str]); 12] = [
         ("k1", &["--kv-dtype", "fp4"], &["--kv-dtype fp4", "unknown KV format", "nvfp4"]),
         ("k2", &["--lossless", "--kv-dtype", "int8"], &["--kv-dtype int8 with --lossless", "--reference"]),
         ("k3", &["--fast-path", "int8-attn"], &["--fast-path int8-attn", "no such fast path (valid: delta-chunk-tf32, delta-chunk-3xtf32, attn-fp8-qk, attn-int8-qk)"]),
         ("k4", &["--use-original-int8-prefill-kernel"], &["--use-original-int8-prefill-kernel", "needs --kv-dtype int8"]),
-        ("k5", &["--use-original-nvfp4-prefill-kernel", "--kv-dtype", "nvfp4"], &["--use-original-nvfp4-prefill-kernel", "no original nvfp4"]),
         ("k6", &["--rope-yarn-factor", "4.5"], &["--rope-yarn-factor 4.5", "[1, 4]"]),
         ("k7", &["--rope-yarn-factor", "NaN"], &["--rope-yarn-factor NaN"]),
         ("k8", &["--backend", "cpu", "--reference", "--emulate-bf16-tc"], &["--emulate-bf16-tc with --reference"]),
