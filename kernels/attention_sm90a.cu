@@ -149,14 +149,20 @@
 // scale at byte D; ops::attention_coded_int8_qk): attn-fp8-qk's structure (codes by TMA
 // into the K stage, factors from the scales, the same swizzle and descriptors) with S
 // by s8 x s8 -> s32 wgmma m64n128k32. Q per row: s = 127 / max|q| (f32), hi = rn(q s)
-// in [-127, 127], lo = rn(256 (q s - hi)) clamped to ±127, 1 / (256 s) in qfac. S =
-// (hi·Kᵀ << 8) + lo·Kᵀ on one s32 accumulator: the hi wgmmas are waited for, the
-// accumulator shifted (exact: |hi·k| <= 128 * 127 * 127, times 256 below 2^31), then
-// lo's wgmmas added (two accumulators would cost 64 registers per thread in consumers
-// that already spill at the launch bound's 168). S's s32 to f32 in the softmax (one
-// rounding above 2^24), then as attn-fp8-qk: y = S kfac, p = exp2(y rq - m rq). Numerics
+// in [-127, 127], lo = rn(256 (q s - hi)) clamped to ±127, 1 / s in qfac. S = hi·Kᵀ +
+// floor(lo·Kᵀ / 256) on one s32 accumulator (qk11): lo's wgmmas first, waited for, the
+// accumulator shifted right by 8 and 2^23 + 2^22 added, then hi's wgmmas; |S| < 2^22
+// (at most 2,072,577 at D 128), so the accumulator's bits are the f32 12582912 + S and
+// one FADD reads S back exactly (no I2F, a quarter-rate conversion: qk10 converted 64
+// per thread per tile). The previous tile's P·V is issued in two halves, one behind
+// lo's group and one behind hi's, so the tensor cores have work while the shift waits
+// for lo, and the softmax overlaps the second half (qk10 waited for hi with nothing in
+// flight). Two accumulators would cost 64 registers per thread in consumers that
+// already spill at the launch bound's 168. Then as attn-fp8-qk: y = S kfac, p = exp2(y
+// rq - m rq). Numerics
 // against v3's int8 kernel: q to about 2^-16 of the row's largest |q| (hi's step
-// max|q| / 127, lo's 256 times finer) where v3 rounds each element to bf16; K exact
+// max|q| / 127, lo's 256 times finer; lo·k's floor adds at most one hi step times one
+// code of k to a score) where v3 rounds each element to bf16; K exact
 // where v3 rounds code * scale to bf16; P, V and O as v3. A NaN or infinite q gives a
 // NaN row (qfac NaN; v3: NaN as well); a rotated K as v3 (q rotated before the split).
 // Not covered here (the launcher sends them to v2): d_head 96 and 256, misaligned q /
@@ -600,6 +606,12 @@ struct Flag {
     static constexpr bool value = B;
 };
 
+// A compile-time int for the generic lambdas below (a range of P·V's k-steps).
+template <int N>
+struct Int {
+    static constexpr int value = N;
+};
+
 // The block's w-th work item, longest causal rows first: query tile qt (of n_qt),
 // head h, window seq; consecutive items share a query tile and, for GQA, a KV head.
 struct Item {
@@ -913,7 +925,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                     // attn-int8-qk: the row's largest |q| over its D / 8 lanes, s = 127 /
                     // amax (f32), hi = rn(q s) in [-127, 127], lo = rn((q s - hi) 256)
                     // clamped to [-127, 127] (q s - hi is exact in f32, within ±1/2), so
-                    // q s = hi + lo / 256 to 2^-9; 1 / (256 s) = amax / 32512 per row (qfac).
+                    // q s = hi + lo / 256 to 2^-9; 1 / s = amax / 127 per row (qfac).
                     // amax 0: s = 0, the row's codes 0; amax inf or NaN: qfac NaN.
                     float amax = 0.f;
 #pragma unroll
@@ -922,7 +934,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                     for (int m = 1; m < D / 8; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
                     const bool fin = amax <= 3.0e38f;  // false for inf and NaN
                     const float sf = (amax > 0.f && fin) ? 127.0f / amax : 0.f;
-                    const float rqf = fin ? amax * (1.0f / 32512.0f) : __int_as_float(0x7FC00000);
+                    const float rqf = fin ? amax * (1.0f / 127.0f) : __int_as_float(0x7FC00000);
                     uint32_t hw[2] = {0u, 0u}, lw[2] = {0u, 0u};
 #pragma unroll
                     for (int e = 0; e < 8; ++e) {
@@ -995,21 +1007,9 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
 #pragma unroll
                 for (int e = 0; e < BN / 2; ++e) sc[e] = 0.f;
                 if constexpr (QKI) {
-                    // attn-int8-qk: hi·Kᵀ (D / 32 s8 k-steps), waited for, the s32
-                    // accumulator shifted left by 8 (exact: |hi·k| <= D 127 127, times 256
-                    // below 2^31 at D <= 128), then lo·Kᵀ added: S = 256 hi·k + lo·k.
-                    // Nothing else is in flight here (the previous tile's groups were
-                    // waited for), so the wait costs only hi's latency.
+                    // attn-int8-qk: only lo·Kᵀ here (issue_s_hi adds hi·Kᵀ after the shift).
                     const uint64_t dk8 = qk_desc<D>(sk + (j % ST) * KV_BYTES);
-                    const uint64_t dh = qk_desc<D>(sq + c * 64 * D), dl = qk_desc<D>(sq + BM * D + c * 64 * D);
-                    wgmma_fence();
-#pragma unroll
-                    for (int kk = 0; kk < D / 32; ++kk) wgmma_ss_m64n128k32_s8(sc, dh + 2 * kk, dk8 + 2 * kk);
-                    wgmma_commit();
-                    wgmma_wait<0>();
-                    fence_regs(sc);
-#pragma unroll
-                    for (int e = 0; e < BN / 2; ++e) sc[e] = __int_as_float(__float_as_int(sc[e]) << 8);
+                    const uint64_t dl = qk_desc<D>(sq + BM * D + c * 64 * D);
                     wgmma_fence();
 #pragma unroll
                     for (int kk = 0; kk < D / 32; ++kk) wgmma_ss_m64n128k32_s8(sc, dl + 2 * kk, dk8 + 2 * kk);
@@ -1038,12 +1038,33 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 }
                 wgmma_commit();
             };
-            // O += P·V of block tile j (stage j % ST, P in pa) issued as one commit group.
-            auto issue_pv = [&](int j) {
+            // attn-int8-qk, after issue_s's lo·Kᵀ of tile j was waited for: S = floor(lo·k /
+            // 256) + 2^23 + 2^22 as s32 (an arithmetic shift; |lo·k| <= D 127 127), then
+            // hi·Kᵀ added (D / 32 s8 k-steps, one commit group): S's bits are the f32
+            // 12582912 + (hi·k + floor(lo·k / 256)), exact while |hi·k + ..| < 2^22
+            // (at most 2,072,577 at D 128), read back by one FADD in the softmax.
+            auto issue_s_hi = [&](int j) {
+                if constexpr (QKI) {
+#pragma unroll
+                    for (int e = 0; e < BN / 2; ++e) sc[e] = __int_as_float((__float_as_int(sc[e]) >> 8) + 0x4B400000);
+                    const uint64_t dk8 = qk_desc<D>(sk + (j % ST) * KV_BYTES);
+                    const uint64_t dh = qk_desc<D>(sq + c * 64 * D);
+                    wgmma_fence();
+#pragma unroll
+                    for (int kk = 0; kk < D / 32; ++kk) wgmma_ss_m64n128k32_s8(sc, dh + 2 * kk, dk8 + 2 * kk);
+                    wgmma_commit();
+                } else {
+                    (void)j;
+                }
+            };
+            // O += P·V of block tile j (stage j % ST, P in pa), its k-steps [K0, K1), issued
+            // as one commit group.
+            auto issue_pv = [&](int j, auto k0, auto k1) {
+                constexpr int K0 = decltype(k0)::value, K1 = decltype(k1)::value;
                 const uint32_t vs = sv + (j % ST) * KV_BYTES;
                 wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < VS; ++kk) {
+                for (int kk = K0; kk < K1; ++kk) {
                     const uint64_t dv = sw128_mn_desc(vs + kk * 16 * 128, BN * 128);
                     if constexpr (D == 128) wgmma_rs_m64n128k16_tb(o, pa[kk], dv);
                     else wgmma_rs_m64n64k16_tb(o, pa[kk], dv);
@@ -1085,8 +1106,8 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         float x;
-                        // attn-int8-qk: S's s32 bits as f32 (exact below 2^24, else rounded to nearest even).
-                        if constexpr (QKI) sc[4 * j + e] = (float)__float_as_int(sc[4 * j + e]);
+                        // attn-int8-qk: S's bits are the f32 12582912 + S (issue_s_hi): S exactly.
+                        if constexpr (QKI) sc[4 * j + e] = sc[4 * j + e] - 12582912.0f;
                         if constexpr (KF) {
                             float4 k4;
                             if constexpr (QK) k4 = kfq[4 * (j / 2)];
@@ -1192,9 +1213,18 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             // Software pipeline (FlashAttention-3's intra-warpgroup overlap): while tile i's
             // softmax runs on the CUDA cores, tile i - 1's P·V runs on the tensor cores.
             // Tile 0: S, its softmax (O is zero: no rescale).
+            // attn-int8-qk: S in two commit groups, lo·Kᵀ then (after the shift) hi·Kᵀ,
+            // with tile i - 1's P·V in two halves behind them, so the tensor cores run
+            // P·V's first half while the shift waits for lo: S's groups retire in order
+            // with P·V's first half, and the softmax overlaps the second.
             float corr[2];
             mbar_wait(full_k(gt % ST), (gt / ST) & 1);
             issue_s(gt);
+            if constexpr (QKI) {
+                wgmma_wait<0>();
+                fence_regs(sc);
+                issue_s_hi(gt);
+            }
             load_kf(gt % ST);
             wgmma_wait<0>();
             fence_regs(sc);
@@ -1208,9 +1238,17 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 mbar_wait(full_k(s), (j / ST) & 1);
                 issue_s(j);
                 mbar_wait(full_v(sp), ((j - 1) / ST) & 1);
-                issue_pv(j - 1);
+                if constexpr (QKI) {
+                    issue_pv(j - 1, Int<0>{}, Int<VS / 2>{});
+                    wgmma_wait<1>();  // lo·Kᵀ of tile i done; P·V's first half may run
+                    fence_regs(sc);
+                    issue_s_hi(j);
+                    issue_pv(j - 1, Int<VS / 2>{}, Int<VS>{});
+                } else {
+                    issue_pv(j - 1, Int<0>{}, Int<VS>{});
+                }
                 load_kf(s);
-                wgmma_wait<1>();  // S of tile i done (groups retire in order); P·V of i - 1 may run
+                wgmma_wait<1>();  // S of tile i done (groups retire in order); P·V of i - 1 (its second half) may run
                 fence_regs(sc);
                 release(empty_k(s));
                 if constexpr (QK) kfq = reinterpret_cast<const float4*>(attn3_smem + (kfac + (j % KFS) * BN * 4 - smem_addr(attn3_smem))) + (lane & 3);
@@ -1225,7 +1263,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 const int j = gt + n_tiles - 1;
                 const int sp = j % ST;
                 mbar_wait(full_v(sp), (j / ST) & 1);
-                issue_pv(j);
+                issue_pv(j, Int<0>{}, Int<VS>{});
                 wgmma_wait<0>();
                 fence_regs(o);
                 release(empty_v(sp));

@@ -6,10 +6,11 @@
 #
 # Here (repository root; models/*.gguf from scripts/fetch-models.sh; release build with
 # NVCC and INFERNIX_CUDA_ARCH=90a):
-#   scripts/batch-sweep.sh prepare [TARGET_DIR]
-#       Packs .devcarry/bt/ (git-ignored, about 17 MB): the stripped evaluator and
-#       converter from TARGET_DIR/release (default target/release), xz; the tokenizer-only
-#       GGUF; the two tiled twins, xz; this script.
+#   scripts/batch-sweep.sh prepare [TARGET_DIR] [OLD_EVALUATOR]
+#       Packs .devcarry/bt/ (git-ignored, about 17 MB, 24 with OLD_EVALUATOR): the stripped
+#       evaluator and converter from TARGET_DIR/release (default target/release), xz; the
+#       tokenizer-only GGUF; the two tiled twins, xz; this script; with OLD_EVALUATOR (an
+#       earlier build's infernix-perplexity) that one too, for `ab`.
 # On the GPU machine (repository root, carry [".devcarry/bt"]):
 #   bash .devcarry/bt/batch-sweep.sh sweep
 #       --batch-tokens 16384, 32768 and 65536 on each workload (8B chunks c=512 and c=4096;
@@ -20,6 +21,10 @@
 #       ops::row_slices): Gemma-3 at 65536 rows and --lossless at 73,728 rows against
 #       16384; each pair must print the same nll_sum. Then the default --batch-tokens on
 #       every twin.
+#   bash .devcarry/bt/batch-sweep.sh ab
+#       This build against OLD_EVALUATOR on each twin, chunks c=512, --batch-tokens 32768:
+#       new, old, new again, then new and old with INFERNIX_CUDA_PROFILE=1 (GPU time per
+#       op family, the PROFILE lines).
 # One OURS line a run (tok/s processed, PPL and nll_sum to the last bit, batch, device pool
 # peak); logs and reports in $OUT/bt-logs.tgz, nvidia-smi power and clocks every 250 ms in it.
 set -u
@@ -42,6 +47,9 @@ prepare() {
     for m in $S $G; do
         python3 "$root/tools/gguf_tiled_twin.py" "$mdir/$m.gguf" "$D/$m.tiled.gguf" >&2 && xz -6 -T2 "$D/$m.tiled.gguf" || die "twin of $m"
     done
+    if [[ -n "${2:-}" ]]; then
+        strip -o "$D/ip_old" "$2" && xz -9 -T2 "$D/ip_old" || die "no evaluator at $2"
+    fi
     cp "${BASH_SOURCE[0]}" "$D/batch-sweep.sh"
     du -sh "$D"
 }
@@ -81,7 +89,7 @@ PY
 one() { # id model args...: one timed run over wiki.test.raw
     local id=$1 m=$2
     shift 2
-    timeout 90 $W/ip $W/m/$m.ninfer --text $TEXT --backend cuda "$@" --output $W/r/$id > /dev/null 2> $W/log/$id.log \
+    timeout 90 ${bin_run:-$W/ip} $W/m/$m.ninfer --text $TEXT --backend cuda "$@" --output $W/r/$id > /dev/null 2> $W/log/$id.log \
         || { echo "$id exit $?"; tail -1 $W/log/$id.log; }
     cp $W/r/$id/report.json $W/log/r-$id.json 2>/dev/null && summary $W/log/r-$id.json
 }
@@ -117,13 +125,33 @@ slices() {
     done
 }
 
+ab() {
+    local m b bin
+    [[ -f $D/ip_old.xz ]] || die "no ip_old.xz: prepare with OLD_EVALUATOR"
+    xz -dc $D/ip_old.xz > $W/ip_old && chmod +x $W/ip_old
+    for m in 8b $S $G; do
+        for b in new old new2 new-prof old-prof; do
+            bin=$W/ip
+            [[ $b == old* ]] && bin=$W/ip_old
+            if [[ $b == *prof ]]; then
+                INFERNIX_CUDA_PROFILE=1 timeout 90 $bin $W/m/$m.ninfer --text $TEXT --backend cuda --method chunks --context 512 \
+                    --batch-tokens 32768 --output $W/r/$m.$b > /dev/null 2> $W/log/$m.$b.log || echo "$m.$b exit $?"
+                grep "^PROFILE" $W/log/$m.$b.log
+                cp $W/r/$m.$b/report.json $W/log/r-$m.$b.json 2>/dev/null && summary $W/log/r-$m.$b.json
+            else
+                bin_run=$bin one $m.$b $m --method chunks --context 512 --batch-tokens 32768
+            fi
+        done
+    done
+}
+
 case "$cmd" in
-prepare) prepare "${2:-}" ;;
-sweep | slices)
+prepare) prepare "${2:-}" "${3:-}" ;;
+sweep | slices | ab)
     [[ -n "${OUT:-}" ]] || die "run on the device machine (\$OUT unset)"
     setup
     $cmd
     finish
     ;;
-*) die "usage: scripts/batch-sweep.sh prepare [TARGET_DIR] | bash .devcarry/bt/batch-sweep.sh sweep|slices" ;;
+*) die "usage: scripts/batch-sweep.sh prepare [TARGET_DIR] [OLD_EVALUATOR] | bash .devcarry/bt/batch-sweep.sh sweep|slices|ab" ;;
 esac

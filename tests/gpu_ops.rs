@@ -418,13 +418,14 @@ fn rope_table_bit_identical_to_direct() {
 }
 
 /// add_rmsnorm_dual against add_f32 then rmsnorm_dual: x, the f32 norm and its
-/// bf16 rounding all bit-identical (d_model 576, 640, 4096, 8192).
+/// bf16 rounding all bit-identical (d_model 576, 640, 4096, 4100, 8192 by 16-byte
+/// groups of 4 columns; 578 and 8191, not multiples of 4, by single columns).
 #[test]
 fn add_rmsnorm_dual_bit_identical_to_add_then_norm() {
     let Some(dev) = device() else { return };
     let mut rng = rng_for("add_rmsnorm_dual");
     let eps = 1e-5f32;
-    for (n_rows, n_cols) in [(37, 576), (19, 640), (64, 4096), (9, 8192)] {
+    for (n_rows, n_cols) in [(37, 576), (19, 640), (64, 4096), (5, 4100), (9, 8192), (23, 578), (6, 8191)] {
         let n = n_rows * n_cols;
         let (x, y, w) = (randn(&mut rng, n, 3.0), randn(&mut rng, n, 1.0), randn(&mut rng, n_cols, 1.0));
         let (yd, wd) = (dev.upload(&y).unwrap(), dev.upload(&w).unwrap());
@@ -656,8 +657,8 @@ fn matmul_add_residual_in_the_epilogue() {
 /// against the step it replaced: the matmul into f32, then `add_rmsnorm_dual`
 /// (x += y, the dual norm, the loop version), on the 8B shapes (attention output
 /// 4096 x 4096, down 4096 x 14336, Q4_0), SmolLM2's 576, a partial row tile, and
-/// rows of 8192 and 8320 columns (rmsnorm_bf16's register tiers of 8, 32 and 64
-/// elements a thread, and its loop past 64 * 128).
+/// rows of 8192 and 8320 columns (rmsnorm_bf16's register tiers of 8 and 32 elements
+/// a thread and its loop past 32 * 128, all with 16-byte accesses).
 #[test]
 fn residual_in_the_epilogue_then_bf16_norm_bit_identical() {
     let Some(dev) = device() else { return };
@@ -1760,9 +1761,10 @@ fn lmhead_reduce_exact_with_ties() {
 fn lm_head_tiled_end_to_end() {
     let Some(dev) = device() else { return };
     let mut rng = rng_for("lm_head");
-    // Two tiles of LM_HEAD_TILE_ROWS (256) and 150 rows: both on the wgmma kernel on sm_90,
-    // sharing one dequantized head.
-    let (n_rows, n_vocab, d_model, k) = (406, 5_007, 256, 64);
+    // A whole tile (ops::lm_head_tile_rows: 2048 rows at this vocabulary) and one of 150
+    // rows: both on the wgmma kernel on sm_90, sharing one dequantized head.
+    let (n_vocab, d_model, k) = (5_007, 256, 64);
+    let n_rows = ops::lm_head_tile_rows(n_vocab) + 150;
     for format in [TensorFormat::Q8_0, TensorFormat::Q6K, TensorFormat::Bf16, TensorFormat::F16] {
         let bytes = twin::random_matrix(format, n_vocab, d_model, &mut rng);
         let emb = QuantMatrix::upload(dev, format, n_vocab, d_model, &bytes).unwrap();
@@ -1773,7 +1775,7 @@ fn lm_head_tiled_end_to_end() {
         let h = randn(&mut rng, n_rows * d_model, (8.0 / mean_sq_row.sqrt()) as f32);
         let targets: Vec<i32> = (0..n_rows).map(|_| rng.gen_range(0..n_vocab as i32)).collect();
         let td = dev.upload(&targets).unwrap();
-        let mut scratch = dev.alloc_zeros::<f32>(ops::LM_HEAD_TILE_ROWS * n_vocab).unwrap();
+        let mut scratch = dev.alloc_zeros::<f32>(ops::lm_head_tile_rows(n_vocab) * n_vocab).unwrap();
         for route in ["bf16", "f32"] {
             let mut out = LmHeadOut::new(dev, n_rows, k).unwrap();
             dev.copy_to_device(&vec![f32::NAN; n_rows], &mut out.row_max).unwrap();

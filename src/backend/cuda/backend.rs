@@ -84,7 +84,7 @@ use half::bf16;
 
 use super::buffer::{DevView, DeviceBuffer, QuantMatrix};
 use super::device::CudaDevice;
-use super::ops::{self, LmHeadOut, Rows, LM_HEAD_TILE_ROWS};
+use super::ops::{self, LmHeadOut, Rows};
 use super::profile::OpProfile;
 use crate::artifact::meta::{Activation, RopeStyle};
 use crate::artifact::TensorView;
@@ -264,7 +264,7 @@ pub struct CudaBackend {
     /// (gemma3: its local and global bases), built once and shared by every layer
     /// and pass; rebuilt longer when a pass needs a later position.
     rope_tables: RefCell<Vec<RopeTable>>,
-    /// The LM head's logits tile `(LM_HEAD_TILE_ROWS, n_vocab)`, kept between calls.
+    /// The LM head's logits tile `(ops::lm_head_tile_rows(n_vocab), n_vocab)`, kept between calls.
     head_scratch: RefCell<Option<DeviceBuffer<f32>>>,
     /// GPU time per op family (`INFERNIX_CUDA_PROFILE=1`), logged when the backend is dropped.
     pub(super) prof: OpProfile,
@@ -1316,7 +1316,7 @@ impl Backend for CudaBackend {
         }
         let mut extra_dev = if pair_ids.is_empty() { None } else { Some(dev.alloc_uninit::<f32>(pair_ids.len())?) };
 
-        let tile_len = LM_HEAD_TILE_ROWS * n_vocab;
+        let tile_len = ops::lm_head_tile_rows(n_vocab).min(n) * n_vocab;
         let mut scratch_cell = self.head_scratch.borrow_mut();
         if scratch_cell.as_ref().is_none_or(|s| s.len() < tile_len) {
             *scratch_cell = None;
@@ -1483,10 +1483,10 @@ impl Backend for CudaBackend {
                 "kv_cache": self.kv_cache_kernels(),
                 "kv_k_codec": self.stored_codecs().0.name(),
                 "kv_v_codec": self.stored_codecs().1.name(),
-                "lm_head": format!("{} in tiles of {LM_HEAD_TILE_ROWS} rows; max, f64 sum of exp, target, top-k on the GPU", match self.route {
+                "lm_head": format!("{} in tiles of up to {} MiB of logits (ops::lm_head_tile_rows: 256 to 2048 rows); max, f64 sum of exp, target, top-k on the GPU", match self.route {
                     Route::Bf16TensorCore => "bf16 rows x head on the tensor cores (f32 accumulation, f32 logits)",
                     Route::Fp32 => "f32 rows x head (FFMA, f32 logits)",
-                }),
+                }, ops::LM_HEAD_TILE_BYTES >> 20),
             }),
         }
     }
@@ -1511,7 +1511,7 @@ impl Backend for CudaBackend {
         // Live activations of one pass: the residual stream, a normed copy, q/k/v,
         // attention out, gate/up/product (widest row), a bf16 copy of a matmul input.
         let act_bytes = 12 * n_pass_tokens * n_pass_cols * 4;
-        let head_bytes = LM_HEAD_TILE_ROWS * n_vocab * 4 + n_pass_tokens * (4 * 4 + 8 + 2 * 4 * crate::backend::MAX_TOP_K);
+        let head_bytes = ops::lm_head_tile_rows(n_vocab) * n_vocab * 4 + n_pass_tokens * (4 * 4 + 8 + 2 * 4 * crate::backend::MAX_TOP_K);
         // The wgmma route's bf16 copy of one weight at a time: at most max(n_vocab, widest row) x widest row.
         let scratch_bytes = if self.route == Route::Bf16TensorCore && self.dev.has_function(ops::GEMM_WGMMA_KERNEL) {
             n_vocab.max(n_pass_cols) * n_pass_cols * 2

@@ -2301,8 +2301,9 @@ pub fn attention_coded_fp8_qk<O: OutElem>(
 /// [`FAST_PATH_ATTN_INT8_QK`] (`attn_wgmma_d<D>_<int8|k8v4>qk_f32`): an int8 or k8v4 cache
 /// (K rows of int8 codes and an f32 scale in both) at d_head 64 or 128 on sm_90a, S =
 /// Q·Kᵀ by s8 wgmma on K's stored codes (q as int8 hi + lo / 256 times 127 / max|q| per
-/// row, hi·Kᵀ shifted left by 8 in the s32 accumulator before lo·Kᵀ is added; K's row
-/// scales folded into S's columns as attn-fp8-qk); V as kernel v3's decoding kernel.
+/// row; since qk11 lo·Kᵀ first, shifted right by 8 in the s32 accumulator with the f32
+/// 2^23 + 2^22 added, then hi·Kᵀ, so one FADD reads S back; K's row scales folded into
+/// S's columns as attn-fp8-qk); V as kernel v3's decoding kernel.
 /// f32 output only (as the int8 and k8v4 kernels). Parity: tests/gpu_ops.rs
 /// `attention_v3_int8_qk_against_cpu_backend`.
 #[allow(clippy::too_many_arguments)]
@@ -2722,11 +2723,21 @@ pub fn lmhead_reduce(
     Ok(())
 }
 
-/// Rows per LM-head tile: each tile reads the whole head once, so larger
-/// tiles amortize it (a (256, n_vocab) f32 tile is 256 MiB for gemma3's 262k vocabulary).
-pub const LM_HEAD_TILE_ROWS: usize = 256;
+/// Bytes of the LM head's f32 logits tile (the scratch kept between calls): a
+/// (256, n_vocab) tile for gemma3's 262k vocabulary.
+pub const LM_HEAD_TILE_BYTES: usize = 256 << 20;
 
-/// The tiled LM head: for each tile of up to LM_HEAD_TILE_ROWS rows of h
+/// Rows per LM-head tile for a vocabulary of `n_vocab`: as many as fit
+/// [`LM_HEAD_TILE_BYTES`], a multiple of 128, from 256 to 2048. Each tile reads the
+/// whole head once and is one GEMM and one reduce launch, so larger tiles amortize
+/// both (a 49,152-token vocabulary: 1280 rows; 256 before lmtile, when a tile of the
+/// 8B twin's head was a GEMM of 2.9 waves of 128 x 256 tiles). The tile changes no
+/// number: each logit and each row's reduction are computed alike in any tile.
+pub fn lm_head_tile_rows(n_vocab: usize) -> usize {
+    (LM_HEAD_TILE_BYTES / (4 * n_vocab.max(1)) / 128 * 128).clamp(256, 2048)
+}
+
+/// The tiled LM head: for each tile of up to `lm_head_tile_rows(n_vocab)` rows of h
 /// (n_rows, d_model), logits = h_tile · embᵀ (f32 accumulation, into
 /// `scratch`, (tile, n_vocab) f32 on the device), optionally soft-capped, then
 /// `lmhead_reduce` into `out`; `per_tile(row0, n_tile, logits)` then sees the
@@ -2750,22 +2761,23 @@ pub fn lm_head<X: MatmulInput>(
     ensure!(h.len() == n_rows * d_model, "lm_head: h has {} elements, n_rows * d_model = {n_rows} * {d_model}", h.len());
     ensure!(targets.len() == n_rows, "lm_head: {} targets for {n_rows} rows", targets.len());
     ensure!(out.n_rows() == n_rows, "lm_head: outputs sized for {} rows, h has {n_rows}", out.n_rows());
-    let tile_len = LM_HEAD_TILE_ROWS * n_vocab;
+    let tile_rows = lm_head_tile_rows(n_vocab);
+    let tile_len = tile_rows.min(n_rows) * n_vocab;
     if scratch.len() < tile_len {
-        bail!("lm_head: scratch holds {} f32, a tile needs {LM_HEAD_TILE_ROWS} * {n_vocab}", scratch.len());
+        bail!("lm_head: scratch holds {} f32, a tile needs {} * {n_vocab}", scratch.len(), tile_rows.min(n_rows));
     }
     // Tiles on the wgmma kernel read a bf16 head: a block-quantized one is dequantized
     // once here for all tiles (not once per tile, as `matmul` would).
     let wgmma_tile = |rows: usize| X::NAME == "bf16" && bf16_kernel_for(dev, rows, n_vocab) == MatmulKernel::Wgmma;
-    let head_bf16 = if wgmma_tile(LM_HEAD_TILE_ROWS.min(n_rows)) && emb.format != TensorFormat::Bf16 {
+    let head_bf16 = if wgmma_tile(tile_rows.min(n_rows)) && emb.format != TensorFormat::Bf16 {
         let mut wb = dev.alloc_uninit::<bf16>(n_vocab * d_model)?;
         dequant_bf16(dev, emb, wb.view_mut())?;
         Some(wb)
     } else {
         None
     };
-    for row0 in (0..n_rows).step_by(LM_HEAD_TILE_ROWS) {
-        let rows = LM_HEAD_TILE_ROWS.min(n_rows - row0);
+    for row0 in (0..n_rows).step_by(tile_rows) {
+        let rows = tile_rows.min(n_rows - row0);
         let h_tile = h.sub(row0 * d_model, rows * d_model)?;
         match &head_bf16 {
             Some(wb) if wgmma_tile(rows) => {
@@ -2788,6 +2800,20 @@ pub fn lm_head<X: MatmulInput>(
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn lm_head_tiles_fill_the_scratch() {
+        // gemma3's 262k vocabulary keeps 256 rows; SmolLM2's (and the 8B twin's) 49,152
+        // get 1280, Llama-3's 128,256 get 512; small vocabularies stop at 2048.
+        for (n_vocab, rows) in [(262_144, 256), (49_152, 1280), (128_256, 512), (5_007, 2048), (0, 2048), (4_000_000, 256)] {
+            assert_eq!(lm_head_tile_rows(n_vocab), rows, "n_vocab {n_vocab}");
+        }
+        for n_vocab in (1..300_000).step_by(997) {
+            let r = lm_head_tile_rows(n_vocab);
+            assert!(r % 128 == 0 && (256..=2048).contains(&r), "{n_vocab}: {r}");
+            assert!(r == 256 || r * n_vocab * 4 <= LM_HEAD_TILE_BYTES, "{n_vocab}: {r}");
+        }
+    }
 
     proptest! {
         /// Every row is launched exactly once, no launch exceeds the limit, and each row reads
