@@ -164,6 +164,9 @@ fn main() -> Result<()> {
         Shape { name: "SmolLM2 9/3 d64 ctx4096 b8", n_seqs: 8, n_tokens: 4096, n_heads: 9, n_kv_heads: 3, d_head: 64, window: 0, targets: None },
         Shape { name: "Gemma-3 4/1 d256 ctx4096 b8 win512", n_seqs: 8, n_tokens: 4096, n_heads: 4, n_kv_heads: 1, d_head: 256, window: 512, targets: None },
         Shape { name: "Gemma-3 4/1 d256 ctx4096 b8 global", n_seqs: 8, n_tokens: 4096, n_heads: 4, n_kv_heads: 1, d_head: 256, window: 0, targets: None },
+        // The 8B twin's passes at the default --batch-tokens 32768: chunks c=512 (64 windows) and c=4096 (8).
+        Shape { name: "8B 32/8 d128 ctx512 b64", n_seqs: 64, n_tokens: 512, n_heads: 32, n_kv_heads: 8, d_head: 128, window: 0, targets: None },
+        Shape { name: "8B 32/8 d128 ctx4096 b8", n_seqs: 8, n_tokens: 4096, n_heads: 32, n_kv_heads: 8, d_head: 128, window: 0, targets: None },
     ];
     let book = ops::VqBook::upload(&dev)?;
     // Narrowing for one device call (all optional): INFERNIX_BENCH_SHAPES (indices into
