@@ -36,7 +36,10 @@
 // R * (d + d/16) * 4 bytes (each warp's row y, then its group scales or nvfp4's eff_b).
 // The rotation's butterflies run with d a compile-time constant at d 64, 128 and 256
 // (hadamard_rows_d: shifts where a run-time d costs integer divisions per butterfly;
-// the same pairs in the same order, so the same bits).
+// the same pairs in the same order, so the same bits). Unrotated int8 and fp8 rows of
+// 64, 128 or 256 (the default route's fp8 cache) skip the shared memory: each lane keeps
+// d / 32 consecutive elements in registers and stores their codes as one word
+// (encode_row_regs, the same bytes).
 //
 // kv_roundtrip_<codec>(KvEncodeArgs), codec = the six above | bf16 | fp16: the
 // `--reference` route's store (CPU twin: src/backend/cpu/mod.rs CpuBackend::kv_store,
@@ -266,12 +269,79 @@ __device__ __forceinline__ int encode_row(const float* x, unsigned char* row, in
     return n_bad;
 }
 
+// encode_row for an unrotated int8 or fp8 row held in registers (kvenc8): lane l keeps
+// elements [E l, E l + E), E = d / 32 (2, 4 or 8), read as one or two vectors; then
+// encode_row's arithmetic: the count of non-finite x (poison), amax exact in any order
+// (the same warp_max), s = amax / QMAX, the overflow check, each code elem_code<C>(x,
+// s) (zero_code for s == 0); the lane's E code bytes stored as one word, lane 0 the f32
+// scale (NaN when poisoned), zeros to row_bytes. So the same bytes and count, without
+// encode_row's shared-memory copy of the row and its byte-wide code stores (enc7's
+// kernel moved K and V at about 1.5 TB/s on the 8B shapes).
+template <int C, int E>
+__device__ __forceinline__ int encode_row_regs(const float* x, unsigned char* row, int row_bytes, int lane) {
+    constexpr int d = 32 * E;
+    float v[E];
+    if constexpr (E == 2) {
+        const float2 f = reinterpret_cast<const float2*>(x)[lane];
+        v[0] = f.x, v[1] = f.y;
+    } else {
+#pragma unroll
+        for (int k = 0; k < E / 4; ++k) {
+            const float4 f = reinterpret_cast<const float4*>(x)[lane * (E / 4) + k];
+            v[4 * k] = f.x, v[4 * k + 1] = f.y, v[4 * k + 2] = f.z, v[4 * k + 3] = f.w;
+        }
+    }
+    int nf = 0;
+    float amax = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        nf += isfinite(v[e]) ? 0 : 1;
+        amax = fmaxf(amax, fabsf(v[e]));
+    }
+    int n_bad = warp_sum(nf);
+    bool poison = n_bad > 0;
+    float s = 0.0f;
+    if (!poison) {
+        s = __fdiv_rn(warp_max(amax), qmax<C>());
+        if (!isfinite(__fmul_rn(s, qmax<C>()))) {
+            poison = true;
+            n_bad = d;
+        }
+    }
+    uint32_t w[(E + 3) / 4] = {};
+    if (!poison) {
+#pragma unroll
+        for (int e = 0; e < E; ++e) w[e / 4] |= (s != 0.0f ? elem_code<C>(v[e], s) : zero_code<C>()) << (8 * (e % 4));
+    }
+    if constexpr (E == 2) reinterpret_cast<unsigned short*>(row)[lane] = (unsigned short)w[0];
+    else if constexpr (E == 4) reinterpret_cast<uint32_t*>(row)[lane] = w[0];
+    else reinterpret_cast<uint2*>(row)[lane] = make_uint2(w[0], w[1]);
+    if (lane == 0) *reinterpret_cast<float*>(row + d) = poison ? __uint_as_float(0x7FC00000u) : s;
+    for (int i = d + 4 + lane; i < row_bytes; i += 32) row[i] = 0;
+    return n_bad;
+}
+
 template <int C>
 __device__ __forceinline__ void kv_encode(const KvEncodeArgs& a) {
     const int d = a.d, lane = threadIdx.x % 32;
     KvRow r;
     if (!kv_row(a, d + d / 16, r)) return;
     unsigned char* row = a.cache + r.slot * a.row_bytes;
+    if constexpr (C == INT8 || C == FP8) {
+        // Unrotated rows of 64, 128 or 256 with every row's start aligned for the vector
+        // loads (the source and its stride) go through registers (same bytes).
+        const int e = d / 32;
+        const bool fits = !a.rotate && (d == 64 || d == 128 || d == 256) && a.src_stride % e == 0 &&
+                          ((unsigned long long)a.src & (unsigned long long)(4 * (e < 4 ? e : 4) - 1)) == 0;
+        if (fits) {
+            int n_bad;
+            if (d == 64) n_bad = encode_row_regs<C, 2>(r.x, row, a.row_bytes, lane);
+            else if (d == 128) n_bad = encode_row_regs<C, 4>(r.x, row, a.row_bytes, lane);
+            else n_bad = encode_row_regs<C, 8>(r.x, row, a.row_bytes, lane);
+            if (lane == 0 && n_bad > 0) atomicAdd(a.n_bad, (unsigned long long)n_bad);
+            return;
+        }
+    }
     float* y = r.sm;        // (d) the row, rotated in place
     float* gsc = r.sm + d;  // (d / 16) group scales (int4, int2) or nvfp4's eff per block
     bool poison;
