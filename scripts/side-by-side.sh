@@ -32,6 +32,14 @@
 #       Reports into $OUT/ours-*.json. SBS_PROFILE=1 adds, after each timed run,
 #       one more with INFERNIX_CUDA_PROFILE=1 (GPU time per op family, CUDA
 #       events; its PROFILE lines into $OUT/profile-NAME.txt; not the timed run).
+#   side-by-side.sh ours big
+#       The 70B-class row: the llama-70b body (Q4_0, about 37 GiB, from the twins'
+#       tokenizer) written on the device, scored at chunks c=512 over all of
+#       wiki.test.raw (SBS_BIG_CHUNKS=N: the first N chunks), its report into
+#       $OUT/ours-llama-70b-Q4_0.chunks512.json (device pool peak under memory), the
+#       .ninfer removed. Ours alone: bf16 (about 140 GB) does not fit the GPU, and a
+#       GGUF twin beside it would not fit the 64 GiB disk. one-call runs it last with
+#       SBS_BIG=1 (about 2 more minutes).
 #   side-by-side.sh llama real|twins | transformers | transformers-twin
 #       The peers' runs over the same models (peers.sh llama / transformers;
 #       transformers on the real models; transformers-twin: a random-weight bf16
@@ -280,7 +288,22 @@ ours() {
         run_ours "$stem.chunks4096" "$stem" --method chunks --context 4096
         run_ours "$stem.sliding4096" "$stem" --method sliding --context 4096 --stride 2048
         ;;
-    *) die "usage: side-by-side.sh ours real | ours twin FORMAT | ours speed STEM" ;;
+    big)
+        # The 70B-class body (llama-70b geometry: d_model 8192, 80 layers, 64/8 heads, ffn
+        # 28672; Q4_0, about 37 GiB; SmolLM2's tokenizer): written here, scored at chunks
+        # c=512 over all of wiki.test.raw (SBS_BIG_CHUNKS: the first N chunks), removed.
+        # Ours alone: its bf16 weights (about 140 GB) do not fit the GPU for transformers,
+        # and a llama.cpp GGUF twin beside the .ninfer would not fit the device's 64 GiB disk.
+        local tok="$peers/models/$TWIN_TOKENIZER.gguf" big=llama-70b-Q4_0
+        [[ -f "$TOK_ONLY" ]] && tok="$TOK_ONLY"
+        [[ -f "$tok" ]] || die "$TWIN_TOKENIZER.gguf not stashed yet (its tokenizer is the 70B body's)"
+        mkdir -p "$sbs/models" "$sbs/runs"
+        "$sbs/bin/ninfer-convert" "$tok" --synthetic llama-70b --format Q4_0 --out "$sbs/models/$big.ninfer" >"$sbs/runs/$big.convert.log" 2>&1 \
+            || { tail -n 20 "$sbs/runs/$big.convert.log" >&2; die "writing the 70B-class body failed"; }
+        run_ours "$big.chunks512" "$big" --method chunks --context 512 ${SBS_BIG_CHUNKS:+--chunks "$SBS_BIG_CHUNKS"}
+        rm -f "$sbs/models/$big.ninfer"
+        ;;
+    *) die "usage: side-by-side.sh ours real | ours twin FORMAT | ours speed STEM | ours big" ;;
     esac
     summary
 }
@@ -365,12 +388,20 @@ one_call() {
     if [[ -n "${SBS_SMALL_LLAMA:-}" ]]; then
         bash -c "$SBS_SMALL_LLAMA" || note "SBS_SMALL_LLAMA exit $?"
     fi
+    if [[ "${SBS_BIG:-0}" == 1 ]]; then
+        ours big
+        note "70B-class body at $((SECONDS - t0)) s"
+    fi
     note "one-call done at $((SECONDS - t0)) s (parity exit $status)"
     return "$status"
 }
 
 summary() {
-    bash /tmp/peers/bin/peers.sh summary "$out"
+    if [[ -f /tmp/peers/bin/peers.sh ]]; then
+        bash /tmp/peers/bin/peers.sh summary "$out"
+    else
+        note "no peers stashed: our reports only"
+    fi
     python3 - "$out" <<'EOF'
 import glob, json, os, sys
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "ours-*.json"))):
@@ -378,8 +409,11 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "ours-*.json"))):
     o, t, w, e = r["results"]["overall"], r["timing"], r["workload"], r["execution"]
     line = (f"OURS {os.path.basename(path)[5:-5]:<58} PPL {o['perplexity']:>12.4f} targets {o['scored_tokens']:>7} "
             f"{t['tokens_per_second_processed']:>9,.0f} tok/s processed {t['tokens_per_second_scored']:>9,.0f} scored "
-            f"({t['scoring_seconds']:.2f} s) route {e['details'].get('route')} kv {e.get('kv_format', e.get('kv_dtype'))} "
+            f"({t['scoring_seconds']:.2f} s) route {e.get('route', e['details'].get('route'))} kv {e.get('kv_format', e.get('kv_dtype'))} "
             f"x{e['details'].get('windows_per_pass')}")
+    dev = ((r.get("memory") or {}).get("devices") or [{}])[0]
+    if dev.get("pool_used_peak_bytes") is not None:
+        line += f" pool peak {dev['pool_used_peak_bytes'] / 1e9:.1f} GB"
     kl = r["results"].get("kl_divergence")
     if kl:
         q = kl.get("quantiles") or {}
