@@ -289,11 +289,8 @@ ours() {
         run_ours "$stem.sliding4096" "$stem" --method sliding --context 4096 --stride 2048
         ;;
     big)
-        # The 70B-class body (llama-70b geometry: d_model 8192, 80 layers, 64/8 heads, ffn
-        # 28672; Q4_0, about 37 GiB; SmolLM2's tokenizer): written here, scored at chunks
-        # c=512 over all of wiki.test.raw (SBS_BIG_CHUNKS: the first N chunks), removed.
-        # Ours alone: its bf16 weights (about 140 GB) do not fit the GPU for transformers,
-        # and a llama.cpp GGUF twin beside the .ninfer would not fit the device's 64 GiB disk.
+        # The 70B-class row (header: ours big); llama-70b: d_model 8192, 80 layers, 64/8
+        # heads, ffn 28672.
         local tok="$peers/models/$TWIN_TOKENIZER.gguf" big=llama-70b-Q4_0
         [[ -f "$TOK_ONLY" ]] && tok="$TOK_ONLY"
         [[ -f "$tok" ]] || die "$TWIN_TOKENIZER.gguf not stashed yet (its tokenizer is the 70B body's)"
