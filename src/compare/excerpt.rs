@@ -15,6 +15,7 @@ use anyhow::{bail, Context, Result};
 
 use super::input::{ReportView, WindowRow};
 use crate::artifact::Artifact;
+use crate::report::worst::clip;
 use crate::text::corpus;
 use crate::text::tokenizer::{token_ids_sha256, TextTokenizer};
 
@@ -96,36 +97,4 @@ fn stream_tokens(tok: &TextTokenizer, data_root: Option<&Path>, base: &ReportVie
         bail!("re-tokenized ids have sha256 {got}, the report recorded {} (another tokenizer or file?)", stream.token_ids_sha256);
     }
     Ok(tokens)
-}
-
-/// The first `n` characters of `s` on one line (newlines and tabs shown as
-/// `\n` and `\t`), with `...` when cut.
-pub fn clip(s: &str, n: usize) -> String {
-    let mut out = String::new();
-    for (i, c) in s.chars().enumerate() {
-        if i == n {
-            out.push_str("...");
-            break;
-        }
-        match c {
-            '\n' => out.push_str("\\n"),
-            '\t' => out.push_str("\\t"),
-            '\r' => out.push_str("\\r"),
-            c if c.is_control() => out.push(' '),
-            c => out.push(c),
-        }
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn clip_keeps_one_line() {
-        assert_eq!(clip("a\nb\tc", 10), "a\\nb\\tc");
-        assert_eq!(clip("héllo wörld", 5), "héllo...");
-        assert_eq!(clip("a\u{7}b", 5), "a b");
-    }
 }

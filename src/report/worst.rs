@@ -12,7 +12,6 @@ use std::path::Path;
 use anyhow::Result;
 
 use super::KlReport;
-use crate::compare::excerpt::clip;
 use crate::text::tokenizer::TextTokenizer;
 
 pub const WORST_FILE: &str = "worst.md";
@@ -153,9 +152,36 @@ pub fn write_markdown(dir: &Path, md: &str) -> Result<()> {
     crate::util::fs::write_atomic(&dir.join(WORST_FILE), md.as_bytes())
 }
 
+/// The first `n` characters of `s` on one line (newlines and tabs shown as
+/// `\n` and `\t`), with `...` when cut.
+pub fn clip(s: &str, n: usize) -> String {
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i == n {
+            out.push_str("...");
+            break;
+        }
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\t' => out.push_str("\\t"),
+            '\r' => out.push_str("\\r"),
+            c if c.is_control() => out.push(' '),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn clip_keeps_one_line() {
+        assert_eq!(clip("a\nb\tc", 10), "a\\nb\\tc");
+        assert_eq!(clip("héllo wörld", 5), "héllo...");
+        assert_eq!(clip("a\u{7}b", 5), "a b");
+    }
 
     #[test]
     fn cells_escape_markdown() {
