@@ -310,6 +310,22 @@ struct GemmParams {
 };
 static_assert(sizeof(GemmParams) == 512 && alignof(GemmParams) == 128, "GemmParams layout (ops::GemmParams)");
 
+// gemm_bf16_wgmma_lmhead's one parameter: the LM head's logits x · Wᵀ reduced in the
+// epilogue, never stored. a: h (M, K) bf16, box (64 K, 128 rows); b: the head (N =
+// n_vocab, K) bf16, box (64 K, 256 rows); part: (M, n_parts) float2, n_parts = ceil(N /
+// 256): for row r and column tile t, (max, sum of exp(logit - max)) over the tile's
+// columns below N; targets: (M) token ids; target_logit: (M), written for the rows whose
+// target lies in [0, N) (lmhead_merge writes the others). Rust twin: ops::GemmLmParams.
+struct GemmLmParams {
+    TmaDesc a;
+    TmaDesc b;
+    float2* part;
+    const int32_t* targets;
+    float* target_logit;
+    int m, n, k, n_parts;
+};
+static_assert(sizeof(GemmLmParams) == 384 && alignof(GemmLmParams) == 128, "GemmLmParams layout (ops::GemmLmParams)");
+
 // gemm_bf16_wgmma_gated_{silu,gelu}'s one parameter: out = act(x · Wgᵀ) * (x · Wuᵀ)
 // rounded to bf16. a: x (M, K) bf16, box (64 K, 128 rows); b_gate, b_up: Wg and Wu
 // (n_ffn, K) bf16, box (64 K, 128 rows) each (the two halves of one 256-row B

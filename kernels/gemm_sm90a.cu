@@ -74,6 +74,18 @@
 // order as gemm_bf16_wgmma, so the same bits as three separate GEMMs (then
 // add_bias). CPU twin: tests/gpu_ops/twin.rs matmul_f64 per projection, plus the bias.
 //
+// LM-head variant (gemm_bf16_wgmma_lmhead, GemmLmParams; the fast path lm-head-fused,
+// ops::lm_head_fused): the plain tile loop over h (M, K) and the bf16 head (n_vocab, K),
+// whose epilogue reduces each row's 256 logits of the tile instead of storing them: the
+// max m over the columns below n_vocab (fmaxf: a NaN logit does not enter it), then s =
+// sum of 2^((x - m) log2 e) (ex2.approx; m taken as 0 when every logit is -inf, so s = 0;
+// a NaN logit makes s NaN), each thread over its 64 columns of a row in column order,
+// then across the quad by two xor shuffles; lane 0 of the quad writes (m, s) to part[r,
+// tile]; the thread holding column targets[r] writes that logit, the very accumulator the
+// tiled head would have stored. lmhead_merge (lmhead.cu) then combines a row's parts in
+// f64. No logit leaves the registers: the tiled head's (rows, n_vocab) f32 tile, written
+// and read back, is gone.
+//
 // Producer-dequant Q4_0 variants (gemm_q4_0_wgmma, gemm_q4_0_wgmma_gated_{silu,gelu};
 // ops::GemmDequant::Producer, INFERNIX_GEMM_DEQUANT=producer, off by default: not yet
 // run on a GPU): the same tile loop with W's stored Q4_0 blocks instead of a bf16
@@ -437,6 +449,66 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_bf16_wgmma_qkv(const __grid_constant__ GemmQkvParams p) {
     gemm_tiles<false, 0, true>(p);
+}
+
+// The LM head reduced in the epilogue (see the header): one (max, sum of exp) pair per row
+// and 256-column tile, and the target's logit.
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_bf16_wgmma_lmhead(const __grid_constant__ GemmLmParams p) {
+    extern __shared__ uint8_t gemm_smem_raw[];
+    const int m_tiles = (p.m + GEMM_BM - 1) / GEMM_BM, n_tiles = (p.n + GEMM_BN - 1) / GEMM_BN;
+    const int k_tiles = (p.k + GEMM_BK - 1) / GEMM_BK;
+    auto load = [&](int tile, int kt, uint32_t a_stage, uint32_t b_stage, uint32_t full) {
+        int m0, n0;
+        tile_origin(tile, m_tiles, n_tiles, GEMM_BN, m0, n0);
+        tma_load_2d(a_stage, &p.a, full, kt * GEMM_BK, m0);
+        tma_load_2d(b_stage, &p.b, full, kt * GEMM_BK, n0);
+    };
+    auto epilogue = [&](int tile, int c, int warp, int lane, float (&d)[128]) {
+        int m0, n0;
+        tile_origin(tile, m_tiles, n_tiles, GEMM_BN, m0, n0);
+        const int row = m0 + c * 64 + warp * 16 + lane / 4;
+        const int col = n0 + 2 * (lane % 4);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row + 8 * h;
+            float mx = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    if (col + 8 * j + e < p.n) mx = fmaxf(mx, d[4 * j + 2 * h + e]);
+                }
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float base = mx == -INFINITY ? 0.0f : mx;
+            const int t = r < p.m ? p.targets[r] : -1;
+            float s = 0.0f, tl = 0.0f;
+            bool own = false;
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int n = col + 8 * j + e;
+                    if (n < p.n) {
+                        const float x = d[4 * j + 2 * h + e];
+                        s += exp2_approx(__fmul_rn(__fsub_rn(x, base), LOG2E));
+                        if (n == t) {
+                            tl = x;
+                            own = true;
+                        }
+                    }
+                }
+            }
+            s += __shfl_xor_sync(0xffffffffu, s, 1);
+            s += __shfl_xor_sync(0xffffffffu, s, 2);
+            if (r < p.m) {
+                if (lane % 4 == 0) p.part[(long long)r * p.n_parts + n0 / GEMM_BN] = make_float2(mx, s);
+                if (own) p.target_logit[r] = tl;
+            }
+        }
+    };
+    wgmma_pipeline(gemm_smem_raw, m_tiles * n_tiles, k_tiles, load, epilogue);
 }
 
 // The producer-dequant variants (Q4_0 weights: p.b, or p.b_gate / p.b_up, are tensor

@@ -10,6 +10,8 @@
 //   topk_ids[r, :k], topk_logits[r, :k]: the k largest logits, ordered by
 //                   (logit descending, id ascending); k <= 64 (0 skips it).
 // The host forms log p(target) = target_logit - row_max - ln(row_sumexp) in f64.
+// lmhead_merge (at the end) fills the same row_max, row_sumexp and target_logit from
+// the per-tile pairs of gemm_bf16_wgmma_lmhead, the fast path that never writes logits.
 //
 // Algorithm: one block of 512 threads per row. One pass gives max and sum of
 // exp (online: per-thread running max and f64 sum, rescaled as the max grows,
@@ -179,5 +181,39 @@ extern "C" __global__ void __launch_bounds__(LMH_THREADS)
         }
         topk_ids[(long long)r * k + rank] = id;
         topk_logits[(long long)r * k + rank] = cand_val[tid];
+    }
+}
+
+// lmhead_merge: the rows of gemm_bf16_wgmma_lmhead (gemm_sm90a.cu; the fast path
+// lm-head-fused): row r's n_parts pairs part[r, t] = (m_t, s_t), the max of a 256-column
+// tile's logits and the f32 sum of exp(logit - m_t) over it, into lmhead_reduce's outputs:
+// row_max = max_t m_t, row_sumexp = sum_t s_t exp(m_t - row_max) in f64 (parts with s_t
+// == 0, the all -inf tiles, skipped; a NaN s_t makes the sum NaN), and target_logit NaN
+// for a target outside [0, n_vocab) (the GEMM wrote the others). One warp per row, lane l
+// over parts l, l + 32, ..., then xor shuffles: a fixed order, so the same bits whatever
+// the pass. Launch: grid (ceil(n_rows / 8)), block 256.
+extern "C" __global__ void __launch_bounds__(256)
+    lmhead_merge(const float2* __restrict__ part, int n_parts, int n_rows, int n_vocab, const int32_t* __restrict__ targets,
+                 float* __restrict__ row_max, double* __restrict__ row_sumexp, float* __restrict__ target_logit) {
+    // part: (n_rows, n_parts); targets, row_max, row_sumexp, target_logit: (n_rows)
+    const int r = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (r >= n_rows) return;  // the whole warp
+    const float2* pr = part + (long long)r * n_parts;
+    float m = -INFINITY;
+    for (int i = lane; i < n_parts; i += 32) m = fmaxf(m, pr[i].x);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    double s = 0.0;
+    for (int i = lane; i < n_parts; i += 32) {
+        const float2 v = pr[i];
+        if (v.y != 0.0f) s += (double)v.y * exp((double)v.x - (double)m);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) {
+        row_max[r] = m;
+        row_sumexp[r] = s;
+        const int t = targets[r];
+        if (t < 0 || t >= n_vocab) target_logit[r] = __int_as_float(0x7fc00000);
     }
 }

@@ -21,10 +21,11 @@
 #       ops::row_slices): Gemma-3 at 65536 rows and --lossless at 73,728 rows against
 #       16384; each pair must print the same nll_sum. Then the default --batch-tokens on
 #       every twin.
-#   bash .devcarry/bt/batch-sweep.sh ab
+#   bash .devcarry/bt/batch-sweep.sh ab [OLD_ARGS]
 #       This build against OLD_EVALUATOR on each twin, chunks c=512, --batch-tokens 32768:
 #       new, old, new again, then new and old with INFERNIX_CUDA_PROFILE=1 (GPU time per
-#       op family, the PROFILE lines).
+#       op family, the PROFILE lines). With OLD_ARGS (one word list, e.g. "--no-fast-path
+#       lm-head-fused"), "old" is this build with those arguments (no OLD_EVALUATOR needed).
 # One OURS line a run (tok/s processed, PPL and nll_sum to the last bit, batch, device pool
 # peak); logs and reports in $OUT/bt-logs.tgz, nvidia-smi power and clocks every 250 ms in it.
 set -u
@@ -125,21 +126,27 @@ slices() {
     done
 }
 
-ab() {
-    local m b bin
-    [[ -f $D/ip_old.xz ]] || die "no ip_old.xz: prepare with OLD_EVALUATOR"
-    xz -dc $D/ip_old.xz > $W/ip_old && chmod +x $W/ip_old
+ab() { # [OLD_ARGS]
+    local m b bin old_args=() args
+    if [[ -n "${1:-}" ]]; then
+        read -r -a old_args <<< "$1"
+        cp $W/ip $W/ip_old
+    else
+        [[ -f $D/ip_old.xz ]] || die "no ip_old.xz: prepare with OLD_EVALUATOR, or give OLD_ARGS"
+        xz -dc $D/ip_old.xz > $W/ip_old && chmod +x $W/ip_old
+    fi
     for m in 8b $S $G; do
         for b in new old new2 new-prof old-prof; do
             bin=$W/ip
-            [[ $b == old* ]] && bin=$W/ip_old
+            args=()
+            [[ $b == old* ]] && bin=$W/ip_old && args=("${old_args[@]}")
             if [[ $b == *prof ]]; then
                 INFERNIX_CUDA_PROFILE=1 timeout 90 $bin $W/m/$m.ninfer --text $TEXT --backend cuda --method chunks --context 512 \
-                    --batch-tokens 32768 --output $W/r/$m.$b > /dev/null 2> $W/log/$m.$b.log || echo "$m.$b exit $?"
+                    --batch-tokens 32768 "${args[@]}" --output $W/r/$m.$b > /dev/null 2> $W/log/$m.$b.log || echo "$m.$b exit $?"
                 grep "^PROFILE" $W/log/$m.$b.log
                 cp $W/r/$m.$b/report.json $W/log/r-$m.$b.json 2>/dev/null && summary $W/log/r-$m.$b.json
             else
-                bin_run=$bin one $m.$b $m --method chunks --context 512 --batch-tokens 32768
+                bin_run=$bin one $m.$b $m --method chunks --context 512 --batch-tokens 32768 "${args[@]}"
             fi
         done
     done
@@ -150,8 +157,8 @@ prepare) prepare "${2:-}" "${3:-}" ;;
 sweep | slices | ab)
     [[ -n "${OUT:-}" ]] || die "run on the device machine (\$OUT unset)"
     setup
-    $cmd
+    $cmd "${2:-}"
     finish
     ;;
-*) die "usage: scripts/batch-sweep.sh prepare [TARGET_DIR] [OLD_EVALUATOR] | bash .devcarry/bt/batch-sweep.sh sweep|slices|ab" ;;
+*) die "usage: scripts/batch-sweep.sh prepare [TARGET_DIR] [OLD_EVALUATOR] | bash .devcarry/bt/batch-sweep.sh sweep|slices|ab [OLD_ARGS]" ;;
 esac

@@ -4,7 +4,7 @@
 #
 #   scripts/gpu-e2e.sh build [PART_MIB]      (here, repository root, nvcc needed)
 #       Builds the evaluator (release), tests/gpu_e2e.rs and tests/gpu_ops.rs
-#       (release), strips them and puts them, with wiki.test.raw, the reference
+#       (release), strips and xz-compresses them and puts them, with wiki.test.raw, the reference
 #       files, the CPU golden file and this script, into .devcarry/gpu-e2e/.
 #       The two .ninfer artifacts ($INFERNIX_MODELS) are split into parts of
 #       PART_MIB MiB (default 48) under .devcarry/gpu-e2e-p<N>/, one folder per
@@ -59,7 +59,11 @@ build)
     done
     target="${CARGO_TARGET_DIR:-${root}/target}"
     cp "$target/release/infernix-perplexity" "$carry/"
-    strip "$carry"/* 2>/dev/null || true
+    # Stripped and xz-compressed (about 70 MB each with symbols, 3-5 MB so), so the
+    # binaries travel with a model part in one call.
+    for b in gpu_e2e gpu_ops infernix-perplexity; do
+        strip "$carry/$b" && xz -6 -T2 "$carry/$b"
+    done
     cp "${BASH_SOURCE[0]}" "$carry/gpu-e2e.sh"
     cp "$data/wikitext-2-raw/wiki.test.raw" "$reference"/*.txt "$carry/"
     cp tests/data/gpu_e2e_cpu_golden.json "$carry/golden.json"
@@ -77,7 +81,10 @@ build)
 stash)
     mkdir -p "$ix/bin" "$ix/models" "$ix/runs" "$ix/corpora/wikitext-2-raw" "$ix/reference" "$ix/parts"
     if [[ -d "$carry" ]]; then
-        cp "$carry"/gpu_e2e "$carry"/gpu_ops "$carry"/infernix-perplexity "$carry"/gpu-e2e.sh "$ix/bin/"
+        for b in gpu_e2e gpu_ops infernix-perplexity; do
+            xz -dc "$carry/$b.xz" >"$ix/bin/$b" && chmod +x "$ix/bin/$b"
+        done
+        cp "$carry"/gpu-e2e.sh "$ix/bin/"
         cp "$carry"/wiki.test.raw "$ix/corpora/wikitext-2-raw/"
         cp "$carry"/*.txt "$ix/reference/"
         cp "$carry"/golden.json "$carry"/*.sha256 "$ix/"

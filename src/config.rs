@@ -483,7 +483,7 @@ mod tests {
     fn route_flags_are_checked() {
         let err = |extra: &[&str]| cfg(extra).unwrap_err().to_string();
         assert!(err(&["--fast-path", "int8-attn"])
-            .contains("--fast-path int8-attn: no such fast path (valid: delta-chunk-tf32, delta-chunk-3xtf32, attn-fp8-qk, attn-int8-qk)"));
+            .contains("--fast-path int8-attn: no such fast path (valid: delta-chunk-tf32, delta-chunk-3xtf32, attn-fp8-qk, attn-int8-qk, lm-head-fused)"));
         assert!(err(&["--no-fast-path", "int8-attn"]).contains("--no-fast-path int8-attn: no such fast path"));
         assert_eq!(cfg(&["--fast-path", "delta-chunk-tf32"]).unwrap().execution.fast_paths, vec!["delta-chunk-tf32".to_string()]);
         let off = cfg(&["--no-fast-path", "attn-fp8-qk"]).unwrap().execution;

@@ -1821,6 +1821,83 @@ fn lm_head_tiled_end_to_end() {
     }
 }
 
+/// The fast path lm-head-fused (`ops::lm_head_fused`: the LM head reduced in its GEMM's
+/// epilogue, then `lmhead_merge`) against the tiled head on the same device: the same
+/// row_max and target_logit bits, row_sumexp within 1e-5 relative, log p(target) within
+/// TOL_F32_ACC of the f64 twin; rows in three launches (a scratch holding 384 rows'
+/// pairs), a vocabulary that is not a multiple of 256, targets outside the vocabulary
+/// (NaN), a row of h with an infinity (logits of both signs) and one with a NaN: exactly
+/// those four rows non-finite in both.
+#[test]
+fn lm_head_fused_against_the_tiled_head() {
+    let Some(dev) = device() else { return };
+    if !dev.has_function(ops::GEMM_WGMMA_KERNEL) {
+        return;
+    }
+    assert!(dev.has_function(ops::GEMM_LMHEAD_KERNEL), "{} missing beside {}", ops::GEMM_LMHEAD_KERNEL, ops::GEMM_WGMMA_KERNEL);
+    let mut rng = rng_for("lm_head_fused");
+    let (n_vocab, d_model, n_rows): (usize, usize, usize) = (5_007, 256, 1000);
+    let n_parts = n_vocab.div_ceil(256);
+    for format in [TensorFormat::Q8_0, TensorFormat::Q6K, TensorFormat::Bf16] {
+        let bytes = twin::random_matrix(format, n_vocab, d_model, &mut rng);
+        let emb = QuantMatrix::upload(dev, format, n_vocab, d_model, &bytes).unwrap();
+        let ef = twin::dequant_matrix(format, &bytes, n_vocab, d_model);
+        let mean_sq_row = ef.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / n_vocab as f64;
+        let mut h = randn(&mut rng, n_rows * d_model, (8.0 / mean_sq_row.sqrt()) as f32);
+        h[5 * d_model + 17] = f32::INFINITY;
+        h[9 * d_model + 3] = f32::NAN;
+        let mut targets: Vec<i32> = (0..n_rows).map(|_| rng.gen_range(0..n_vocab as i32)).collect();
+        targets[3] = -1;
+        targets[7] = n_vocab as i32;
+        let td = dev.upload(&targets).unwrap();
+        let hd = upload_bf16(dev, &h);
+        let name = format.name();
+
+        let mut logits_scratch = dev.alloc_zeros::<f32>(ops::lm_head_tile_rows(n_vocab) * n_vocab).unwrap();
+        let mut tiled = LmHeadOut::new(dev, n_rows, 0).unwrap();
+        ops::lm_head(dev, hd.view(), n_rows, &emb, td.view(), None, &mut logits_scratch, &mut tiled, |_, _, _| Ok(())).unwrap();
+        let mut pairs = dev.alloc_zeros::<f32>(2 * n_parts * 384).unwrap();
+        assert_eq!(ops::lm_head_fused_rows(n_rows, n_vocab, pairs.len()), 384);
+        let mut fused = LmHeadOut::new(dev, n_rows, 0).unwrap();
+        dev.copy_to_device(&vec![f32::NAN; n_rows], &mut fused.row_max).unwrap();
+        dev.copy_to_device(&vec![f64::NAN; n_rows], &mut fused.row_sumexp).unwrap();
+        dev.copy_to_device(&vec![12345.0f32; n_rows], &mut fused.target_logit).unwrap();
+        ops::lm_head_fused(dev, hd.view(), n_rows, &emb, td.view(), &mut pairs, &mut fused).unwrap();
+        let (t, f) = (tiled.download(dev).unwrap(), fused.download(dev).unwrap());
+
+        let lp = |o: &infernix_perplexity::backend::cuda::ops::LmHeadHost, r: usize| {
+            o.target_logit[r] as f64 - o.row_max[r] as f64 - o.row_sumexp[r].ln()
+        };
+        let hr: Vec<f32> = h.iter().map(|&v| twin::round_bf16(v)).collect();
+        let er: Vec<f32> = ef.iter().map(|&v| twin::round_bf16(v)).collect();
+        let logits = twin::matmul_f64(&hr, &er, n_rows, n_vocab, d_model);
+        let (mut lp_gpu, mut lp_cpu) = (Vec::new(), Vec::new());
+        let mut worst_rel = 0f64;
+        for r in 0..n_rows {
+            assert_eq!(f.row_max[r].to_bits(), t.row_max[r].to_bits(), "{name} row {r}: max {} against {}", f.row_max[r], t.row_max[r]);
+            let same_target = f.target_logit[r].to_bits() == t.target_logit[r].to_bits() || (f.target_logit[r].is_nan() && t.target_logit[r].is_nan());
+            assert!(same_target, "{name} row {r}: target logit {} against {}", f.target_logit[r], t.target_logit[r]);
+            let expect_finite = ![3, 5, 7, 9].contains(&r);
+            assert_eq!(lp(&t, r).is_finite(), expect_finite, "{name} row {r}: tiled log p {}", lp(&t, r));
+            assert_eq!(lp(&f, r).is_finite(), expect_finite, "{name} row {r}: fused log p {}", lp(&f, r));
+            if !expect_finite {
+                continue;
+            }
+            let rel = (f.row_sumexp[r] / t.row_sumexp[r] - 1.0).abs();
+            worst_rel = worst_rel.max(rel);
+            assert!(rel < 1e-5, "{name} row {r}: sum of exp {} against the tiled {} ({rel:e} relative)", f.row_sumexp[r], t.row_sumexp[r]);
+            let row = &logits[r * n_vocab..(r + 1) * n_vocab];
+            let mx = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let se: f64 = row.iter().map(|&l| (l - mx).exp()).sum();
+            lp_cpu.push(row[targets[r] as usize] - mx - se.ln());
+            lp_gpu.push(lp(&f, r) as f32);
+        }
+        println!("PARITY lm_head_fused {name}: sum of exp within {worst_rel:.3e} relative of the tiled head's");
+        let s = check(&format!("lm_head_fused {name} log p(target)"), &lp_gpu, &lp_cpu, TOL_F32_ACC);
+        assert!(s.max_abs < 1e-4, "log p(target) error {} nats", s.max_abs);
+    }
+}
+
 // ---------------------------------------------------------------- KV codecs (every quantized format)
 
 /// The rows of the encode tests, d elements each: random at several scales,

@@ -687,7 +687,18 @@ pub const FAST_PATH_DELTA_CHUNK_3XTF32: &str = "delta-chunk-3xtf32";
 /// per configuration (docs/performance.md); `--fast-path NAME` forces one,
 /// rejects names not in this table (listing it) and refuses every one under
 /// `--lossless`, `--reference` and `--reproducible`.
-pub const FAST_PATHS: &[&str] = &[FAST_PATH_DELTA_CHUNK_TF32, FAST_PATH_DELTA_CHUNK_3XTF32, FAST_PATH_ATTN_FP8_QK, FAST_PATH_ATTN_INT8_QK];
+pub const FAST_PATHS: &[&str] =
+    &[FAST_PATH_DELTA_CHUNK_TF32, FAST_PATH_DELTA_CHUNK_3XTF32, FAST_PATH_ATTN_FP8_QK, FAST_PATH_ATTN_INT8_QK, FAST_PATH_LM_HEAD_FUSED];
+
+/// The LM head reduced in its GEMM's epilogue (`cuda::ops::lm_head_fused`,
+/// kernels/gemm_sm90a.cu `gemm_bf16_wgmma_lmhead`): no logits written; per row and
+/// 256-column tile the max and an f32 sum of exp (ex2.approx), combined in f64, where
+/// the tiled head sums the f64 exp of every logit (about 1e-6 relative in the sum of
+/// exp, 1e-6 nats in a log-probability; the max and the target's logit keep their
+/// bits). On by default on the CUDA default route (wgmma devices) for the passes that
+/// ask for no top-k and no listed ids (`--save-top-tokens` and `--kl-reference` runs
+/// keep the tiled head); `--no-fast-path lm-head-fused` turns it off.
+pub const FAST_PATH_LM_HEAD_FUSED: &str = "lm-head-fused";
 
 /// Attention kernel v3 over an fp8 cache with S = Q·Kᵀ by e4m3 wgmma on K's
 /// stored codes (q as two e4m3 terms times a per-row power of two, K's row

@@ -754,6 +754,7 @@ pub fn cuda_route(spec: &ExecutionSpec) -> Result<(Route, RouteOptions)> {
             } else {
                 FastPathUse::of(spec, crate::backend::FAST_PATH_ATTN_INT8_QK)
             },
+            lm_head_fused: FastPathUse::of(spec, crate::backend::FAST_PATH_LM_HEAD_FUSED),
         },
     ))
 }

@@ -508,6 +508,7 @@ fn cuda_runs_reference_and_reproducible_and_refuses_a_reference_off_the_fp32_rou
         reproducible,
         attn_fp8_qk: if reference || reproducible { FastPathUse::Off } else { FastPathUse::Auto },
         attn_int8_qk: if reference || reproducible { FastPathUse::Off } else { FastPathUse::Auto },
+        lm_head_fused: if reference || reproducible { FastPathUse::Off } else { FastPathUse::Auto },
         ..RouteOptions::default()
     };
     // --reference implies --lossless: the FP32 route, with the codec applied exactly.
@@ -526,6 +527,10 @@ fn cuda_runs_reference_and_reproducible_and_refuses_a_reference_off_the_fp32_rou
     assert_eq!(int8(&["--fast-path", "attn-int8-qk"]), FastPathUse::Forced);
     assert_eq!(int8(&["--no-fast-path", "attn-int8-qk"]), FastPathUse::Off);
     assert_eq!(int8(&["--use-original-int8-prefill-kernel"]), FastPathUse::Off);
+    let lm = |extra: &[&str]| cuda_route(&spec(extra)).unwrap().1.lm_head_fused;
+    assert_eq!(lm(&["--fast-path", "lm-head-fused"]), FastPathUse::Forced);
+    assert_eq!(lm(&["--no-fast-path", "lm-head-fused"]), FastPathUse::Off);
+    assert_eq!(lm(&["--lossless"]), FastPathUse::Off);
     // A spec built by hand that asks for --reference on bf16 inputs, or two precisions, is refused.
     let mut bad = spec(&["--reference"]);
     (bad.matmul_inputs, bad.lm_head_inputs) = (Precision::Bf16, Precision::Bf16);

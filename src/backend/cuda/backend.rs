@@ -222,6 +222,8 @@ pub struct RouteOptions {
     pub attn_fp8_qk: FastPathUse,
     /// [`crate::backend::FAST_PATH_ATTN_INT8_QK`]: int8 / k8v4 attention with Q·Kᵀ on K's stored codes.
     pub attn_int8_qk: FastPathUse,
+    /// [`crate::backend::FAST_PATH_LM_HEAD_FUSED`]: the LM head reduced in its GEMM's epilogue.
+    pub lm_head_fused: FastPathUse,
 }
 
 /// The KV cache of the windows of one pass on the device.
@@ -633,6 +635,53 @@ impl CudaBackend {
                 true
             }
         })
+    }
+
+    /// Whether a pass of `n_rows` scored rows runs the LM head of the fast path
+    /// [`crate::backend::FAST_PATH_LM_HEAD_FUSED`] (the caller checked that it asks for
+    /// no top-k, no listed ids and no soft-cap): on the default route where the device
+    /// has the kernel and the product is wgmma-sized, unless turned off; forced, an
+    /// error on a device without the kernel.
+    fn lm_head_fused_for(&self, n_rows: usize, n_vocab: usize) -> Result<bool> {
+        if self.route != Route::Bf16TensorCore {
+            return Ok(false);
+        }
+        Ok(match self.opts.lm_head_fused {
+            FastPathUse::Off => false,
+            FastPathUse::Auto => ops::lm_head_fused_fits(&self.dev, n_rows, n_vocab),
+            FastPathUse::Forced => {
+                ensure!(
+                    self.dev.has_function(ops::GEMM_LMHEAD_KERNEL),
+                    "--fast-path {}: this device has no {} kernel (sm_90a builds only); drop it",
+                    crate::backend::FAST_PATH_LM_HEAD_FUSED,
+                    ops::GEMM_LMHEAD_KERNEL
+                );
+                ops::lm_head_fused_fits(&self.dev, n_rows, n_vocab)
+            }
+        })
+    }
+
+    /// The report's line on the LM head's fast path.
+    fn lm_head_fast_path(&self) -> String {
+        let name = crate::backend::FAST_PATH_LM_HEAD_FUSED;
+        if self.route != Route::Bf16TensorCore {
+            return format!("none ({name} runs on the default route)");
+        }
+        if !self.dev.has_function(ops::GEMM_LMHEAD_KERNEL) || self.dev.one_gemm_kernel() {
+            return format!("none (no {} kernel on this device, or --reproducible's one GEMM kernel)", ops::GEMM_LMHEAD_KERNEL);
+        }
+        let how = match self.opts.lm_head_fused {
+            FastPathUse::Off => return format!("{name} off (--no-fast-path or --reproducible): the tiled head"),
+            FastPathUse::Auto => "on by default",
+            FastPathUse::Forced => "forced (--fast-path)",
+        };
+        format!(
+            "{name} {how}: passes of at least {} scored rows that ask for no top-k, no listed ids and no soft-cap run {} \
+             (per row and 256-column tile the max and an f32 sum of ex2.approx terms, combined in f64 by lmhead_merge; \
+             no logits written); the others the tiled head",
+            ops::GEMM_WGMMA_MIN_M,
+            ops::GEMM_LMHEAD_KERNEL
+        )
     }
 
     /// The report's line on the attention fast path.
@@ -1355,7 +1404,9 @@ impl Backend for CudaBackend {
         // (n_tile, n_vocab) f32 logits a tile: bf16 rows on the tensor cores (default
         // route) or f32 rows with FFMA (FP32 route), f32 accumulation either way.
         let softcap = req.softcap.map(|c| c as f32);
+        let fused = softcap.is_none() && req.top_k == 0 && pair_ids.is_empty() && self.lm_head_fused_for(n, n_vocab)?;
         match h_bf16 {
+            Some(hb) if fused => ops::lm_head_fused(dev, hb, n, &head.q, targets.view(), scratch, &mut out),
             Some(hb) => ops::lm_head::<bf16>(dev, hb, n, &head.q, targets.view(), softcap, scratch, &mut out, gather),
             None => ops::lm_head::<f32>(dev, h, n, &head.q, targets.view(), softcap, scratch, &mut out, gather),
         }
@@ -1479,6 +1530,7 @@ impl Backend for CudaBackend {
                 },
                 "attention_kernel": self.attention_kernel().name(),
                 "attention_fast_path": self.attention_fast_path(),
+                "lm_head_fast_path": self.lm_head_fast_path(),
                 "attention": self.attention_description(),
                 "kv_cache": self.kv_cache_kernels(),
                 "kv_k_codec": self.stored_codecs().0.name(),

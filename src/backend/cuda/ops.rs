@@ -767,6 +767,29 @@ const _: () = assert!(size_of::<GemmParams>() == 512 && align_of::<GemmParams>()
 // SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
 unsafe impl cudarc::driver::DeviceRepr for GemmParams {}
 
+/// `GemmLmParams` of kernels/common.cuh (gemm_bf16_wgmma_lmhead's one parameter).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GemmLmParams {
+    /// h: (M, K) bf16, box (64, 128).
+    a: cudarc::driver::sys::CUtensorMap,
+    /// The head: (N = n_vocab, K) bf16, box (64, 256).
+    b: cudarc::driver::sys::CUtensorMap,
+    /// (M, n_parts) (max, sum of exp) pairs, f32 each.
+    part: u64,
+    /// (M) token ids.
+    targets: u64,
+    /// (M) f32.
+    target_logit: u64,
+    m: i32,
+    n: i32,
+    k: i32,
+    n_parts: i32,
+}
+const _: () = assert!(size_of::<GemmLmParams>() == 384 && align_of::<GemmLmParams>() == 128);
+// SAFETY: plain data with the layout of the CUDA struct (asserted above); passed by value.
+unsafe impl cudarc::driver::DeviceRepr for GemmLmParams {}
+
 /// `GemmGatedParams` of kernels/common.cuh (gemm_bf16_wgmma_gated_<act>'s one parameter).
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -2796,6 +2819,109 @@ pub fn lm_head<X: MatmulInput>(
     Ok(())
 }
 
+/// The LM-head GEMM that reduces in its epilogue (kernels/gemm_sm90a.cu; the fast path
+/// [`crate::backend::FAST_PATH_LM_HEAD_FUSED`]).
+pub const GEMM_LMHEAD_KERNEL: &str = "gemm_bf16_wgmma_lmhead";
+
+/// Columns of the fused LM head's tiles, one (max, sum of exp) pair each per row.
+fn lm_head_fused_parts(n_vocab: usize) -> usize {
+    n_vocab.div_ceil(GEMM_BN)
+}
+
+/// Rows per launch of the fused LM head when `scratch_f32` f32 hold the pairs: all
+/// `n_rows` when they fit, else the most whole 128-row tiles that do (0: not even one).
+pub fn lm_head_fused_rows(n_rows: usize, n_vocab: usize, scratch_f32: usize) -> usize {
+    let fit = scratch_f32 / (2 * lm_head_fused_parts(n_vocab).max(1));
+    if fit >= n_rows {
+        n_rows
+    } else {
+        fit / GEMM_BM * GEMM_BM
+    }
+}
+
+/// Whether this device runs the fused LM head for `n_rows` rows of a vocabulary of
+/// `n_vocab` (the wgmma route, its kernel loaded, a product large enough for wgmma).
+pub fn lm_head_fused_fits(dev: &CudaDevice, n_rows: usize, n_vocab: usize) -> bool {
+    dev.has_function(GEMM_LMHEAD_KERNEL) && bf16_kernel_for(dev, n_rows, n_vocab) == MatmulKernel::Wgmma
+}
+
+/// The LM head without logits (the fast path lm-head-fused, no top-k, no soft-cap): for
+/// rows of h (n_rows, d_model) bf16, gemm_bf16_wgmma_lmhead multiplies by the head (a
+/// block-quantized one dequantized to bf16 once per call) and keeps per row and
+/// 256-column tile the max and the f32 sum of exp in `scratch` (as (rows, n_parts) f32
+/// pairs), and the target's logit; lmhead_merge combines the pairs into `out`'s
+/// row_max and f64 row_sumexp. As many rows a launch as `scratch` holds pairs for. The
+/// same row_max and target_logit bits as [`lm_head`]; row_sumexp from f32 partial sums of
+/// ex2.approx terms (about 1e-6 relative) where `lm_head` sums f64 exp of every logit.
+pub fn lm_head_fused(
+    dev: &CudaDevice,
+    h: DevView<bf16>,
+    n_rows: usize,
+    emb: &QuantMatrix,
+    targets: DevView<i32>,
+    scratch: &mut DeviceBuffer<f32>,
+    out: &mut LmHeadOut,
+) -> Result<()> {
+    let (n_vocab, d_model) = (emb.n_rows, emb.n_cols);
+    ensure!(h.len() == n_rows * d_model, "lm_head_fused: h has {} elements, n_rows * d_model = {n_rows} * {d_model}", h.len());
+    ensure!(targets.len() == n_rows, "lm_head_fused: {} targets for {n_rows} rows", targets.len());
+    ensure!(out.n_rows() == n_rows, "lm_head_fused: outputs sized for {} rows, h has {n_rows}", out.n_rows());
+    ensure!(out.k == 0, "lm_head_fused: no top-k (asked for {})", out.k);
+    ensure!(d_model % 8 == 0 && h.ptr() % 16 == 0, "lm_head_fused: h rows of {d_model} bf16 at {:#x} not 16-byte aligned", h.ptr());
+    if n_rows == 0 || n_vocab == 0 {
+        return Ok(());
+    }
+    let n_parts = lm_head_fused_parts(n_vocab);
+    let per_call = lm_head_fused_rows(n_rows, n_vocab, scratch.len());
+    ensure!(per_call > 0, "lm_head_fused: a scratch of {} f32 holds no 128-row tile of {n_parts} pairs", scratch.len());
+    let head_scratch;
+    let wp = if emb.format == TensorFormat::Bf16 {
+        emb.data.view().ptr()
+    } else {
+        let mut wb = dev.alloc_uninit::<bf16>(n_vocab * d_model)?;
+        dequant_bf16(dev, emb, wb.view_mut())?;
+        head_scratch = wb;
+        head_scratch.view().ptr()
+    };
+    let gemm = wgmma_func_with(dev, GEMM_LMHEAD_KERNEL, GEMM_SMEM_BYTES)?;
+    let merge = func(dev, "lmhead_merge")?;
+    for row0 in (0..n_rows).step_by(per_call) {
+        let rows = per_call.min(n_rows - row0);
+        let part = scratch.slice_mut(0..rows * 2 * n_parts)?.ptr();
+        let tp = targets.sub(row0, rows)?.ptr();
+        let tl = out.target_logit.slice(row0..row0 + rows)?.ptr();
+        let params = GemmLmParams {
+            a: tensor_map_bf16(h.sub(row0 * d_model, rows * d_model)?.ptr(), rows, d_model, GEMM_BM as u32)?,
+            b: tensor_map_bf16(wp, n_vocab, d_model, GEMM_BN as u32)?,
+            part,
+            targets: tp,
+            target_logit: tl,
+            m: i32_of(rows, "M")?,
+            n: i32_of(n_vocab, "n_vocab")?,
+            k: i32_of(d_model, "d_model")?,
+            n_parts: i32_of(n_parts, "n_parts")?,
+        };
+        let grid = wgmma_grid(dev, GEMM_LMHEAD_KERNEL, rows.div_ceil(GEMM_BM) * n_parts)?;
+        let mut lb = dev.stream().launch_builder(gemm);
+        lb.arg(&params);
+        // SAFETY: `params` mirrors GemmLmParams of kernels/common.cuh (size asserted); the tensor
+        // maps cover h's rows (rows, d_model) and the bf16 head (n_vocab, d_model); part holds
+        // rows * n_parts float2 of the scratch (8-byte aligned: an allocation's start); targets and
+        // target_logit cover the rows.
+        unsafe { lb.launch(cfg((grid, 1, 1), GEMM_THREADS, GEMM_SMEM_BYTES as u32)) }.map_err(|e| launch_err(GEMM_LMHEAD_KERNEL, e))?;
+        let (np, nr, nv) = (i32_of(n_parts, "n_parts")?, i32_of(rows, "rows")?, i32_of(n_vocab, "n_vocab")?);
+        let mx = out.row_max.slice(row0..row0 + rows)?.ptr();
+        let se = out.row_sumexp.slice(row0..row0 + rows)?.ptr();
+        let mut mb = dev.stream().launch_builder(merge);
+        mb.arg(&part).arg(&np).arg(&nr).arg(&nv).arg(&tp).arg(&mx).arg(&se).arg(&tl);
+        // SAFETY: arguments match `lmhead_merge` in kernels/lmhead.cu; the pairs were written by
+        // the GEMM just before on the same stream; the output rows lie inside `out`.
+        unsafe { mb.launch(cfg((rows.div_ceil(8) as u32, 1, 1), 256, 0)) }.map_err(|e| launch_err("lmhead_merge", e))?;
+    }
+    Ok(())
+    // `head_scratch` is freed in stream order, after the GEMMs that read it.
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -2813,6 +2939,19 @@ mod tests {
             assert!(r % 128 == 0 && (256..=2048).contains(&r), "{n_vocab}: {r}");
             assert!(r == 256 || r * n_vocab * 4 <= LM_HEAD_TILE_BYTES, "{n_vocab}: {r}");
         }
+    }
+
+    #[test]
+    fn lm_head_fused_rows_fill_the_scratch_in_whole_tiles() {
+        // 49,152 tokens: 192 pairs a row, 384 f32.
+        assert_eq!(lm_head_fused_rows(1000, 49_152, 384 * 1000), 1000);
+        assert_eq!(lm_head_fused_rows(1000, 49_152, 384 * 999), 896);
+        assert_eq!(lm_head_fused_rows(1000, 49_152, 384 * 127), 0);
+        // gemma3's 262,144: 1024 pairs; the 256 MiB logits scratch holds 32,768 rows of them.
+        assert_eq!(lm_head_fused_rows(40_000, 262_144, LM_HEAD_TILE_BYTES / 4), 32_768);
+        // A vocabulary that is not a multiple of 256: the last, partial tile has its pair too.
+        assert_eq!(lm_head_fused_parts(5_007), 20);
+        assert_eq!(lm_head_fused_rows(300, 5_007, 40 * 300), 300);
     }
 
     proptest! {
