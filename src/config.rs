@@ -5,7 +5,9 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 
-use crate::backend::{effective_prefill_chunk, ExecutionSpec, Precision, PrefillChunk, FAST_PATHS, FAST_PATH_ATTN_FP8_QK, FAST_PATH_ATTN_INT8_QK};
+use crate::backend::{
+    effective_prefill_chunk, ExecutionSpec, Precision, PrefillChunk, FAST_PATHS, FAST_PATH_ATTN_FP8_QK, FAST_PATH_ATTN_INT8_QK, FAST_PATH_LM_HEAD_FUSED,
+};
 use crate::cli::{Args, BackendArg, MethodArg};
 use crate::kv::{KvFormat, KvRotation};
 use crate::plan::{validate_prefill_chunk, Method, Shard};
@@ -297,6 +299,10 @@ fn execution_spec(args: &Args) -> Result<ExecutionSpec> {
         if name == FAST_PATH_ATTN_INT8_QK && !matches!(kv_format, KvFormat::Int8 | KvFormat::K8v4) {
             bail!("--fast-path {name} reads an int8 or k8v4 cache: it needs --kv-dtype int8 or k8v4 (the run's KV format is {kv_format})");
         }
+        if name == FAST_PATH_LM_HEAD_FUSED && (args.save_top_tokens.is_some() || args.kl_reference.is_some()) {
+            let flag = if args.save_top_tokens.is_some() { "--save-top-tokens" } else { "--kl-reference" };
+            bail!("--fast-path {name} with {flag}: the fused LM head writes no logits, so it cannot give the top tokens {flag} needs");
+        }
         if name == FAST_PATH_ATTN_INT8_QK && args.use_original_int8_prefill_kernel {
             bail!("--fast-path {name} and --use-original-int8-prefill-kernel: choose one");
         }
@@ -505,6 +511,11 @@ mod tests {
         let e = err(&["--fast-path", "attn-int8-qk", "--kv-dtype", "int8", "--use-original-int8-prefill-kernel"]);
         assert!(e.contains("choose one"), "{e}");
         assert_eq!(cfg(&["--fast-path", "attn-int8-qk", "--kv-dtype", "k8v4"]).unwrap().execution.fast_paths, vec!["attn-int8-qk".to_string()]);
+        let e = err(&["--fast-path", "lm-head-fused", "--save-top-tokens", "top.bin"]);
+        assert!(e.contains("--fast-path lm-head-fused with --save-top-tokens"), "{e}");
+        let e = err(&["--fast-path", "lm-head-fused", "--kl-reference", "top.bin"]);
+        assert!(e.contains("--fast-path lm-head-fused with --kl-reference"), "{e}");
+        assert_eq!(cfg(&["--fast-path", "lm-head-fused"]).unwrap().execution.fast_paths, vec!["lm-head-fused".to_string()]);
         assert!(err(&["--use-original-nvfp4-prefill-kernel", "--kv-dtype", "int8"]).contains("needs --kv-dtype nvfp4"));
         let c = cfg(&["--use-original-nvfp4-prefill-kernel", "--kv-dtype", "nvfp4"]).unwrap();
         assert!(c.execution.original_nvfp4_prefill_kernel && !c.execution.original_int8_prefill_kernel);

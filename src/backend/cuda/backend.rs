@@ -1535,7 +1535,8 @@ impl Backend for CudaBackend {
                 "kv_cache": self.kv_cache_kernels(),
                 "kv_k_codec": self.stored_codecs().0.name(),
                 "kv_v_codec": self.stored_codecs().1.name(),
-                "lm_head": format!("{} in tiles of up to {} MiB of logits (ops::lm_head_tile_rows: 256 to 2048 rows); max, f64 sum of exp, target, top-k on the GPU", match self.route {
+                "lm_head": format!("{} in tiles of up to {} MiB of logits (ops::lm_head_tile_rows: 256 to 2048 rows); max, f64 sum of exp, target, top-k on the GPU \
+                     (the tiled head; lm_head_fast_path says which passes reduce in the GEMM's epilogue instead)", match self.route {
                     Route::Bf16TensorCore => "bf16 rows x head on the tensor cores (f32 accumulation, f32 logits)",
                     Route::Fp32 => "f32 rows x head (FFMA, f32 logits)",
                 }, ops::LM_HEAD_TILE_BYTES >> 20),
