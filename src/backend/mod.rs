@@ -697,10 +697,10 @@ pub const FAST_PATHS: &[&str] =
 /// exp, 1e-6 nats in a log-probability; the max and the target's logit keep their
 /// bits). On by default on the CUDA default route (wgmma devices) for the passes that
 /// ask for no top-k and no listed ids (`--save-top-tokens` and `--kl-reference` runs
-/// keep the tiled head, and naming it with those flags is an error); naming it forces it
-/// on a device without its kernel to be an error, and it still runs only where a pass
-/// can take it (at least 128 scored rows, no final soft-cap); `--no-fast-path
-/// lm-head-fused` turns it off.
+/// keep the tiled head, and naming it with those flags is an error).
+/// `--fast-path lm-head-fused` is an error on a device without its kernel; elsewhere it
+/// runs where a pass can take it (at least 128 scored rows, no final soft-cap), as by
+/// default. `--no-fast-path lm-head-fused` turns it off.
 pub const FAST_PATH_LM_HEAD_FUSED: &str = "lm-head-fused";
 
 /// Attention kernel v3 over an fp8 cache with S = Q·Kᵀ by e4m3 wgmma on K's
