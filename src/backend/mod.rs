@@ -693,9 +693,9 @@ pub const FAST_PATHS: &[&str] =
 /// The LM head reduced in its GEMM's epilogue (`cuda::ops::lm_head_fused`,
 /// kernels/gemm_sm90a.cu `gemm_bf16_wgmma_lmhead`): no logits written; per row and
 /// 256-column tile the max and an f32 sum of exp (ex2.approx), combined in f64, where
-/// the tiled head sums the f64 exp of every logit (about 1e-6 relative in the sum of
-/// exp, 1e-6 nats in a log-probability; the max and the target's logit keep their
-/// bits). On by default on the CUDA default route (wgmma devices) for the passes that
+/// the tiled head sums the f64 exp of every logit (the sums of exp within 2.5e-7
+/// relative of the tiled head's on the H200, so log-probabilities within as many nats;
+/// the max and the target's logit keep their bits). On by default on the CUDA default route (wgmma devices) for the passes that
 /// ask for no top-k and no listed ids (`--save-top-tokens` and `--kl-reference` runs
 /// keep the tiled head, and naming it with those flags is an error).
 /// `--fast-path lm-head-fused` is an error on a device without its kernel; elsewhere it
