@@ -109,7 +109,7 @@
 // Launch: persistent, grid min(tiles, SMs) with tiles = ceil(M/128) * ceil(N/256)
 // (gated: ceil(M/128) * ceil(n_ffn/128)),
 // block 384, dynamic shared memory ops::GEMM_EPI_SMEM_BYTES (the stages, the
-// mbarriers, the epilogue buffers; the QKV kernel GEMM_SMEM_BYTES, no epilogue
+// mbarriers, the epilogue buffers; the QKV and LM-head kernels GEMM_SMEM_BYTES, no epilogue
 // buffers) (one block per SM); block b
 // takes tiles b, b + grid, ... in an order of groups of GEMM_GROUP_M row tiles,
 // so that the tiles in flight share their A and B tiles through L2; the
