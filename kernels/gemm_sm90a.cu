@@ -451,6 +451,35 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_bf16_wgmma_qk
     gemm_tiles<false, 0, true>(p);
 }
 
+// One row's share of an LM-head tile (gemm_bf16_wgmma_lmhead): the thread's 64 columns
+// col + 8j + e of accumulator row H (0: rows g, 1: g + 8), the quad's max m over those
+// below n (FULL: all are) and the sum of 2^((x - m) log2 e), both the same in the 4 lanes.
+template <bool FULL, int H>
+__device__ __forceinline__ float2 lmhead_row(const float (&d)[128], int col, int n) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            if (FULL || col + 8 * j + e < n) mx = fmaxf(mx, d[4 * j + 2 * H + e]);
+        }
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float base = mx == -INFINITY ? 0.0f : mx;
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            if (FULL || col + 8 * j + e < n) s += exp2_approx(__fmul_rn(__fsub_rn(d[4 * j + 2 * H + e], base), LOG2E));
+        }
+    }
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    return make_float2(mx, s);
+}
+
 // The LM head reduced in the epilogue (see the header): one (max, sum of exp) pair per row
 // and 256-column tile, and the target's logit.
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_bf16_wgmma_lmhead(const __grid_constant__ GemmLmParams p) {
@@ -468,43 +497,31 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_bf16_wgmma_lm
         tile_origin(tile, m_tiles, n_tiles, GEMM_BN, m0, n0);
         const int row = m0 + c * 64 + warp * 16 + lane / 4;
         const int col = n0 + 2 * (lane % 4);
+        const bool full = n0 + GEMM_BN <= p.n;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = row + 8 * h;
-            float mx = -INFINITY;
-#pragma unroll
-            for (int j = 0; j < 32; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    if (col + 8 * j + e < p.n) mx = fmaxf(mx, d[4 * j + 2 * h + e]);
-                }
+            float2 ms;
+            if (full) {
+                ms = h == 0 ? lmhead_row<true, 0>(d, col, p.n) : lmhead_row<true, 1>(d, col, p.n);
+            } else {
+                ms = h == 0 ? lmhead_row<false, 0>(d, col, p.n) : lmhead_row<false, 1>(d, col, p.n);
             }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float base = mx == -INFINITY ? 0.0f : mx;
-            const int t = r < p.m ? p.targets[r] : -1;
-            float s = 0.0f, tl = 0.0f;
-            bool own = false;
+            if (r >= p.m) continue;
+            if (lane % 4 == 0) p.part[(long long)r * p.n_parts + n0 / GEMM_BN] = ms;
+            // The target's column is this thread's column col + 8 jt + et when off = t - col
+            // is below 256, not negative, and off % 8 < 2; the select over the unrolled
+            // j keeps the accumulators in registers (a run-time index would send them to
+            // local memory). Rarely taken: one tile in n_parts holds a row's target.
+            const int off = p.targets[r] - col;
+            if (off >= 0 && off < GEMM_BN && (off & 6) == 0 && col + off < p.n) {
+                const int jt = off >> 3, et = off & 1;
+                float tl = 0.0f;
 #pragma unroll
-            for (int j = 0; j < 32; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int n = col + 8 * j + e;
-                    if (n < p.n) {
-                        const float x = d[4 * j + 2 * h + e];
-                        s += exp2_approx(__fmul_rn(__fsub_rn(x, base), LOG2E));
-                        if (n == t) {
-                            tl = x;
-                            own = true;
-                        }
-                    }
+                for (int j = 0; j < 32; ++j) {
+                    if (j == jt) tl = et ? d[4 * j + 2 * h + 1] : d[4 * j + 2 * h];
                 }
-            }
-            s += __shfl_xor_sync(0xffffffffu, s, 1);
-            s += __shfl_xor_sync(0xffffffffu, s, 2);
-            if (r < p.m) {
-                if (lane % 4 == 0) p.part[(long long)r * p.n_parts + n0 / GEMM_BN] = make_float2(mx, s);
-                if (own) p.target_logit[r] = tl;
+                p.target_logit[r] = tl;
             }
         }
     };
