@@ -165,10 +165,31 @@
 // code of k to a score) where v3 rounds each element to bf16; K exact
 // where v3 rounds code * scale to bf16; P, V and O as v3. A NaN or infinite q gives a
 // NaN row (qfac NaN; v3: NaN as well); a rotated K as v3 (q rotated before the split).
+// P·V under attn-int8-qk (FV; pv16, 2026-12-03): V's codes in f16 and P in f16 (the
+// f16 wgmma), where the other kernels use bf16. Per tile the producer takes the largest
+// scale field of the tile's BN V rows (tile_vexp: a warp max, then the four warps'), its
+// exponent e (clamped to [1, 253]; 127 for a zero tile or a non-finite scale), and
+// writes each element as code * r, r = f16(scale * 2^(127 - e)) < 4, rounded to f16
+// (decode_tile DEC_F16: the code exact in f16 by a byte permute and one HSUB2 (int8), one
+// cvt per pair (E4M3), a permute, a mask and one HFMA2 per pair (int4); then one HMUL2 per
+// pair), and e per stage. The consumers keep O in units of 2^(e - 127) of the last tile
+// added: before tile i's P·V, O is rescaled by corr times 2^(e(i - 1) - e(i)) (exact),
+// and the output is O 2^(e - 127) / l. This moves V's decode from about 3.4 (E4M3) and 4.1
+// (int8) instructions an element (f32 convert, f32 multiply, bf16 pack) to about 1 to
+// 2.4, on the producer warps that share the SM sub-partitions' issue slots with the
+// consumers. H200, ctx 4096 d 128 (docs/performance.md, pv16): int8 321.2 -> 328.9
+// TFLOP/s, k8v4 308.4 -> 322.8; the same P·V under attn-fp8-qk measured 363.8 against
+// 370.5 (its E4M3 decode was cheaper to begin with), so attn-fp8-qk keeps bf16. Numerics against v3's bf16 P·V: P to 2^-12 relative (f16, down to 2^-14;
+// then 2^-25 absolute) where v3 has 2^-9; V to 2^-11 + 2^-12 relative of each element
+// (r's rounding, then the product's) where v3 rounds code * scale to 2^-9; a row whose
+// scale is 2^14 or more below its tile's largest has its elements in f16's subnormal
+// range (absolute error 2^-25 of the tile's unit, a bf16 rounding's worth at 2^24 below),
+// and rows about 2^25 below the largest vanish (r rounds to 0).
 // Not covered here (the launcher sends them to v2): d_head 96 and 256, misaligned q /
 // out.
 // attn-fp8-qk: raw K stages of BN * 16 bytes, 2 ST slots of K's factors (not ST), plus BM
-// f32 (qfac): d 128 190048 bytes, d 64 167584.
+// f32 (qfac), plus 32 bytes (attn-int8-qk: tile_vexp's warp maxima, V's exponent per
+// stage): d 128 190080 bytes, d 64 167616.
 // Launch: grid (min(n_items, n_SMs), 1, 1), n_items = ceil(n_tokens / 128) *
 // n_heads * n_seqs; block 384, dynamic
 // shared memory 1024 (alignment slack) + 128 * D * 2 (Q) + 2 * ST * 128 * D * 2
@@ -214,45 +235,43 @@ __device__ __forceinline__ void wgmma_ss_m64n128k16(float d[64], uint64_t desc_a
         : "memory");
 }
 
-// D(64 x 128, f32) += A(64 x 16, bf16, registers) * B(16 x 128, bf16, MN-major smem: rows of 128 contiguous).
-__device__ __forceinline__ void wgmma_rs_m64n128k16_tb(float d[64], const uint32_t a[4], uint64_t desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)
-        : "memory");
-}
-
-// D(64 x 64, f32) += A(64 x 16, bf16, registers) * B(16 x 64, bf16, MN-major smem: rows of 64 contiguous).
-__device__ __forceinline__ void wgmma_rs_m64n64k16_tb(float d[32], const uint32_t a[4], uint64_t desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)
-        : "memory");
-}
+// P·V: D(64 x N, f32) += A(64 x 16, TY, registers) * B(16 x N, TY, MN-major smem: rows of N
+// contiguous), N = 128 (wgmma_rs_m64n128k16_tb) or 64 (..._n64...), TY = bf16 (the plain
+// and coded kernels) or f16 (attn-int8-qk's P·V on V's codes, ..._f16).
+#define ATTN3_O64(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define ATTN3_WGMMA_RS_N128(NAME, TY)                                                                                  \
+    __device__ __forceinline__ void NAME(float d[64], const uint32_t a[4], uint64_t desc_b) {                          \
+        asm volatile(                                                                                                  \
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                               \
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                                               \
+            "{"                                                                                                        \
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                   \
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                         \
+            "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                         \
+            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"                           \
+            "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                                           \
+            : ATTN3_O64(0), ATTN3_O64(8), ATTN3_O64(16), ATTN3_O64(24), ATTN3_O64(32), ATTN3_O64(40), ATTN3_O64(48),   \
+              ATTN3_O64(56)                                                                                            \
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)                                         \
+            : "memory");                                                                                               \
+    }
+#define ATTN3_WGMMA_RS_N64(NAME, TY)                                                                                   \
+    __device__ __forceinline__ void NAME(float d[32], const uint32_t a[4], uint64_t desc_b) {                          \
+        asm volatile(                                                                                                  \
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                               \
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                                \
+            "{"                                                                                                        \
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                   \
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"                           \
+            "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                                                           \
+            : ATTN3_O64(0), ATTN3_O64(8), ATTN3_O64(16), ATTN3_O64(24)                                                 \
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)                                         \
+            : "memory");                                                                                               \
+    }
+ATTN3_WGMMA_RS_N128(wgmma_rs_m64n128k16_tb, "bf16")
+ATTN3_WGMMA_RS_N128(wgmma_rs_m64n128k16_tb_f16, "f16")
+ATTN3_WGMMA_RS_N64(wgmma_rs_m64n64k16_tb, "bf16")
+ATTN3_WGMMA_RS_N64(wgmma_rs_m64n64k16_tb_f16, "f16")
 
 // attn-fp8-qk: D(64 x 128, f32) += A(64 x 32, e4m3, K-major, smem) * B(128 x 32, e4m3,
 // K-major, smem)ᵀ (fp8 operands are K-major only: no transpose immediates).
@@ -385,6 +404,16 @@ __device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
     return v;
 }
 
+__device__ __forceinline__ __half2 as_h2(uint32_t x) { return *reinterpret_cast<const __half2*>(&x); }
+__device__ __forceinline__ uint32_t h2_bits(__half2 v) { return *reinterpret_cast<const uint32_t*>(&v); }
+// Eight f16 code values (four f16x2 words) times r rounded to f16, each product rounded
+// to f16 (HMUL2): attn-int8-qk's V elements (decode_tile's DEC_F16).
+__device__ __forceinline__ uint4 mul_h8(const uint32_t h[4], float r) {
+    const __half2 r2 = __float2half2_rn(r);
+    return make_uint4(h2_bits(__hmul2(as_h2(h[0]), r2)), h2_bits(__hmul2(as_h2(h[1]), r2)), h2_bits(__hmul2(as_h2(h[2]), r2)),
+                      h2_bits(__hmul2(as_h2(h[3]), r2)));
+}
+
 // Bytes of one row of one-byte codes (src/kv: D codes, the f32 scale, zeros to a multiple of 16).
 __host__ __device__ constexpr int coded_row_bytes(int d) { return (d + 4 + 15) / 16 * 16; }
 
@@ -438,6 +467,14 @@ struct RowBytes {
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(v[j], s);
     }
+    template <int D>
+    static __device__ __forceinline__ uint32_t smax_bits(uint32_t row) { return __float_as_uint(ld_shared_f32(row + D)) & 0x7FFFFFFFu; }
+    static __device__ __forceinline__ uint4 dech8(Raw q, Scale s, float rmul) {
+        uint32_t h[4];
+        CODE::h4(q.x, h);
+        CODE::h4(q.y, h + 2);
+        return mul_h8(h, s * rmul);
+    }
 };
 // int4-g32 (V of k8v4, K of k4v2): D/2 bytes of nibbles q + 8 (element i in byte i / 2,
 // the low nibble first), D/32 f32 group scales at byte D/2, zeros to a multiple of 16;
@@ -455,6 +492,27 @@ struct RowInt4G32 {
     static __device__ __forceinline__ void dec8(Raw q, Scale s, float v[8], uint32_t) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(__fsub_rn(__uint_as_float(0x4B000000u | ((q >> (4 * j)) & 0xFu)), 8388616.0f), s);
+    }
+    template <int D>
+    static __device__ __forceinline__ uint32_t smax_bits(uint32_t row) {
+        uint32_t m = 0;
+#pragma unroll
+        for (int i = 0; i < D / 32; ++i) m = max(m, __float_as_uint(ld_shared_f32(row + D / 2 + 4 * i)) & 0x7FFFFFFFu);
+        return m;
+    }
+    // Byte i of q (elements 2i, 2i + 1) into both halves of an f16x2 under the exponent
+    // byte 0x64, the low nibble kept in the low half, the high one in the high half:
+    // (1024 + n0, 1024 + 16 n1); one HFMA2 by (1, 1/16) plus (-1032, -72) gives (n0 - 8,
+    // n1 - 8) exactly (the product by 1/16 and both sums are exact in f16).
+    static __device__ __forceinline__ uint4 dech8(Raw q, Scale s, float rmul) {
+        uint32_t h[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t x = __byte_perm(q, 0x64646464u, 0x4040u + 0x0101u * i) & 0xFFF0FF0Fu;
+            const __half2 v = __hfma2(as_h2(x), as_h2(0x2C003C00u), as_h2(0xD480E408u));
+            h[i] = h2_bits(v);
+        }
+        return mul_h8(h, s * rmul);
     }
 };
 // int2-g32 (V of k4v2): D/4 bytes of 2-bit codes (element 4i + j in bits 2j .. 2j + 1 of
@@ -532,21 +590,28 @@ struct CacheCoded {
     using VRow = VROW;
 };
 
+// What decode_tile writes for each element: DEC_CODES, the code value itself, exact in
+// bf16 (K of a ONE_SCALE row under FOLD_K: every E4M3 value, NaN included, and every
+// int8; the row scale folded into S's column by the consumers: kfac, store_kfac);
+// DEC_BF16, RC::dec8 (src/kv's decode) rounded to bf16 nearest even, the rounding a bf16
+// cache gets; DEC_F16 (V under attn-int8-qk, RC::dech8): the code value (exact in f16)
+// times r = f16(scale * rmul), rounded to f16, where rmul = 2^-e is the tile's power of
+// two (tile_vexp), so r < 4 whatever the scales' magnitude.
+constexpr int DEC_CODES = 0, DEC_BF16 = 1, DEC_F16 = 2;
+
 // One tile of BN coded rows (raw stage at `raw`, rows of RC::bytes(D), as the TMA box
-// lands them) into the bf16 stage at `dst` in the layout the consumers read (the
+// lands them) into the 16-bit stage at `dst` in the layout the consumers read (the
 // 128-byte swizzle of a TMA box: box c / 8 of BN rows x 128 bytes, 16-byte chunk c % 8
-// of row r at ((c % 8) ^ (r % 8)) * 16). MUL: element = RC::dec8 (src/kv's decode),
-// rounded to bf16 nearest even: the rounding a bf16 cache gets. !MUL (K of a ONE_SCALE
-// row under FOLD_K): the code value itself, exact in bf16 (every E4M3 value, NaN
-// included, and every int8), the row scale folded into S's column by the consumers
-// (kfac, store_kfac). `book`: the shared codebook (vq2). 128 threads; thread tid takes
+// of row r at ((c % 8) ^ (r % 8)) * 16), each element as MODE says. `book`: the shared
+// codebook (vq2); `rmul`: DEC_F16's power of two. 128 threads; thread tid takes
 // chunks tid + 128 k (8 elements each, consecutive threads along a row). Rows past the
 // cached positions arrive as zeros (TMA's fill; scales 0): they decode to (signed) 0,
 // never NaN.
-template <int D, typename RC, bool MUL>
-__device__ __forceinline__ void decode_tile(uint32_t raw, uint32_t dst, int tid, uint32_t book) {
+template <int D, typename RC, int MODE>
+__device__ __forceinline__ void decode_tile(uint32_t raw, uint32_t dst, int tid, uint32_t book, float rmul = 1.0f) {
     constexpr int NT = 128, B = RC::BATCH;  // decoding threads; chunks whose loads go out together
     constexpr int CH = D / 8, RB = RC::bytes(D), IT = BN * CH / NT;
+    constexpr bool SCALED = MODE != DEC_CODES;
     static_assert(NT % CH == 0 && IT % B == 0, "decode_tile: a thread keeps one column chunk");
     const int c = tid % CH, r0 = tid / CH;  // rows r0 + (NT / CH) k
     const uint32_t src = raw + r0 * RB;
@@ -562,17 +627,41 @@ __device__ __forceinline__ void decode_tile(uint32_t raw, uint32_t dst, int tid,
         for (int b = 0; b < B; ++b) {
             const uint32_t row = src + (k0 + b) * (NT / CH) * RB;
             q[b] = RC::load(row, c);
-            if constexpr (MUL) sc[b] = RC::template scale<D>(row, c);
+            if constexpr (SCALED) sc[b] = RC::template scale<D>(row, c);
         }
 #pragma unroll
         for (int b = 0; b < B; ++b) {
             const int r = r0 + (k0 + b) * (NT / CH);
-            float v[8];
-            if constexpr (MUL) RC::dec8(q[b], sc[b], v, book);
-            else RC::cvt8(q[b], v);
-            st_shared_v4(out + (k0 + b) * (NT / CH) * 128 + (((c % 8) ^ (r & 7)) * 16), pack_bf16x8(v));
+            const uint32_t at = out + (k0 + b) * (NT / CH) * 128 + (((c % 8) ^ (r & 7)) * 16);
+            if constexpr (MODE == DEC_F16) {
+                st_shared_v4(at, RC::dech8(q[b], sc[b], rmul));
+            } else {
+                float v[8];
+                if constexpr (MODE == DEC_BF16) RC::dec8(q[b], sc[b], v, book);
+                else RC::cvt8(q[b], v);
+                st_shared_v4(at, pack_bf16x8(v));
+            }
         }
     }
+}
+
+// DEC_F16's power of two for one tile of V rows (raw stage at `raw`), called by all 128
+// decoding threads together: thread tid takes row tid's largest scale field, the
+// block's largest over the tile's BN rows (a warp max of the bits, nonnegative floats
+// ordering as integers, then the 4 warps' through `slots` and a named barrier); its
+// exponent field e, taken as 127 when it is 0 (a zero or f32-subnormal tile) or 255 (an
+// infinite or NaN scale, which the decode then carries into NaN as src/kv does) and at
+// most 253. The tile's elements are code * scale * 2^(127 - e) (decode_tile DEC_F16's
+// rmul), below 4 in magnitude times the code, the P·V sums in units of 2^(e - 127).
+template <int D, typename RC>
+__device__ __forceinline__ int tile_vexp(uint32_t raw, uint32_t slots, int tid) {
+    const uint32_t m = __reduce_max_sync(0xffffffffu, RC::template smax_bits<D>(raw + tid * RC::bytes(D)));
+    if ((tid & 31) == 0) asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(slots + 4 * (tid >> 5)), "r"(m) : "memory");
+    asm volatile("bar.sync 3, 128;\n" ::: "memory");
+    uint32_t w[4];
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(slots) : "memory");
+    const int e = (int)(max(max(w[0], w[1]), max(w[2], w[3])) >> 23);
+    return (e == 0 || e == 255) ? 127 : min(e, 253);
 }
 
 // K's column factors of one tile (kernel v2's folding, kernels/attention.cu DecByte):
@@ -666,6 +755,10 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     const uint32_t book = kfac + KFS * BN * 4;
     // attn-fp8-qk: each query row's 1 / sq (BM f32), written when Q is staged.
     const uint32_t qfac = book + (CACHE::BOOK ? 256 * 16 : 0);
+    // attn-int8-qk (FV: P·V in f16 on V's codes, decode_tile DEC_F16): tile_vexp's 4
+    // warp maxima, then each V stage's exponent e (ST ints, written with the stage).
+    constexpr bool FV = QKI;
+    const uint32_t vslots = qfac + (QK ? BM * 4 : 0), vexp = vslots + 16;
     auto full_k = [&](int s) { return bars + 8 * s; };
     auto full_v = [&](int s) { return bars + 8 * (ST + s); };
     auto empty_k = [&](int s) { return bars + 8 * (2 * ST + s); };
@@ -790,7 +883,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                     if (tid == 0) fetch(fc, kc_map, BN * D, sk + s * KV_BYTES, full_k(s));
                     else mbar_arrive(full_k(s));
                 } else {
-                    decode_tile<D, KRow, !KF>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, tid, book);
+                    decode_tile<D, KRow, KF ? DEC_CODES : DEC_BF16>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, tid, book);
                     if constexpr (KF) store_kfac<D>(rk + slot * RAW_K_BYTES, kfac + s * BN * 4, tid, kmul);
                     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                     mbar_arrive(full_k(s));
@@ -799,7 +892,13 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 if (tid == 0 && fk.w < n_items) fetch(fk, &a.k, RAW_K_BYTES, rk + slot * RAW_K_BYTES, raw_full_k + 8 * slot);
                 mbar_wait(raw_full_v, g & 1);
                 mbar_wait(empty_v(s), ph);
-                decode_tile<D, VRow, true>(rv, sv + s * KV_BYTES, tid, book);
+                if constexpr (FV) {
+                    const int e = tile_vexp<D, VRow>(rv, vslots, tid);
+                    decode_tile<D, VRow, DEC_F16>(rv, sv + s * KV_BYTES, tid, book, __uint_as_float((uint32_t)(254 - e) << 23));
+                    if (tid == 0) asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(vexp + 4 * s), "r"(e) : "memory");
+                } else {
+                    decode_tile<D, VRow, DEC_BF16>(rv, sv + s * KV_BYTES, tid, book);
+                }
                 asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                 mbar_arrive(full_v(s));
                 asm volatile("bar.sync 3, 128;\n" ::: "memory");
@@ -1066,7 +1165,9 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
 #pragma unroll
                 for (int kk = K0; kk < K1; ++kk) {
                     const uint64_t dv = sw128_mn_desc(vs + kk * 16 * 128, BN * 128);
-                    if constexpr (D == 128) wgmma_rs_m64n128k16_tb(o, pa[kk], dv);
+                    if constexpr (D == 128 && FV) wgmma_rs_m64n128k16_tb_f16(o, pa[kk], dv);
+                    else if constexpr (D == 128) wgmma_rs_m64n128k16_tb(o, pa[kk], dv);
+                    else if constexpr (FV) wgmma_rs_m64n64k16_tb_f16(o, pa[kk], dv);
                     else wgmma_rs_m64n64k16_tb(o, pa[kk], dv);
                 }
                 wgmma_commit();
@@ -1190,15 +1291,24 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                     for (int i = 0; i < KQ; ++i) kq[i] = kfp[4 * i];
                 }
             };
-            // P of the scored tile as the A fragments of the 16-key steps: chunks 2kk and 2kk + 1.
+            // P of the scored tile as the A fragments of the 16-key steps: chunks 2kk and 2kk
+            // + 1; bf16, or f16 under FV (p in [0, 1]: 11 significant bits down to 2^-14).
             auto pack_p = [&]() {
+                auto pk = [](float lo, float hi) { return FV ? h2_bits(__floats2half2_rn(lo, hi)) : pack_bf16x2(lo, hi); };
 #pragma unroll
                 for (int kk = 0; kk < VS; ++kk) {
-                    pa[kk][0] = pack_bf16x2(sc[8 * kk], sc[8 * kk + 1]);
-                    pa[kk][1] = pack_bf16x2(sc[8 * kk + 2], sc[8 * kk + 3]);
-                    pa[kk][2] = pack_bf16x2(sc[8 * kk + 4], sc[8 * kk + 5]);
-                    pa[kk][3] = pack_bf16x2(sc[8 * kk + 6], sc[8 * kk + 7]);
+                    pa[kk][0] = pk(sc[8 * kk], sc[8 * kk + 1]);
+                    pa[kk][1] = pk(sc[8 * kk + 2], sc[8 * kk + 3]);
+                    pa[kk][2] = pk(sc[8 * kk + 4], sc[8 * kk + 5]);
+                    pa[kk][3] = pk(sc[8 * kk + 6], sc[8 * kk + 7]);
                 }
+            };
+            // FV: V stage st's exponent e (tile_vexp; the stage is full); O is kept in units
+            // of 2^(e - 127) of the last tile whose P·V was added.
+            auto vexp_of = [&](int st) {
+                int e = 127;
+                if constexpr (FV) asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(e) : "r"(vexp + 4 * st) : "memory");
+                return e;
             };
             auto rescale_o = [&](const float corr[2]) {
 #pragma unroll
@@ -1218,6 +1328,28 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             // P·V's first half while the shift waits for lo: S's groups retire in order
             // with P·V's first half, and the softmax overlaps the second.
             float corr[2];
+            // FV: O's units are 2^(e_o - 127); before a tile's P·V is issued, O moves to that
+            // tile's e (times 2^(e_o - e), exact), only when e differs (a warp-uniform branch:
+            // tiles of one item mostly share their largest scale's binade). Done there, after
+            // the V stage's wait, rather than in the rescale by corr, so that the consumers
+            // never wait for a V stage before they need it (an early wait measured 3 %
+            // slower for fp8 at ctx 4096 d 128).
+            int e_o = -1;  // unset: O is zero
+            auto to_units = [&](int e) {
+                if constexpr (FV) {
+                    if (e != e_o) {
+                        if (e_o >= 0) {
+                            const int d = min(max(e_o - e, -126), 127);
+                            const float f = __uint_as_float((uint32_t)(127 + d) << 23);
+#pragma unroll
+                            for (int i = 0; i < D / 2; ++i) o[i] *= f;
+                        }
+                        e_o = e;
+                    }
+                } else {
+                    e_o = e;
+                }
+            };
             mbar_wait(full_k(gt % ST), (gt / ST) & 1);
             issue_s(gt);
             if constexpr (QKI) {
@@ -1238,6 +1370,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 mbar_wait(full_k(s), (j / ST) & 1);
                 issue_s(j);
                 mbar_wait(full_v(sp), ((j - 1) / ST) & 1);
+                to_units(vexp_of(sp));
                 if constexpr (QKI) {
                     issue_pv(j - 1, Int<0>{}, Int<VS / 2>{});
                     wgmma_wait<1>();  // lo·Kᵀ of tile i done; P·V's first half may run
@@ -1263,12 +1396,15 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 const int j = gt + n_tiles - 1;
                 const int sp = j % ST;
                 mbar_wait(full_v(sp), (j / ST) & 1);
+                to_units(vexp_of(sp));
                 issue_pv(j, Int<0>{}, Int<VS>{});
                 wgmma_wait<0>();
                 fence_regs(o);
                 release(empty_v(sp));
             }
             gt += n_tiles;
+            // FV: O's units, 2^(e - 127) (e in [1, 253]: a normal f32); 1 otherwise.
+            const float units = __uint_as_float((uint32_t)e_o << 23);
 
             // O / l per row.
             OUT* ob = reinterpret_cast<OUT*>(a.out) + (long long)it.seq * n_tokens * a.out_stride + (long long)it.h * D;
@@ -1277,7 +1413,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 float l = l_run[r];
                 l += __shfl_xor_sync(0xffffffffu, l, 1);
                 l += __shfl_xor_sync(0xffffffffu, l, 2);
-                const float inv = 1.0f / l;
+                const float inv = (1.0f / l) * units;
                 const int t = row_w + g + 8 * r;
                 if (rot_v) {
                     // O = (H O') / n, O' = Σ p y / l in f32 (the accumulators' layout is

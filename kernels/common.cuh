@@ -820,6 +820,18 @@ struct CodeInt8 {
 #pragma unroll
         for (int j = 0; j < 4; ++j) v[j] = __fsub_rn(__uint_as_float(__byte_perm(u, 0x4B000000u, 0x7440u + j)), 8388736.0f);
     }
+    // The four values as two f16x2 words: b ^ 0x80 as the low mantissa byte of the f16
+    // 1024 (0x6400) is 1152 + b exactly; subtracting 1152 (one HSUB2 per pair) leaves b.
+    static __device__ __forceinline__ void h4(uint32_t w, uint32_t h[2]) {
+        const uint32_t u = w ^ 0x80808080u;
+        const __half2 off = __floats2half2_rn(1152.0f, 1152.0f);
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            uint32_t x = __byte_perm(u, 0x64646464u, 0x4140u + 0x0202u * p);
+            const __half2 v = __hsub2(*reinterpret_cast<const __half2*>(&x), off);
+            h[p] = *reinterpret_cast<const uint32_t*>(&v);
+        }
+    }
 };
 // nvfp4's decode of eight elements (kv::codec, "nvfp4": value (e2m1 * e4m3) * S, the
 // inner product exact, one f32 rounding by S), shared by attention.cu DecNvfp4 and

@@ -1546,7 +1546,8 @@ fn attention_v3_coded_against_cpu_backend() {
 /// code * scale to bf16 (2^-9 relative), q to within about 2^-8 relative of each
 /// element (hi carries 4 significant bits, lo the next 4, their sum within 2^-9 of the
 /// element's magnitude down to 2^-9 of the row's largest element) where v3 rounds q to
-/// 2^-9, V and P as v3. The original fp8 kernel stays tested by that test.
+/// 2^-9, V and P as v3 (V's row scales also spread over 2^20 within and across tiles in two
+/// cases). The original fp8 kernel stays tested by that test.
 #[test]
 fn attention_v3_fp8_qk_against_cpu_backend() {
     let Some(dev) = device() else { return };
@@ -1560,11 +1561,16 @@ fn attention_v3_fp8_qk_against_cpu_backend() {
     cases.push(AttnCase { n_seqs: 2, n_heads: 4, n_kv_heads: 1, d_head: 128, n_ctx: 1100, passes: vec![700, 333], window: 300, softcap: 0.0 });
     assert_eq!(cases.len(), 5);
     for (i, c) in cases.iter().enumerate() {
-        fp8_qk_case::<f32>(dev, &mut rng, c, KvRotation::Off, KvFormat::Fp8);
+        fp8_qk_case::<f32>(dev, &mut rng, c, KvRotation::Off, KvFormat::Fp8, false);
         if i % 2 == 1 {
-            fp8_qk_case::<bf16>(dev, &mut rng, c, KvRotation::Off, KvFormat::Fp8);
-            fp8_qk_case::<f32>(dev, &mut rng, c, KvRotation::On, KvFormat::Fp8);
+            fp8_qk_case::<bf16>(dev, &mut rng, c, KvRotation::Off, KvFormat::Fp8, false);
+            fp8_qk_case::<f32>(dev, &mut rng, c, KvRotation::On, KvFormat::Fp8, false);
         }
+    }
+    // V's row scales spread over 2^20 within every tile and across tiles (the P·V sums'
+    // per-tile powers of two).
+    for c in &cases[3..] {
+        fp8_qk_case::<f32>(dev, &mut rng, c, KvRotation::Off, KvFormat::Fp8, true);
     }
     // Formats other than fp8, and d_head 96, are errors.
     let shape = KvShape { n_seqs: 1, n_kv_heads: 1, n_ctx: 8, d_head: 64 };
@@ -1589,7 +1595,9 @@ fn attention_v3_fp8_qk_against_cpu_backend() {
 /// K exact where v3 rounds code * scale to bf16 (2^-9 relative), q within about 2^-16
 /// of the row's largest |q| (hi's step is max|q| / 127, lo's 1/256 of that, each
 /// rounded to nearest) where v3 rounds each element to 2^-9 of itself; S's s32 sum exact, its conversion
-/// to f32 one rounding; V and P as v3. The original kernels stay tested by that test.
+/// to f32 one rounding; P·V in f16 (pv16: P to 2^-12, V's elements code * f16(scale *
+/// 2^-e) to about 2^-11, where v3 rounds both to bf16, 2^-9), V's row scales spread over
+/// 2^20 within and across tiles in two cases. The original kernels stay tested by that test.
 #[test]
 fn attention_v3_int8_qk_against_cpu_backend() {
     let Some(dev) = device() else { return };
@@ -1604,10 +1612,13 @@ fn attention_v3_int8_qk_against_cpu_backend() {
     assert_eq!(cases.len(), 5);
     for format in [KvFormat::Int8, KvFormat::K8v4] {
         for (i, c) in cases.iter().enumerate() {
-            fp8_qk_case::<f32>(dev, &mut rng, c, KvRotation::Off, format);
+            fp8_qk_case::<f32>(dev, &mut rng, c, KvRotation::Off, format, false);
             if i % 2 == 1 {
-                fp8_qk_case::<f32>(dev, &mut rng, c, KvRotation::On, format);
+                fp8_qk_case::<f32>(dev, &mut rng, c, KvRotation::On, format, false);
             }
+        }
+        for c in &cases[3..] {
+            fp8_qk_case::<f32>(dev, &mut rng, c, KvRotation::Off, format, true);
         }
     }
     // fp8, bf16 output and d_head 96 are errors.
@@ -1632,8 +1643,9 @@ fn attention_v3_int8_qk_against_cpu_backend() {
 /// One case of [`attention_v3_fp8_qk_against_cpu_backend`] (format fp8) or
 /// [`attention_v3_int8_qk_against_cpu_backend`] (int8, k8v4): the passes of `c` encoded
 /// into a `format` cache (codecs under `rotation`) on the device and in the CPU
-/// backend's cache, the fast path's output against the CPU op's.
-fn fp8_qk_case<O: Elem + Poison + ops::OutElem>(dev: &CudaDevice, rng: &mut ChaCha8Rng, c: &AttnCase, rotation: KvRotation, format: KvFormat) {
+/// backend's cache, the fast path's output against the CPU op's. `v_spread`: each V row
+/// times a power of two from 2^-10 to 2^10, varying within and across key tiles.
+fn fp8_qk_case<O: Elem + Poison + ops::OutElem>(dev: &CudaDevice, rng: &mut ChaCha8Rng, c: &AttnCase, rotation: KvRotation, format: KvFormat, v_spread: bool) {
     use infernix_perplexity::backend::cpu::{CpuBackend, CpuTensor};
     use infernix_perplexity::backend::{Backend, KvGeometry, PassRows};
     let d = c.d_head;
@@ -1653,7 +1665,13 @@ fn fp8_qk_case<O: Elem + Poison + ops::OutElem>(dev: &CudaDevice, rng: &mut ChaC
         let kv_stride = kv_w + 16;
         let q = randn(rng, n_rows * width, 1.0);
         let k = randn(rng, n_rows * kv_stride, 1.0);
-        let v = randn(rng, n_rows * kv_stride, 1.0);
+        let mut v = randn(rng, n_rows * kv_stride, 1.0);
+        if v_spread {
+            for (r, row) in v.chunks_mut(kv_stride).enumerate() {
+                let f = 2f32.powi(((r * 37 + pos0 * 11) % 21) as i32 - 10);
+                row.iter_mut().for_each(|x| *x *= f);
+            }
+        }
         let (kd, vd, qd) = (dev.upload(&k).unwrap(), dev.upload(&v).unwrap(), dev.upload(&q).unwrap());
         ops::kv_encode(dev, codecs.k, kd.view(), c.n_seqs, n_tokens, kv_stride, kc.view_mut(), shape, pos0, n_bad.view_mut(), None).unwrap();
         ops::kv_encode(dev, codecs.v, vd.view(), c.n_seqs, n_tokens, kv_stride, vc.view_mut(), shape, pos0, n_bad.view_mut(), None).unwrap();

@@ -717,7 +717,9 @@ pub const FAST_PATH_ATTN_FP8_QK: &str = "attn-fp8-qk";
 /// (`cuda::ops::attention_coded_int8_qk`, `attn_wgmma_d<D>_<int8|k8v4>qk`): q rounded
 /// to int8 hi + lo / 256 per row (about 2^-16 of the row's largest element) where the
 /// decoding kernel rounds q to bf16; K exact where that kernel rounds code * scale to
-/// bf16. On by default on the CUDA default route at the head sizes of
+/// bf16; P·V in f16 on V's stored codes (P to 2^-12, each V element code * f16(scale *
+/// 2^-e) with a power of two per key tile, where the decoding kernel rounds P and code *
+/// scale to bf16, 2^-9). On by default on the CUDA default route at the head sizes of
 /// `cuda::ops::ATTN_INT8_QK_DEFAULT_HEAD_DIMS` (per format, where the H200 measured
 /// it faster than the decoding kernel; docs/performance.md, qk10); naming it forces
 /// it wherever it has a kernel; `--no-fast-path attn-int8-qk` or

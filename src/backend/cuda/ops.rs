@@ -2326,7 +2326,9 @@ pub fn attention_coded_fp8_qk<O: OutElem>(
 /// Q·Kᵀ by s8 wgmma on K's stored codes (q as int8 hi + lo / 256 times 127 / max|q| per
 /// row; since qk11 lo·Kᵀ first, shifted right by 8 in the s32 accumulator with the f32
 /// 2^23 + 2^22 added, then hi·Kᵀ, so one FADD reads S back; K's row scales folded into
-/// S's columns as attn-fp8-qk); V as kernel v3's decoding kernel.
+/// S's columns as attn-fp8-qk); since pv16 P·V in f16 on V's codes (each V element code
+/// * f16(scale * 2^-e), e a power of two per key tile, O rescaled between tiles;
+/// kernels/attention_sm90a.cu, "P·V under attn-int8-qk").
 /// f32 output only (as the int8 and k8v4 kernels). Parity: tests/gpu_ops.rs
 /// `attention_v3_int8_qk_against_cpu_backend`.
 #[allow(clippy::too_many_arguments)]
@@ -2582,9 +2584,10 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
     );
     let f = func(dev, &name)?;
     // attn-fp8-qk: the raw K stages hold 16 bytes per row (the scales), K's factors have 2
-    // ST slots (not ST), and BM f32 of the query rows' 1 / sq follow.
+    // ST slots (not ST), and BM f32 of the query rows' 1 / sq follow, then 32 bytes for V's
+    // tile exponents (4 warp maxima, one exponent per stage).
     let smem = if qk {
-        attn_v3_smem_bytes(d, Some((16, v_row_bytes)), uses_book) + attn_v3_stages(d) * ATTN_V3_BN * 4 + ATTN_V3_BM * 4
+        attn_v3_smem_bytes(d, Some((16, v_row_bytes)), uses_book) + attn_v3_stages(d) * ATTN_V3_BN * 4 + ATTN_V3_BM * 4 + 32
     } else {
         attn_v3_smem_bytes(d, coded.then_some((k_row_bytes, v_row_bytes)), uses_book)
     };
