@@ -15,7 +15,8 @@
 //! formats rotate q and the output in the kernel) on the same shapes, for the
 //! quantized formats' target (within 20 % of bf16). Beside each fp8 row of v3, the fast
 //! path attn-fp8-qk (`v3+qk`: Q·Kᵀ by e4m3 wgmma on K's stored codes); beside each int8
-//! and k8v4 row, attn-int8-qk (`v3+qk`: by s8 wgmma). Prints one `BENCH` line per row.
+//! and k8v4 row, attn-int8-qk (`v3+qk`: by f16 wgmma on K's codes written in f16).
+//! Prints one `BENCH` line per row.
 //! For one device call, `INFERNIX_BENCH_SHAPES`, `INFERNIX_BENCH_FORMATS` and
 //! `INFERNIX_BENCH_V3_ONLY=1` narrow the rows (main()).
 //!

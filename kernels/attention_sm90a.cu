@@ -144,27 +144,28 @@
 // alignment of products is not IEEE f32); P, V and O as v3. A NaN in q or a code gives
 // NaN; an infinite q saturates to ±448 (v3: NaN or inf), a rotated K as v3 (q rotated
 // before the split).
-// The named fast path attn-int8-qk (attn_wgmma_d<D>_<int8|k8v4>qk_f32, AttnWgmmaQkArgs
-// as attn-fp8-qk; an int8 or k8v4 cache, whose K rows are alike: D int8 codes, the f32
-// scale at byte D; ops::attention_coded_int8_qk): attn-fp8-qk's structure (codes by TMA
-// into the K stage, factors from the scales, the same swizzle and descriptors) with S
-// by s8 x s8 -> s32 wgmma m64n128k32. Q per row: s = 127 / max|q| (f32), hi = rn(q s)
-// in [-127, 127], lo = rn(256 (q s - hi)) clamped to ±127, 1 / s in qfac. S = hi·Kᵀ +
-// floor(lo·Kᵀ / 256) on one s32 accumulator (qk11): lo's wgmmas first, waited for, the
-// accumulator shifted right by 8 and 2^23 + 2^22 added, then hi's wgmmas; |S| < 2^22
-// (at most 2,072,577 at D 128), so the accumulator's bits are the f32 12582912 + S and
-// one FADD reads S back exactly (no I2F, a quarter-rate conversion: qk10 converted 64
-// per thread per tile). The previous tile's P·V is issued in two halves, one behind
-// lo's group and one behind hi's, so the tensor cores have work while the shift waits
-// for lo, and the softmax overlaps the second half (qk10 waited for hi with nothing in
-// flight). Two accumulators would cost 64 registers per thread in consumers that
-// already spill at the launch bound's 168. Then as attn-fp8-qk: y = S kfac, p = exp2(y
-// rq - m rq). Numerics
-// against v3's int8 kernel: q to about 2^-16 of the row's largest |q| (hi's step
-// max|q| / 127, lo's 256 times finer; lo·k's floor adds at most one hi step times one
-// code of k to a score) where v3 rounds each element to bf16; K exact
-// where v3 rounds code * scale to bf16; P, V and O as v3. A NaN or infinite q gives a
-// NaN row (qfac NaN; v3: NaN as well); a rotated K as v3 (q rotated before the split).
+// The named fast path attn-int8-qk (attn_wgmma_d<D>_<int8|k8v4>qk_f32,
+// AttnWgmmaCodedArgs as the decoding kernels; an int8 or k8v4 cache, whose K rows are
+// alike: D int8 codes, the f32 scale at byte D; ops::attention_coded_int8_qk), since
+// qh (2026-12-03): S = Q·Kᵀ on K's codes in f16. The producer decodes each K tile into
+// the K stage as the code values themselves, exact in f16 (decode_tile DEC_HCODES: a
+// byte permute into the f16 1024's mantissa and one HSUB2 per pair, CodeInt8::h4), and
+// stores K's column factors kfac = row scale * (scale * log2 e) (the row scale alone
+// under a soft-cap) into attn-fp8-qk's ring of 2 ST slots. The consumers stage Q in
+// f16, per row times a power of two sq with max |q sq| in [2^14, 2^15) (f16's largest
+// finite is 65504; exact), rounded to nearest even, 1 / sq in qfac; S by f16 wgmma
+// m64n128k16 (as bf16's k-steps) into f32; then as attn-fp8-qk: y = S kfac, p =
+// exp2(y / sq - m / sq). Against qk10/qk11's kernel (S by s8 wgmma on the codes as
+// TMA'd, q as int8 hi + lo / 256, an s32 shift between the two halves), the consumers
+// lose the shift, the FADD that read S back and the wait between lo and hi; the
+// producer gains about 1 instruction an element of K. H200 (docs/performance.md, qh),
+// TFLOP/s, f16 / s8 kernel: ctx 4096 d 128 int8 336.4 / 332.3, k8v4 327.9 / 322.9; 8B
+// 32/8 ctx 4096 int8 359.0 / 344.2; faster at every shape measured. Numerics against
+// v3's int8 kernel: q to 2^-11 relative (f16; rows whose largest |q| is below 2^-112
+// are not scaled) where v3 rounds it to bf16 (2^-9); K exact where v3 rounds code *
+// scale to bf16; the f16 products exact in the f32 accumulation (the MMA's internal
+// alignment as bf16's). A NaN or infinite q carries into its row's scores (sq = 1); a
+// rotated K as v3 (q rotated before the scaling).
 // P·V under attn-int8-qk (FV; pv16, 2026-12-03): V's codes in f16 and P in f16 (the
 // f16 wgmma), where the other kernels use bf16. Per tile the producer takes the largest
 // scale field of the tile's BN V rows (tile_vexp: a warp max, then the four warps'), its
@@ -188,8 +189,10 @@
 // Not covered here (the launcher sends them to v2): d_head 96 and 256, misaligned q /
 // out.
 // attn-fp8-qk: raw K stages of BN * 16 bytes, 2 ST slots of K's factors (not ST), plus BM
-// f32 (qfac), plus 32 bytes (attn-int8-qk: tile_vexp's warp maxima, V's exponent per
-// stage): d 128 190080 bytes, d 64 167616.
+// f32 (qfac), plus 32 bytes (unused; attn-int8-qk: tile_vexp's warp maxima, V's exponent
+// per stage): d 128 190080 bytes, d 64 167616. attn-int8-qk: the coded cache's size
+// below plus ST * 128 * 4 (the second ST slots of K's factors), BM f32 and those 32
+// bytes: int8 d 128 222848, d 64 184000; k8v4 d 128 214656, d 64 179904.
 // Launch: grid (min(n_items, n_SMs), 1, 1), n_items = ceil(n_tokens / 128) *
 // n_heads * n_seqs; block 384, dynamic
 // shared memory 1024 (alignment slack) + 128 * D * 2 (Q) + 2 * ST * 128 * D * 2
@@ -212,33 +215,29 @@ constexpr int BM = 128;     // queries per block (2 consumer warpgroups of 64)
 constexpr int BN = 128;     // keys per tile
 constexpr int BOX = 64;     // columns per TMA box (128 bytes: the swizzle span)
 
-// D(64 x 128, f32) += A(64 x 16, bf16, K-major, smem) * B(128 x 16, bf16, K-major, smem)ᵀ.
-__device__ __forceinline__ void wgmma_ss_m64n128k16(float d[64], uint64_t desc_a, uint64_t desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(1)
-        : "memory");
-}
-
+// Eight accumulator registers' constraints (d[i] .. d[i + 7]).
+#define ATTN3_O64(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+// D(64 x 128, f32) += A(64 x 16, TY, K-major, smem) * B(128 x 16, TY, K-major, smem)ᵀ, TY =
+// bf16 (wgmma_ss_m64n128k16) or f16 (..._f16: attn-int8-qk's Q·Kᵀ on K's codes in f16).
+#define ATTN3_WGMMA_SS_N128(NAME, TY)                                                                                  \
+    __device__ __forceinline__ void NAME(float d[64], uint64_t desc_a, uint64_t desc_b) {                              \
+        asm volatile(                                                                                                  \
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                               \
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                                               \
+            "{"                                                                                                        \
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                   \
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                         \
+            "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                         \
+            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"                           \
+            "}, %64, %65, p, 1, 1, 0, 0;\n}\n"                                                                        \
+            : ATTN3_O64(0), ATTN3_O64(8), ATTN3_O64(16), ATTN3_O64(24), ATTN3_O64(32), ATTN3_O64(40), ATTN3_O64(48),   \
+              ATTN3_O64(56)                                                                                            \
+            : "l"(desc_a), "l"(desc_b), "r"(1)                                                                         \
+            : "memory");                                                                                               \
+    }
 // P·V: D(64 x N, f32) += A(64 x 16, TY, registers) * B(16 x N, TY, MN-major smem: rows of N
 // contiguous), N = 128 (wgmma_rs_m64n128k16_tb) or 64 (..._n64...), TY = bf16 (the plain
 // and coded kernels) or f16 (attn-int8-qk's P·V on V's codes, ..._f16).
-#define ATTN3_O64(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 #define ATTN3_WGMMA_RS_N128(NAME, TY)                                                                                  \
     __device__ __forceinline__ void NAME(float d[64], const uint32_t a[4], uint64_t desc_b) {                          \
         asm volatile(                                                                                                  \
@@ -272,6 +271,8 @@ ATTN3_WGMMA_RS_N128(wgmma_rs_m64n128k16_tb, "bf16")
 ATTN3_WGMMA_RS_N128(wgmma_rs_m64n128k16_tb_f16, "f16")
 ATTN3_WGMMA_RS_N64(wgmma_rs_m64n64k16_tb, "bf16")
 ATTN3_WGMMA_RS_N64(wgmma_rs_m64n64k16_tb_f16, "f16")
+ATTN3_WGMMA_SS_N128(wgmma_ss_m64n128k16, "bf16")
+ATTN3_WGMMA_SS_N128(wgmma_ss_m64n128k16_f16, "f16")
 
 // attn-fp8-qk: D(64 x 128, f32) += A(64 x 32, e4m3, K-major, smem) * B(128 x 32, e4m3,
 // K-major, smem)ᵀ (fp8 operands are K-major only: no transpose immediates).
@@ -293,31 +294,6 @@ __device__ __forceinline__ void wgmma_ss_m64n128k32_e4m3(float d[64], uint64_t d
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(1)
-        : "memory");
-}
-
-// attn-int8-qk: D(64 x 128, s32) += A(64 x 32, s8, K-major, smem) * B(128 x 32, s8,
-// K-major, smem)ᵀ; the accumulator lives in the f32 registers of S (their bits).
-__device__ __forceinline__ void wgmma_ss_m64n128k32_s8(float d[64], uint64_t desc_a, uint64_t desc_b) {
-    uint32_t* u = reinterpret_cast<uint32_t*>(d);
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "
-        "{"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, p;\n}\n"
-        : "+r"(u[0]), "+r"(u[1]), "+r"(u[2]), "+r"(u[3]), "+r"(u[4]), "+r"(u[5]), "+r"(u[6]), "+r"(u[7]),
-          "+r"(u[8]), "+r"(u[9]), "+r"(u[10]), "+r"(u[11]), "+r"(u[12]), "+r"(u[13]), "+r"(u[14]), "+r"(u[15]),
-          "+r"(u[16]), "+r"(u[17]), "+r"(u[18]), "+r"(u[19]), "+r"(u[20]), "+r"(u[21]), "+r"(u[22]), "+r"(u[23]),
-          "+r"(u[24]), "+r"(u[25]), "+r"(u[26]), "+r"(u[27]), "+r"(u[28]), "+r"(u[29]), "+r"(u[30]), "+r"(u[31]),
-          "+r"(u[32]), "+r"(u[33]), "+r"(u[34]), "+r"(u[35]), "+r"(u[36]), "+r"(u[37]), "+r"(u[38]), "+r"(u[39]),
-          "+r"(u[40]), "+r"(u[41]), "+r"(u[42]), "+r"(u[43]), "+r"(u[44]), "+r"(u[45]), "+r"(u[46]), "+r"(u[47]),
-          "+r"(u[48]), "+r"(u[49]), "+r"(u[50]), "+r"(u[51]), "+r"(u[52]), "+r"(u[53]), "+r"(u[54]), "+r"(u[55]),
-          "+r"(u[56]), "+r"(u[57]), "+r"(u[58]), "+r"(u[59]), "+r"(u[60]), "+r"(u[61]), "+r"(u[62]), "+r"(u[63])
         : "l"(desc_a), "l"(desc_b), "r"(1)
         : "memory");
 }
@@ -475,6 +451,13 @@ struct RowBytes {
         CODE::h4(q.y, h + 2);
         return mul_h8(h, s * rmul);
     }
+    // The eight code values themselves in f16, exact (decode_tile DEC_HCODES).
+    static __device__ __forceinline__ uint4 hcodes8(Raw q) {
+        uint32_t h[4];
+        CODE::h4(q.x, h);
+        CODE::h4(q.y, h + 2);
+        return make_uint4(h[0], h[1], h[2], h[3]);
+    }
 };
 // int4-g32 (V of k8v4, K of k4v2): D/2 bytes of nibbles q + 8 (element i in byte i / 2,
 // the low nibble first), D/32 f32 group scales at byte D/2, zeros to a multiple of 16;
@@ -576,16 +559,17 @@ struct RowVq2 {
 // structs above; fp8, int8: RowBytes; k8v4: RowBytes<CodeInt8>, RowInt4G32; nvfp4:
 // RowNvfp4 both; k4v2: RowInt4G32, RowInt2G32; vq2: RowVq2 both).
 struct CacheBf16 {
-    static constexpr bool CODED = false, BOOK = false, QK = false, QKI = false;
+    static constexpr bool CODED = false, BOOK = false, QK = false, QH = false;
     using KRow = RowBytes<CodeE4m3>;  // unused
     using VRow = RowBytes<CodeE4m3>;
 };
 // QK_ (0: off): S = Q·Kᵀ on K's stored codes (see the kernel's comment at the top of
-// this file): 1 attn-fp8-qk (E4M3 rows, e4m3 wgmma), 2 attn-int8-qk (int8 K rows of
-// int8 and k8v4, s8 wgmma; QKI).
+// this file): 1 attn-fp8-qk (E4M3 rows, e4m3 wgmma, the codes by TMA; QK), 2
+// attn-int8-qk (int8 K rows of int8 and k8v4, the producer writes the codes in f16,
+// f16 wgmma; QH).
 template <typename KROW, typename VROW, int QK_ = 0>
 struct CacheCoded {
-    static constexpr bool CODED = true, BOOK = KROW::BOOK || VROW::BOOK, QK = QK_ != 0, QKI = QK_ == 2;
+    static constexpr bool CODED = true, BOOK = KROW::BOOK || VROW::BOOK, QK = QK_ == 1, QH = QK_ == 2;
     using KRow = KROW;
     using VRow = VROW;
 };
@@ -596,8 +580,9 @@ struct CacheCoded {
 // DEC_BF16, RC::dec8 (src/kv's decode) rounded to bf16 nearest even, the rounding a bf16
 // cache gets; DEC_F16 (V under attn-int8-qk, RC::dech8): the code value (exact in f16)
 // times r = f16(scale * rmul), rounded to f16, where rmul = 2^-e is the tile's power of
-// two (tile_vexp), so r < 4 whatever the scales' magnitude.
-constexpr int DEC_CODES = 0, DEC_BF16 = 1, DEC_F16 = 2;
+// two (tile_vexp), so r < 4 whatever the scales' magnitude; DEC_HCODES (K under
+// attn-int8-qk, RC::hcodes8): the code value in f16, exact.
+constexpr int DEC_CODES = 0, DEC_BF16 = 1, DEC_F16 = 2, DEC_HCODES = 3;
 
 // One tile of BN coded rows (raw stage at `raw`, rows of RC::bytes(D), as the TMA box
 // lands them) into the 16-bit stage at `dst` in the layout the consumers read (the
@@ -611,7 +596,7 @@ template <int D, typename RC, int MODE>
 __device__ __forceinline__ void decode_tile(uint32_t raw, uint32_t dst, int tid, uint32_t book, float rmul = 1.0f) {
     constexpr int NT = 128, B = RC::BATCH;  // decoding threads; chunks whose loads go out together
     constexpr int CH = D / 8, RB = RC::bytes(D), IT = BN * CH / NT;
-    constexpr bool SCALED = MODE != DEC_CODES;
+    constexpr bool SCALED = MODE == DEC_BF16 || MODE == DEC_F16;
     static_assert(NT % CH == 0 && IT % B == 0, "decode_tile: a thread keeps one column chunk");
     const int c = tid % CH, r0 = tid / CH;  // rows r0 + (NT / CH) k
     const uint32_t src = raw + r0 * RB;
@@ -635,6 +620,8 @@ __device__ __forceinline__ void decode_tile(uint32_t raw, uint32_t dst, int tid,
             const uint32_t at = out + (k0 + b) * (NT / CH) * 128 + (((c % 8) ^ (r & 7)) * 16);
             if constexpr (MODE == DEC_F16) {
                 st_shared_v4(at, RC::dech8(q[b], sc[b], rmul));
+            } else if constexpr (MODE == DEC_HCODES) {
+                st_shared_v4(at, RC::hcodes8(q[b]));
             } else {
                 float v[8];
                 if constexpr (MODE == DEC_BF16) RC::dec8(q[b], sc[b], v, book);
@@ -695,12 +682,6 @@ struct Flag {
     static constexpr bool value = B;
 };
 
-// A compile-time int for the generic lambdas below (a range of P·V's k-steps).
-template <int N>
-struct Int {
-    static constexpr int value = N;
-};
-
 // The block's w-th work item, longest causal rows first: query tile qt (of n_qt),
 // head h, window seq; consecutive items share a query tile and, for GQA, a KV head.
 struct Item {
@@ -718,8 +699,10 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     // attn-fp8-qk: K's codes by TMA into an e4m3 stage (kc_map), the scales (a.k: 16
     // bytes per row from byte D) into the raw K stages, Q as e4m3 hi and lo tiles.
     constexpr bool QK = CACHE::QK;
-    constexpr bool QKI = CACHE::QKI;  // attn-int8-qk: s8 codes, q as int8 hi and lo
-    static_assert(!QK || (CODED && CACHE::KRow::ONE_SCALE), "attn-fp8-qk: rows of one-byte codes and one scale");
+    // attn-int8-qk: K's codes decoded to f16 (exact), q in f16 times a power of two per
+    // row, S by f16 wgmma; K's row scales folded into S's columns, as attn-fp8-qk's.
+    constexpr bool QH = CACHE::QH;
+    static_assert(!(QK || QH) || (CODED && CACHE::KRow::ONE_SCALE), "attn-fp8-qk / attn-int8-qk: rows of one-byte codes and one scale");
     static_assert(D % BOX == 0 && (D == 64 || D == 128), "attn_wgmma: d_head 64 or 128");
     constexpr int ST = stages(D);
     constexpr int NB = D / BOX;           // 64-column boxes per row
@@ -727,7 +710,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     constexpr int VS = BN / 16;           // k-steps of P·V
     constexpr int NS = BN / 8;            // 8-column accumulator chunks of S
     constexpr int NO = D / 8;             // of O
-    constexpr bool KF = CODED && ((FOLD_K && CACHE::KRow::ONE_SCALE) || QK);  // K's row scale folded into S's columns
+    constexpr bool KF = CODED && ((FOLD_K && CACHE::KRow::ONE_SCALE) || QK || QH);  // K's row scale folded into S's columns
     constexpr int KQ = KF ? BN / 16 : 1;  // float4s of K factors per consumer lane and tile
     constexpr uint32_t Q_BYTES = BM * D * 2;
     constexpr uint32_t KV_BYTES = BN * D * 2;  // one stage of K (or of V)
@@ -749,16 +732,16 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     const uint32_t kfac = bars + 8 * 4 * ST + 32;
     // vq2: the block's copy of the codebook (256 x 4 f32), written by the producer
     // before its first decode.
-    // attn-fp8-qk: 2 ST slots of factors (tile g in slot g % 2 ST), read during the
-    // softmax after the K stage is released (see the producer).
-    constexpr int KFS = QK ? 2 * ST : ST;
+    // attn-fp8-qk, attn-int8-qk: 2 ST slots of factors (tile g in slot g % 2 ST), read
+    // during the softmax after the K stage is released (see the producer).
+    constexpr int KFS = (QK || QH) ? 2 * ST : ST;
     const uint32_t book = kfac + KFS * BN * 4;
-    // attn-fp8-qk: each query row's 1 / sq (BM f32), written when Q is staged.
+    // attn-fp8-qk, attn-int8-qk: each query row's 1 / sq (BM f32), written when Q is staged.
     const uint32_t qfac = book + (CACHE::BOOK ? 256 * 16 : 0);
     // attn-int8-qk (FV: P·V in f16 on V's codes, decode_tile DEC_F16): tile_vexp's 4
     // warp maxima, then each V stage's exponent e (ST ints, written with the stage).
-    constexpr bool FV = QKI;
-    const uint32_t vslots = qfac + (QK ? BM * 4 : 0), vexp = vslots + 16;
+    constexpr bool FV = QH;
+    const uint32_t vslots = qfac + ((QK || QH) ? BM * 4 : 0), vexp = vslots + 16;
     auto full_k = [&](int s) { return bars + 8 * s; };
     auto full_v = [&](int s) { return bars + 8 * (ST + s); };
     auto empty_k = [&](int s) { return bars + 8 * (2 * ST + s); };
@@ -883,8 +866,9 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                     if (tid == 0) fetch(fc, kc_map, BN * D, sk + s * KV_BYTES, full_k(s));
                     else mbar_arrive(full_k(s));
                 } else {
-                    decode_tile<D, KRow, KF ? DEC_CODES : DEC_BF16>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, tid, book);
-                    if constexpr (KF) store_kfac<D>(rk + slot * RAW_K_BYTES, kfac + s * BN * 4, tid, kmul);
+                    decode_tile<D, KRow, QH ? DEC_HCODES : KF ? DEC_CODES : DEC_BF16>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, tid, book);
+                    // QH: tile g's factors in slot g % 2 ST, as attn-fp8-qk's (above).
+                    if constexpr (KF) store_kfac<D>(rk + slot * RAW_K_BYTES, kfac + (QH ? g % KFS : s) * BN * 4, tid, kmul);
                     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                     mbar_arrive(full_k(s));
                 }
@@ -1020,34 +1004,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
 #pragma unroll
                     for (int e = 0; e < 8; ++e) v[e] *= inv_n;
                 }
-                if constexpr (QKI) {
-                    // attn-int8-qk: the row's largest |q| over its D / 8 lanes, s = 127 /
-                    // amax (f32), hi = rn(q s) in [-127, 127], lo = rn((q s - hi) 256)
-                    // clamped to [-127, 127] (q s - hi is exact in f32, within ±1/2), so
-                    // q s = hi + lo / 256 to 2^-9; 1 / s = amax / 127 per row (qfac).
-                    // amax 0: s = 0, the row's codes 0; amax inf or NaN: qfac NaN.
-                    float amax = 0.f;
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
-#pragma unroll
-                    for (int m = 1; m < D / 8; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
-                    const bool fin = amax <= 3.0e38f;  // false for inf and NaN
-                    const float sf = (amax > 0.f && fin) ? 127.0f / amax : 0.f;
-                    const float rqf = fin ? amax * (1.0f / 127.0f) : __int_as_float(0x7FC00000);
-                    uint32_t hw[2] = {0u, 0u}, lw[2] = {0u, 0u};
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) {
-                        const float x = v[e] * sf;
-                        const int hq = __float2int_rn(x);
-                        const int lq = min(max(__float2int_rn((x - (float)hq) * 256.0f), -127), 127);
-                        hw[e >> 2] |= ((uint32_t)hq & 0xFFu) << (8 * (e & 3));
-                        lw[e >> 2] |= ((uint32_t)lq & 0xFFu) << (8 * (e & 3));
-                    }
-                    const uint32_t off = qk_chunk<D>(r, ch >> 1) + (ch & 1) * 8;
-                    st_shared_v2(sq + off, hw[0], hw[1]);
-                    st_shared_v2(sq + BM * D + off, lw[0], lw[1]);
-                    if (ch == 0) st_shared_f32(qfac + 4 * r, rqf);
-                } else if constexpr (QK) {
+                if constexpr (QK) {
                     // The row's largest |q| over its D / 8 lanes (consecutive), its power of
                     // two sq (amax sq in [128, 256): e4m3's range is ±448, and the scaling
                     // is exact), hi = e4m3(q sq), lo = e4m3(q sq - hi) (the difference exact
@@ -1079,6 +1036,26 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                     st_shared_v2(sq + off, hw[0], hw[1]);
                     st_shared_v2(sq + BM * D + off, lw[0], lw[1]);
                     if (ch == 0) st_shared_f32(qfac + 4 * r, rqf);
+                } else if constexpr (QH) {
+                    // attn-int8-qk: the row's largest |q| over its D / 8 lanes,
+                    // its power of two sq (amax sq in [2^14, 2^15): f16's largest finite is
+                    // 65504; the scaling is exact), q sq rounded to f16 (nearest even) in
+                    // the bf16 kernel's layout, 1 / sq for the row's scores (qfac). amax
+                    // below 2^-112, or not finite: sq = 1 (inf and NaN carry into S).
+                    float amax = 0.f;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
+#pragma unroll
+                    for (int m = 1; m < D / 8; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+                    const uint32_t eb = (__float_as_uint(amax) >> 23) & 0xFFu;
+                    const bool ok = eb >= 15u && eb <= 254u;
+                    const float sqf = ok ? __uint_as_float((268u - eb) << 23) : 1.0f;
+                    const float rqf = ok ? __uint_as_float((eb - 14u) << 23) : 1.0f;
+                    uint32_t hw[4];
+#pragma unroll
+                    for (int p2 = 0; p2 < 4; ++p2) hw[p2] = h2_bits(__floats2half2_rn(v[2 * p2] * sqf, v[2 * p2 + 1] * sqf));
+                    st_shared_v4(sq + (ch / 8) * (BM * 128) + r * 128 + (((ch % 8) ^ (r & 7)) * 16), make_uint4(hw[0], hw[1], hw[2], hw[3]));
+                    if (ch == 0) st_shared_f32(qfac + 4 * r, rqf);
                 } else {
                     st_shared_v4(sq + (ch / 8) * (BM * 128) + r * 128 + (((ch % 8) ^ (r & 7)) * 16), pack_bf16x8(v));
                 }
@@ -1096,7 +1073,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             const int qp_min = pos0 + row_w, qp_max = qp_min + 15;
             // attn-fp8-qk: 1 / sq of this thread's rows (g and g + 8 of the warp's 16).
             float rq[2] = {1.0f, 1.0f};
-            if constexpr (QK) {
+            if constexpr (QK || QH) {
                 rq[0] = ld_shared_f32(qfac + 4 * (c * 64 + warp * 16 + g));
                 rq[1] = ld_shared_f32(qfac + 4 * (c * 64 + warp * 16 + g + 8));
             }
@@ -1105,16 +1082,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             auto issue_s = [&](int j) {
 #pragma unroll
                 for (int e = 0; e < BN / 2; ++e) sc[e] = 0.f;
-                if constexpr (QKI) {
-                    // attn-int8-qk: only lo·Kᵀ here (issue_s_hi adds hi·Kᵀ after the shift).
-                    const uint64_t dk8 = qk_desc<D>(sk + (j % ST) * KV_BYTES);
-                    const uint64_t dl = qk_desc<D>(sq + BM * D + c * 64 * D);
-                    wgmma_fence();
-#pragma unroll
-                    for (int kk = 0; kk < D / 32; ++kk) wgmma_ss_m64n128k32_s8(sc, dl + 2 * kk, dk8 + 2 * kk);
-                    wgmma_commit();
-                    return;
-                } else if constexpr (QK) {
+                if constexpr (QK) {
                     // hi and lo into the same accumulator: 2 D / 32 e4m3 k-steps.
                     const uint64_t dk8 = qk_desc<D>(sk + (j % ST) * KV_BYTES);
                     const uint64_t dh = qk_desc<D>(sq + c * 64 * D), dl = qk_desc<D>(sq + BM * D + c * 64 * D);
@@ -1133,37 +1101,17 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 for (int kk = 0; kk < KS; ++kk) {
                     const uint32_t qoff = (kk / 4) * (BM * 128) + (kk % 4) * 32;
                     const uint32_t koff = (kk / 4) * (BN * 128) + (kk % 4) * 32;
-                    wgmma_ss_m64n128k16(sc, dq + (qoff >> 4), dk + (koff >> 4));
+                    if constexpr (QH) wgmma_ss_m64n128k16_f16(sc, dq + (qoff >> 4), dk + (koff >> 4));
+                    else wgmma_ss_m64n128k16(sc, dq + (qoff >> 4), dk + (koff >> 4));
                 }
                 wgmma_commit();
             };
-            // attn-int8-qk, after issue_s's lo·Kᵀ of tile j was waited for: S = floor(lo·k /
-            // 256) + 2^23 + 2^22 as s32 (an arithmetic shift; |lo·k| <= D 127 127), then
-            // hi·Kᵀ added (D / 32 s8 k-steps, one commit group): S's bits are the f32
-            // 12582912 + (hi·k + floor(lo·k / 256)), exact while |hi·k + ..| < 2^22
-            // (at most 2,072,577 at D 128), read back by one FADD in the softmax.
-            auto issue_s_hi = [&](int j) {
-                if constexpr (QKI) {
-#pragma unroll
-                    for (int e = 0; e < BN / 2; ++e) sc[e] = __int_as_float((__float_as_int(sc[e]) >> 8) + 0x4B400000);
-                    const uint64_t dk8 = qk_desc<D>(sk + (j % ST) * KV_BYTES);
-                    const uint64_t dh = qk_desc<D>(sq + c * 64 * D);
-                    wgmma_fence();
-#pragma unroll
-                    for (int kk = 0; kk < D / 32; ++kk) wgmma_ss_m64n128k32_s8(sc, dh + 2 * kk, dk8 + 2 * kk);
-                    wgmma_commit();
-                } else {
-                    (void)j;
-                }
-            };
-            // O += P·V of block tile j (stage j % ST, P in pa), its k-steps [K0, K1), issued
-            // as one commit group.
-            auto issue_pv = [&](int j, auto k0, auto k1) {
-                constexpr int K0 = decltype(k0)::value, K1 = decltype(k1)::value;
+            // O += P·V of block tile j (stage j % ST, P in pa), issued as one commit group.
+            auto issue_pv = [&](int j) {
                 const uint32_t vs = sv + (j % ST) * KV_BYTES;
                 wgmma_fence();
 #pragma unroll
-                for (int kk = K0; kk < K1; ++kk) {
+                for (int kk = 0; kk < VS; ++kk) {
                     const uint64_t dv = sw128_mn_desc(vs + kk * 16 * 128, BN * 128);
                     if constexpr (D == 128 && FV) wgmma_rs_m64n128k16_tb_f16(o, pa[kk], dv);
                     else if constexpr (D == 128) wgmma_rs_m64n128k16_tb(o, pa[kk], dv);
@@ -1207,17 +1155,15 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         float x;
-                        // attn-int8-qk: S's bits are the f32 12582912 + S (issue_s_hi): S exactly.
-                        if constexpr (QKI) sc[4 * j + e] = sc[4 * j + e] - 12582912.0f;
                         if constexpr (KF) {
                             float4 k4;
-                            if constexpr (QK) k4 = kfq[4 * (j / 2)];
+                            if constexpr (QK || QH) k4 = kfq[4 * (j / 2)];
                             else k4 = kq[KF ? j / 2 : 0];
                             const float kf = (j % 2 == 0) ? ((e & 1) ? k4.y : k4.x) : ((e & 1) ? k4.w : k4.z);
                             // q·(c s) = (q·c) s: kernel v2's expressions (attention.cu, KF).
                             // attn-fp8-qk: x = S kf / sq, the row's 1 / sq applied in the
                             // exponent below (y = S kf here, its row max the same key's).
-                            if constexpr (CAP && QK) x = cap * tanhf(sc[4 * j + e] * kf * (rq[e >> 1] * scale) / cap) * LOG2E;
+                            if constexpr (CAP && (QK || QH)) x = cap * tanhf(sc[4 * j + e] * kf * (rq[e >> 1] * scale) / cap) * LOG2E;
                             else if constexpr (CAP) x = cap * tanhf(sc[4 * j + e] * kf * scale / cap) * LOG2E;
                             else x = sc[4 * j + e] * kf;
                         } else if constexpr (CAP) {
@@ -1237,7 +1183,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 float base_r[2];
                 // attn-fp8-qk without a soft-cap: m and the scores in units of 1 / sq
                 // (sq > 0 keeps the order), the exponent rq (y - m), one FFMA as the FADD.
-                constexpr bool RQ = QK && !CAP;
+                constexpr bool RQ = (QK || QH) && !CAP;
                 float nb[2];
                 (void)nb;
 #pragma unroll
@@ -1283,7 +1229,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             // 0..15, store_kfac's order) into registers, loaded while S's wgmmas run (the
             // stage is full: full_k was waited for), before the K stage is released.
             auto load_kf = [&](int st) {
-                if constexpr (QK) {
+                if constexpr (QK || QH) {
                     (void)st;
                 } else if constexpr (KF) {
                     const float4* kfp = reinterpret_cast<const float4*>(attn3_smem + (kfac + st * BN * 4 - smem_addr(attn3_smem))) + (lane & 3);
@@ -1323,10 +1269,6 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             // Software pipeline (FlashAttention-3's intra-warpgroup overlap): while tile i's
             // softmax runs on the CUDA cores, tile i - 1's P·V runs on the tensor cores.
             // Tile 0: S, its softmax (O is zero: no rescale).
-            // attn-int8-qk: S in two commit groups, lo·Kᵀ then (after the shift) hi·Kᵀ,
-            // with tile i - 1's P·V in two halves behind them, so the tensor cores run
-            // P·V's first half while the shift waits for lo: S's groups retire in order
-            // with P·V's first half, and the softmax overlaps the second.
             float corr[2];
             // FV: O's units are 2^(e_o - 127); before a tile's P·V is issued, O moves to that
             // tile's e (times 2^(e_o - e), exact), only when e differs (a warp-uniform branch:
@@ -1352,16 +1294,11 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             };
             mbar_wait(full_k(gt % ST), (gt / ST) & 1);
             issue_s(gt);
-            if constexpr (QKI) {
-                wgmma_wait<0>();
-                fence_regs(sc);
-                issue_s_hi(gt);
-            }
             load_kf(gt % ST);
             wgmma_wait<0>();
             fence_regs(sc);
             release(empty_k(gt % ST));
-            if constexpr (QK) kfq = reinterpret_cast<const float4*>(attn3_smem + (kfac + (gt % KFS) * BN * 4 - smem_addr(attn3_smem))) + (lane & 3);
+            if constexpr (QK || QH) kfq = reinterpret_cast<const float4*>(attn3_smem + (kfac + (gt % KFS) * BN * 4 - smem_addr(attn3_smem))) + (lane & 3);
             softmax_tile(tile_first, corr);
             pack_p();
             for (int i = 1; i < n_tiles; ++i) {
@@ -1371,20 +1308,12 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 issue_s(j);
                 mbar_wait(full_v(sp), ((j - 1) / ST) & 1);
                 to_units(vexp_of(sp));
-                if constexpr (QKI) {
-                    issue_pv(j - 1, Int<0>{}, Int<VS / 2>{});
-                    wgmma_wait<1>();  // lo·Kᵀ of tile i done; P·V's first half may run
-                    fence_regs(sc);
-                    issue_s_hi(j);
-                    issue_pv(j - 1, Int<VS / 2>{}, Int<VS>{});
-                } else {
-                    issue_pv(j - 1, Int<0>{}, Int<VS>{});
-                }
+                issue_pv(j - 1);
                 load_kf(s);
-                wgmma_wait<1>();  // S of tile i done (groups retire in order); P·V of i - 1 (its second half) may run
+                wgmma_wait<1>();  // S of tile i done (groups retire in order); P·V of i - 1 may run
                 fence_regs(sc);
                 release(empty_k(s));
-                if constexpr (QK) kfq = reinterpret_cast<const float4*>(attn3_smem + (kfac + (j % KFS) * BN * 4 - smem_addr(attn3_smem))) + (lane & 3);
+                if constexpr (QK || QH) kfq = reinterpret_cast<const float4*>(attn3_smem + (kfac + (j % KFS) * BN * 4 - smem_addr(attn3_smem))) + (lane & 3);
                 softmax_tile(tile_first + i, corr);
                 wgmma_wait<0>();  // P·V of tile i - 1 done: pa and o are free
                 fence_regs(o);
@@ -1397,7 +1326,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 const int sp = j % ST;
                 mbar_wait(full_v(sp), (j / ST) & 1);
                 to_units(vexp_of(sp));
-                issue_pv(j, Int<0>{}, Int<VS>{});
+                issue_pv(j);
                 wgmma_wait<0>();
                 fence_regs(o);
                 release(empty_v(sp));
@@ -1492,12 +1421,13 @@ ATTN_WGMMA_QK(64, bf16, bf16)
 ATTN_WGMMA_QK(128, f32, float)
 ATTN_WGMMA_QK(128, bf16, bf16)
 
-// attn_wgmma_d<D>_<fmt>qk_f32 (attn-int8-qk): an int8 or k8v4 cache with S = Q·Kᵀ by s8
-// wgmma on K's stored int8 codes (AttnWgmmaQkArgs as attn-fp8-qk; V as the format's kernel).
+// attn_wgmma_d<D>_<fmt>qk_f32 (attn-int8-qk): an int8 or k8v4 cache, K's codes decoded
+// to f16 by the producer, S by f16 wgmma (AttnWgmmaCodedArgs, as the format's decoding
+// kernel; V's codes in f16 for P·V).
 #define ATTN_WGMMA_QKI(D, fmt, VROW)                                                                            \
     extern "C" __global__ void __launch_bounds__(attn3::THREADS, 1) attn_wgmma_d##D##_##fmt##qk_f32(             \
-        const __grid_constant__ AttnWgmmaQkArgs a) {                                                             \
-        attn3::attn_wgmma_impl<D, float, attn3::CacheCoded<attn3::RowBytes<CodeInt8>, VROW, 2>>(a.c.a, a.c.rot, a.c.book, &a.kc); \
+        const __grid_constant__ AttnWgmmaCodedArgs a) {                                                          \
+        attn3::attn_wgmma_impl<D, float, attn3::CacheCoded<attn3::RowBytes<CodeInt8>, VROW, 2>>(a.a, a.rot, a.book, nullptr); \
     }
 ATTN_WGMMA_QKI(64, int8, attn3::RowBytes<CodeInt8>)
 ATTN_WGMMA_QKI(128, int8, attn3::RowBytes<CodeInt8>)

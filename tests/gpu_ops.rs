@@ -1587,15 +1587,13 @@ fn attention_v3_fp8_qk_against_cpu_backend() {
     assert!(format!("{err:#}").contains("d_head 96"), "{err:#}");
 }
 
-/// Kernel v3's fast path attn-int8-qk (`ops::attention_coded_int8_qk`: S = Q·Kᵀ by s8
-/// wgmma on K's stored int8 codes, q as int8 hi + lo / 256 times 127 / max|q| per row)
-/// against the CPU backend's op on the same int8 and k8v4 caches, every case of
-/// `attention_v3_coded_against_cpu_backend`, K and V Hadamard-rotated for two of them.
-/// The CPU op gets the f32 q. Tolerance: v3's int8 / k8v4 budget, [`tol_attn_coded`]:
-/// K exact where v3 rounds code * scale to bf16 (2^-9 relative), q within about 2^-16
-/// of the row's largest |q| (hi's step is max|q| / 127, lo's 1/256 of that, each
-/// rounded to nearest) where v3 rounds each element to 2^-9 of itself; S's s32 sum exact, its conversion
-/// to f32 one rounding; P·V in f16 (pv16: P to 2^-12, V's elements code * f16(scale *
+/// Kernel v3's fast path attn-int8-qk (`ops::attention_coded_int8_qk`: S = Q·Kᵀ by f16
+/// wgmma on K's stored int8 codes, written in f16 by the producer, q in f16 times a
+/// power of two per row) against the CPU backend's op on the same int8 and k8v4 caches,
+/// every case of `attention_v3_coded_against_cpu_backend`, K and V Hadamard-rotated for
+/// two of them. The CPU op gets the f32 q. Tolerance: v3's int8 / k8v4 budget,
+/// [`tol_attn_coded`]: K exact where v3 rounds code * scale to bf16 (2^-9 relative), q
+/// to 2^-11 of each element where v3 rounds it to 2^-9; P·V in f16 (pv16: P to 2^-12, V's elements code * f16(scale *
 /// 2^-e) to about 2^-11, where v3 rounds both to bf16, 2^-9), V's row scales spread over
 /// 2^20 within and across tiles in two cases. The original kernels stay tested by that test.
 #[test]

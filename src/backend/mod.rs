@@ -713,11 +713,11 @@ pub const FAST_PATH_LM_HEAD_FUSED: &str = "lm-head-fused";
 /// `--no-fast-path attn-fp8-qk` turns it off.
 pub const FAST_PATH_ATTN_FP8_QK: &str = "attn-fp8-qk";
 
-/// Kernel v3 with S = Q·Kᵀ by s8 wgmma on an int8 (or k8v4) cache's stored K codes
-/// (`cuda::ops::attention_coded_int8_qk`, `attn_wgmma_d<D>_<int8|k8v4>qk`): q rounded
-/// to int8 hi + lo / 256 per row (about 2^-16 of the row's largest element) where the
-/// decoding kernel rounds q to bf16; K exact where that kernel rounds code * scale to
-/// bf16; P·V in f16 on V's stored codes (P to 2^-12, each V element code * f16(scale *
+/// Kernel v3 with S = Q·Kᵀ by f16 wgmma on an int8 (or k8v4) cache's stored K codes,
+/// written in f16 (exact) by the producer (`cuda::ops::attention_coded_int8_qk`,
+/// `attn_wgmma_d<D>_<int8|k8v4>qk`; since qh, before it s8 wgmma): q rounded to f16
+/// (2^-11) times a power of two per row where the decoding kernel rounds q to bf16
+/// (2^-9); K exact where that kernel rounds code * scale to bf16; P·V in f16 on V's stored codes (P to 2^-12, each V element code * f16(scale *
 /// 2^-e) with a power of two per key tile, where the decoding kernel rounds P and code *
 /// scale to bf16, 2^-9). On by default on the CUDA default route at the head sizes of
 /// `cuda::ops::ATTN_INT8_QK_DEFAULT_HEAD_DIMS` (per format, where the H200 measured

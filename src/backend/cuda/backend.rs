@@ -697,9 +697,9 @@ impl CudaBackend {
             };
             let dims: Vec<usize> = ops::ATTN_V3_HEAD_DIMS.iter().copied().filter(|&d| self.int8_qk_at(d).unwrap_or(false)).collect();
             return format!(
-                "{name} {how}, at d_head {dims:?} on this device: attn_wgmma_d<D>_{}qk (kernel v3; S = Q·Kᵀ by s8 wgmma on K's \
-                 stored codes, q as int8 hi + lo / 256 times 127 / max|q| per row, K's row scales folded into S's columns; V \
-                 decoded as kernel v3's kernel does)",
+                "{name} {how}, at d_head {dims:?} on this device: attn_wgmma_d<D>_{}qk (kernel v3; S = Q·Kᵀ by f16 wgmma on K's \
+                 stored codes written in f16, q in f16 times a per-row power of two, K's row scales folded into S's columns; \
+                 P·V by f16 wgmma on V's codes times f16(scale * 2^-e), e a power of two per key tile)",
                 self.kv_dtype.name()
             );
         }

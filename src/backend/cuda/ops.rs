@@ -2317,18 +2317,19 @@ pub fn attention_coded_fp8_qk<O: OutElem>(
     if p.n_seqs * p.n_tokens == 0 {
         return Ok(());
     }
-    attention_v3::<O>(dev, q, &cache, shape, out, p, true)
+    attention_v3::<O>(dev, q, &cache, shape, out, p, V3Variant::QkCodes)
 }
 
 /// [`attention_coded_exact`] with kernel v3 and the named fast path
 /// [`FAST_PATH_ATTN_INT8_QK`] (`attn_wgmma_d<D>_<int8|k8v4>qk_f32`): an int8 or k8v4 cache
 /// (K rows of int8 codes and an f32 scale in both) at d_head 64 or 128 on sm_90a, S =
-/// Q·Kᵀ by s8 wgmma on K's stored codes (q as int8 hi + lo / 256 times 127 / max|q| per
-/// row; since qk11 lo·Kᵀ first, shifted right by 8 in the s32 accumulator with the f32
-/// 2^23 + 2^22 added, then hi·Kᵀ, so one FADD reads S back; K's row scales folded into
-/// S's columns as attn-fp8-qk); since pv16 P·V in f16 on V's codes (each V element code
-/// * f16(scale * 2^-e), e a power of two per key tile, O rescaled between tiles;
-/// kernels/attention_sm90a.cu, "P·V under attn-int8-qk").
+/// Q·Kᵀ on K's stored codes: since qh by f16 wgmma, the producer writing the codes in
+/// f16 (exact) and q rounded to f16 times a power of two per row (qk10/qk11 had s8
+/// wgmma on the codes as stored and q as int8 hi + lo / 256: slower at every shape
+/// measured), K's row scales folded into S's columns as attn-fp8-qk; since pv16 P·V in
+/// f16 on V's codes (each V element code * f16(scale * 2^-e), e a power of two per key
+/// tile, O rescaled between tiles; kernels/attention_sm90a.cu, "The named fast path
+/// attn-int8-qk" and "P·V under attn-int8-qk").
 /// f32 output only (as the int8 and k8v4 kernels). Parity: tests/gpu_ops.rs
 /// `attention_v3_int8_qk_against_cpu_backend`.
 #[allow(clippy::too_many_arguments)]
@@ -2369,7 +2370,7 @@ pub fn attention_coded_int8_qk<O: OutElem>(
         return Ok(());
     }
     ensure!(O::NAME == "f32", "attention: {FAST_PATH_ATTN_INT8_QK} writes f32 output (an int8 cache has no bf16-output kernel)");
-    attention_v3::<O>(dev, q, &cache, shape, out, p, true)
+    attention_v3::<O>(dev, q, &cache, shape, out, p, V3Variant::QkF16)
 }
 
 pub use crate::backend::FAST_PATH_ATTN_FP8_QK;
@@ -2381,7 +2382,9 @@ pub use crate::backend::FAST_PATH_ATTN_INT8_QK;
 /// path / decoding kernel: int8 d 128 317.1 / 302.7, k8v4 d 128 303.1 / 293.0; at d 64
 /// slower, 220.1 / 246.0 and 212.8 / 240.1, so d 64 keeps the decoding kernel unless
 /// named; at ctx 512 d 128 also slower, 137.7 / 147.0 and 136.1 / 144.6:
-/// docs/performance.md).
+/// docs/performance.md). Since qh (the f16 kernel, 2026-12-03 13:13 UTC): int8 d 128
+/// 339.5 / 306.2, k8v4 330.7 / 295.2; d 64 still slower (235.5 / 248.7, 233.3 / 242.6),
+/// ctx 512 d 128 too (144.0 / 149.8, 141.5 / 146.2).
 pub const ATTN_INT8_QK_DEFAULT_HEAD_DIMS: &[(KvFormat, &[usize])] = &[(KvFormat::Int8, &[128]), (KvFormat::K8v4, &[128])];
 
 /// Whether the default route runs [`FAST_PATH_ATTN_INT8_QK`] for `format` at `d_head`
@@ -2460,7 +2463,7 @@ fn attention_launch<O: OutElem>(
         return Ok(());
     }
     let (name, smem, block_q, threads) = match kernel {
-        AttnKernel::V3 => return attention_v3::<O>(dev, q, &cache, shape, out, p, false),
+        AttnKernel::V3 => return attention_v3::<O>(dev, q, &cache, shape, out, p, V3Variant::Decode),
         AttnKernel::V1 => {
             ensure!(
                 matches!(cache.kv, "bf16" | "f32"),
@@ -2543,10 +2546,22 @@ fn attention_launch<O: OutElem>(
     Ok(())
 }
 
+/// Which kernel v3 reads a cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum V3Variant {
+    /// `attn_wgmma_d<D>_<kv>_<out>`: bf16, or the producer decodes K and V.
+    Decode,
+    /// `..._fp8qk_<out>` (attn-fp8-qk): K's codes by TMA as stored (`AttnWgmmaQkArgs`).
+    QkCodes,
+    /// `..._<kv>qk_<out>` (attn-int8-qk): K's codes decoded to f16 by the producer.
+    QkF16,
+}
+
 /// Kernel v3 (`attn_wgmma_d<D>_<kv>_<out>`, kv of [`ATTN_V3_KV`]) for a call `attention_launch` checked
 /// (shapes, GQA, positions, q and out lengths).
-fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef, shape: KvShape, out: DevViewMut<O>, p: &AttnParams, qk: bool) -> Result<()> {
+fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef, shape: KvShape, out: DevViewMut<O>, p: &AttnParams, variant: V3Variant) -> Result<()> {
     let d = shape.d_head;
+    let qk = variant != V3Variant::Decode;
     ensure!(
         !qk || matches!(cache.kv, "fp8" | "int8" | "k8v4"),
         "attention: {FAST_PATH_ATTN_FP8_QK} / {FAST_PATH_ATTN_INT8_QK} read an fp8, int8 or k8v4 cache, not {}",
@@ -2559,8 +2574,8 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
     );
     ensure!(ATTN_V3_HEAD_DIMS.contains(&d), "attention kernel v3: d_head {d} has no kernel (built: {ATTN_V3_HEAD_DIMS:?}); it runs kernel v2");
     let coded = cache.kv != "bf16";
-    let qk_name = format!("{}qk", cache.kv);
-    let name = attn_v3_name(d, if qk { &qk_name } else { cache.kv }, O::NAME);
+    let kv_name = if qk { format!("{}qk", cache.kv) } else { cache.kv.to_string() };
+    let name = attn_v3_name(d, &kv_name, O::NAME);
     ensure!(
         dev.has_function(&name),
         "attention kernel v3: {name} is not loaded (it needs a compute capability 9.0 device and nvcc at build time)"
@@ -2583,11 +2598,13 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
         cache.v_row_bytes
     );
     let f = func(dev, &name)?;
-    // attn-fp8-qk: the raw K stages hold 16 bytes per row (the scales), K's factors have 2
-    // ST slots (not ST), and BM f32 of the query rows' 1 / sq follow, then 32 bytes for V's
-    // tile exponents (4 warp maxima, one exponent per stage).
+    // attn-fp8-qk, attn-int8-qk: K's factors have 2 ST slots (not ST), and BM f32 of the
+    // query rows' 1 / sq follow, then 32 bytes for V's tile exponents (4 warp maxima, one
+    // exponent per stage); attn-fp8-qk's raw K stages hold 16 bytes per row (the scales),
+    // attn-int8-qk's the stored rows.
     let smem = if qk {
-        attn_v3_smem_bytes(d, Some((16, v_row_bytes)), uses_book) + attn_v3_stages(d) * ATTN_V3_BN * 4 + ATTN_V3_BM * 4 + 32
+        let raw_k_row_bytes = if variant == V3Variant::QkCodes { 16 } else { k_row_bytes };
+        attn_v3_smem_bytes(d, Some((raw_k_row_bytes, v_row_bytes)), uses_book) + attn_v3_stages(d) * ATTN_V3_BN * 4 + ATTN_V3_BM * 4 + 32
     } else {
         attn_v3_smem_bytes(d, coded.then_some((k_row_bytes, v_row_bytes)), uses_book)
     };
@@ -2608,7 +2625,11 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
         }
     };
     let args = AttnWgmmaArgs {
-        k: if qk { tensor_map_u8_rows(cache.k + d as u64, 16, k_row_bytes, kv_len, shape.n_ctx, n_slabs, false)? } else { map(cache.k, k_row_bytes)? },
+        k: if variant == V3Variant::QkCodes {
+            tensor_map_u8_rows(cache.k + d as u64, 16, k_row_bytes, kv_len, shape.n_ctx, n_slabs, false)?
+        } else {
+            map(cache.k, k_row_bytes)?
+        },
         v: map(cache.v, v_row_bytes)?,
         q: q.ptr(),
         out: out.ptr(),
@@ -2629,7 +2650,7 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
     ensure!(n_items <= i32::MAX as usize, "attention: {n_items} work items exceed kernel v3's 32-bit item index");
     let grid = (n_items.min(dev.info().n_sms.max(1) as usize) as u32, 1, 1);
     let coded_args = AttnWgmmaCodedArgs { a: args, rot: cache.rot, pad_: 0, book: cache.book };
-    let qk_args = if qk {
+    let qk_args = if variant == V3Variant::QkCodes {
         Some(AttnWgmmaQkArgs { c: coded_args, kc: tensor_map_u8_rows(cache.k, d, k_row_bytes, kv_len, shape.n_ctx, n_slabs, true)? })
     } else {
         None
