@@ -15,7 +15,8 @@
 //! formats rotate q and the output in the kernel) on the same shapes, for the
 //! quantized formats' target (within 20 % of bf16). Beside each fp8 row of v3, the fast
 //! path attn-fp8-qk (`v3+qk`: Q·Kᵀ by e4m3 wgmma on K's stored codes); beside each int8
-//! and k8v4 row, attn-int8-qk (`v3+qk`: by f16 wgmma on K's codes written in f16).
+//! and k8v4 row, attn-int8-qk (`v3+qk`: by f16 wgmma on K's codes written in f16);
+//! beside each nvfp4, k4v2 and vq2 row, attn-f16 (`v3+f16`: K and V decoded to f16).
 //! Prints one `BENCH` line per row.
 //! For one device call, `INFERNIX_BENCH_SHAPES`, `INFERNIX_BENCH_FORMATS` and
 //! `INFERNIX_BENCH_V3_ONLY=1` narrow the rows (main()).
@@ -69,7 +70,8 @@ fn time_ms(dev: &CudaDevice, reps: usize, mut launch: impl FnMut() -> Result<()>
 
 /// One row: `format` bf16 or a quantized format, on exactly `kernel`; `qk`: kernel v3's
 /// fast path attn-fp8-qk (`ops::attention_coded_fp8_qk`, fp8) or attn-int8-qk
-/// (`ops::attention_coded_int8_qk`, int8 and k8v4), row label `v3+qk`.
+/// (`ops::attention_coded_int8_qk`, int8 and k8v4), row label `v3+qk`, or attn-f16
+/// (`ops::attention_coded_f16`, nvfp4, k4v2 and vq2), row label `v3+f16`.
 fn bench(dev: &CudaDevice, s: &Shape, kernel: AttnKernel, format: KvFormat, book: &ops::VqBook, rng: &mut ChaCha8Rng, qk: bool) -> Result<()> {
     let kv = KvShape { n_seqs: s.n_seqs, n_kv_heads: s.n_kv_heads, n_ctx: s.n_tokens, d_head: s.d_head };
     let width = s.n_heads * s.d_head;
@@ -108,10 +110,12 @@ fn bench(dev: &CudaDevice, s: &Shape, kernel: AttnKernel, format: KvFormat, book
     };
     let reps = if kernel == AttnKernel::V1 { 5 } else { 20 };
     let ms = if qk {
-        if format == KvFormat::Fp8 {
-            time_ms(dev, reps, || ops::attention_coded_fp8_qk::<f32>(dev, format, qd.view(), kcq.view(), vcq.view(), kv, out.view_mut(), &p))?
-        } else {
-            time_ms(dev, reps, || ops::attention_coded_int8_qk::<f32>(dev, format, qd.view(), kcq.view(), vcq.view(), kv, out.view_mut(), &p))?
+        match format {
+            KvFormat::Fp8 => time_ms(dev, reps, || ops::attention_coded_fp8_qk::<f32>(dev, format, qd.view(), kcq.view(), vcq.view(), kv, out.view_mut(), &p))?,
+            KvFormat::Int8 | KvFormat::K8v4 => {
+                time_ms(dev, reps, || ops::attention_coded_int8_qk::<f32>(dev, format, qd.view(), kcq.view(), vcq.view(), kv, out.view_mut(), &p))?
+            }
+            _ => time_ms(dev, reps, || ops::attention_coded_f16::<f32>(dev, format, qd.view(), kcq.view(), vcq.view(), kv, out.view_mut(), &p, Some(book)))?,
         }
     } else if quantized {
         time_ms(dev, reps, || ops::attention_coded_exact::<f32>(dev, kernel, format, qd.view(), kcq.view(), vcq.view(), kv, out.view_mut(), &p, Some(book)))?
@@ -139,7 +143,13 @@ fn bench(dev: &CudaDevice, s: &Shape, kernel: AttnKernel, format: KvFormat, book
     println!(
         "BENCH attention {:<34} kernel {} {:<5} : {:9.3} ms  {:7.1} TFLOP/s   [{refs}]",
         s.name,
-        if qk { "v3+qk" } else { kernel.name() },
+        if !qk {
+            kernel.name()
+        } else if matches!(format, KvFormat::Nvfp4 | KvFormat::K4v2 | KvFormat::Vq2) {
+            "v3+f16"
+        } else {
+            "v3+qk"
+        },
         format.name(),
         ms,
         tflops
@@ -194,6 +204,10 @@ fn main() -> Result<()> {
             }
             // The fast path attn-int8-qk beside int8's and k8v4's v3 rows.
             if ops::attn_int8_qk_covers(&dev, format, s.d_head) {
+                bench(&dev, s, AttnKernel::V3, format, &book, &mut rng, true)?;
+            }
+            // The fast path attn-f16 beside nvfp4's, k4v2's and vq2's v3 rows.
+            if ops::attn_f16_covers(&dev, format, s.d_head) {
                 bench(&dev, s, AttnKernel::V3, format, &book, &mut rng, true)?;
             }
         }

@@ -423,6 +423,16 @@ __device__ __forceinline__ float4 ld_book(uint32_t addr) {
     return v;
 }
 
+// The largest |scale| bits of N f32 scale fields at `addr` (tile_vexp's per-row input:
+// nonnegative floats order as their bits).
+template <int N>
+__device__ __forceinline__ uint32_t smax_f32s(uint32_t addr) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int i = 0; i < N; ++i) m = max(m, __float_as_uint(ld_shared_f32(addr + 4 * i)) & 0x7FFFFFFFu);
+    return m;
+}
+
 // D one-byte codes (fp8: CodeE4m3, int8: CodeInt8), the f32 row scale at byte D.
 template <typename CODE>
 struct RowBytes {
@@ -445,7 +455,7 @@ struct RowBytes {
     }
     template <int D>
     static __device__ __forceinline__ uint32_t smax_bits(uint32_t row) { return __float_as_uint(ld_shared_f32(row + D)) & 0x7FFFFFFFu; }
-    static __device__ __forceinline__ uint4 dech8(Raw q, Scale s, float rmul) {
+    static __device__ __forceinline__ uint4 dech8(Raw q, Scale s, float rmul, uint32_t) {
         uint32_t h[4];
         CODE::h4(q.x, h);
         CODE::h4(q.y, h + 2);
@@ -477,17 +487,12 @@ struct RowInt4G32 {
         for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(__fsub_rn(__uint_as_float(0x4B000000u | ((q >> (4 * j)) & 0xFu)), 8388616.0f), s);
     }
     template <int D>
-    static __device__ __forceinline__ uint32_t smax_bits(uint32_t row) {
-        uint32_t m = 0;
-#pragma unroll
-        for (int i = 0; i < D / 32; ++i) m = max(m, __float_as_uint(ld_shared_f32(row + D / 2 + 4 * i)) & 0x7FFFFFFFu);
-        return m;
-    }
+    static __device__ __forceinline__ uint32_t smax_bits(uint32_t row) { return smax_f32s<D / 32>(row + D / 2); }
     // Byte i of q (elements 2i, 2i + 1) into both halves of an f16x2 under the exponent
     // byte 0x64, the low nibble kept in the low half, the high one in the high half:
     // (1024 + n0, 1024 + 16 n1); one HFMA2 by (1, 1/16) plus (-1032, -72) gives (n0 - 8,
     // n1 - 8) exactly (the product by 1/16 and both sums are exact in f16).
-    static __device__ __forceinline__ uint4 dech8(Raw q, Scale s, float rmul) {
+    static __device__ __forceinline__ uint4 dech8(Raw q, Scale s, float rmul, uint32_t) {
         uint32_t h[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -515,6 +520,28 @@ struct RowInt2G32 {
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(__fsub_rn(__uint_as_float(0x4A800000u | (((q >> (2 * j)) & 3u) << 1)), 4194305.5f), s);
     }
+    template <int D>
+    static __device__ __forceinline__ uint32_t smax_bits(uint32_t row) { return smax_f32s<D / 32>(row + D / 4); }
+    // attn-f16: 2 (code - 1.5), exact in f16, times r = f16(scale * rmul / 2). Pair n
+    // (elements 2n, 2n + 1, bits 4n .. 4n + 3 of q) goes into the two halves of an f16x2
+    // under the exponent byte 0x64 (f16 1024, ulp 1), each half's low byte masked to its
+    // element's two bits at bit p: 1024 + 2^p c; one HFMA2 by 2^(1 - p) plus -(2^(11 - p)
+    // + 3) leaves 2c - 3 exactly (the product by a power of two is exact, and 2^(11 - p) +
+    // 3 is exact in f16 for p >= 1). The elements at p = 0 (4i, the low half of pair 2i)
+    // are taken from q << 1 (p = 1): pair 2i from byte i of q << 1 (low half, p = 1) and of
+    // q (high, p = 2), pair 2i + 1 from byte i of q (p = 4, 6).
+    static __device__ __forceinline__ uint4 dech8(Raw q, Scale s, float rmul, uint32_t) {
+        const uint32_t q1 = q << 1;
+        uint32_t h[4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const uint32_t lo = (__byte_perm(q, q1, 0x0004u + 0x0101u * i) & 0x000C0006u) | 0x64006400u;
+            h[2 * i] = h2_bits(__hfma2(as_h2(lo), as_h2(0x38003C00u), as_h2(0xE006E403u)));
+            const uint32_t hi = __byte_perm(q, 0x64646464u, 0x4040u + 0x0101u * i) & 0xFFC0FF30u;
+            h[2 * i + 1] = h2_bits(__hfma2(as_h2(hi), as_h2(0x28003000u), as_h2(0xD060D818u)));
+        }
+        return mul_h8(h, s * rmul * 0.5f);
+    }
 };
 // nvfp4 (K and V of nvfp4): D/2 bytes of E2M1 nibbles (element 2i low), the f32 row
 // scale S at byte D/2, D/16 E4M3 block scales at byte D/2 + 4; value (e2m1 * e4m3) * S
@@ -534,6 +561,15 @@ struct RowNvfp4 {
         return Scale{ld_shared_u8(row + D / 2 + 4 + c / 2), ld_shared_f32(row + D / 2)};
     }
     static __device__ __forceinline__ void dec8(Raw q, Scale s, float v[8], uint32_t) { CodeNvfp4::dec8(q, s.block, s.row, v); }
+    // attn-f16: the tile's power of two from the row scales S.
+    template <int D>
+    static __device__ __forceinline__ uint32_t smax_bits(uint32_t row) { return smax_f32s<1>(row + D / 2); }
+    // (e2m1 / 64) * e4m3 exact in f16 (CodeNvfp4::h8), times r = f16(S * 64 * rmul).
+    static __device__ __forceinline__ uint4 dech8(Raw q, Scale s, float rmul, uint32_t) {
+        uint32_t h[4];
+        CodeNvfp4::h8(q, s.block, h);
+        return mul_h8(h, s.row * 64.0f * rmul);
+    }
 };
 // vq2 (K and V of vq2): D/4 one-byte codeword indices (elements 4i .. 4i + 3), the f32
 // RMS at byte D/4; value codeword * rms (DecVq2), each of the 4 elements one __fmul_rn.
@@ -552,6 +588,17 @@ struct RowVq2 {
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(w[j], s);
     }
+    template <int D>
+    static __device__ __forceinline__ uint32_t smax_bits(uint32_t row) { return smax_f32s<1>(row + D / 4); }
+    // attn-f16: the codewords from the block's f16 copy of the codebook (8 bytes each,
+    // written at the kernel's start: each codeword value rounded to f16), times r =
+    // f16(rms * rmul).
+    static __device__ __forceinline__ uint4 dech8(Raw q, Scale s, float rmul, uint32_t book) {
+        uint32_t h[4];
+        asm("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(h[0]), "=r"(h[1]) : "r"(book + 8 * (q & 0xFFu)));
+        asm("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(h[2]), "=r"(h[3]) : "r"(book + 8 * (q >> 8)));
+        return mul_h8(h, s * rmul);
+    }
 };
 
 // The cache's element type: a bf16 cache (TMA straight into the swizzled stages), or
@@ -559,17 +606,18 @@ struct RowVq2 {
 // structs above; fp8, int8: RowBytes; k8v4: RowBytes<CodeInt8>, RowInt4G32; nvfp4:
 // RowNvfp4 both; k4v2: RowInt4G32, RowInt2G32; vq2: RowVq2 both).
 struct CacheBf16 {
-    static constexpr bool CODED = false, BOOK = false, QK = false, QH = false;
+    static constexpr bool CODED = false, BOOK = false, QK = false, QH = false, QF = false;
     using KRow = RowBytes<CodeE4m3>;  // unused
     using VRow = RowBytes<CodeE4m3>;
 };
 // QK_ (0: off): S = Q·Kᵀ on K's stored codes (see the kernel's comment at the top of
 // this file): 1 attn-fp8-qk (E4M3 rows, e4m3 wgmma, the codes by TMA; QK), 2
 // attn-int8-qk (int8 K rows of int8 and k8v4, the producer writes the codes in f16,
-// f16 wgmma; QH).
+// f16 wgmma; QH), 3 attn-f16 (nvfp4, k4v2, vq2: K decoded to f16 times a power of two
+// per tile, S by f16 wgmma; QF).
 template <typename KROW, typename VROW, int QK_ = 0>
 struct CacheCoded {
-    static constexpr bool CODED = true, BOOK = KROW::BOOK || VROW::BOOK, QK = QK_ == 1, QH = QK_ == 2;
+    static constexpr bool CODED = true, BOOK = KROW::BOOK || VROW::BOOK, QK = QK_ == 1, QH = QK_ == 2, QF = QK_ == 3;
     using KRow = KROW;
     using VRow = VROW;
 };
@@ -619,7 +667,7 @@ __device__ __forceinline__ void decode_tile(uint32_t raw, uint32_t dst, int tid,
             const int r = r0 + (k0 + b) * (NT / CH);
             const uint32_t at = out + (k0 + b) * (NT / CH) * 128 + (((c % 8) ^ (r & 7)) * 16);
             if constexpr (MODE == DEC_F16) {
-                st_shared_v4(at, RC::dech8(q[b], sc[b], rmul));
+                st_shared_v4(at, RC::dech8(q[b], sc[b], rmul, book));
             } else if constexpr (MODE == DEC_HCODES) {
                 st_shared_v4(at, RC::hcodes8(q[b]));
             } else {
@@ -702,6 +750,11 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     // attn-int8-qk: K's codes decoded to f16 (exact), q in f16 times a power of two per
     // row, S by f16 wgmma; K's row scales folded into S's columns, as attn-fp8-qk's.
     constexpr bool QH = CACHE::QH;
+    // attn-f16: K decoded to f16 (code * scale times the tile's power of two, decode_tile
+    // DEC_F16), the power of two folded into S's columns (every column of the tile the
+    // same factor), q in f16 and S by f16 wgmma as attn-int8-qk.
+    constexpr bool QF = CACHE::QF;
+    constexpr bool HS = QH || QF;  // q in f16 times a power of two per row, S by f16 wgmma
     static_assert(!(QK || QH) || (CODED && CACHE::KRow::ONE_SCALE), "attn-fp8-qk / attn-int8-qk: rows of one-byte codes and one scale");
     static_assert(D % BOX == 0 && (D == 64 || D == 128), "attn_wgmma: d_head 64 or 128");
     constexpr int ST = stages(D);
@@ -710,7 +763,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     constexpr int VS = BN / 16;           // k-steps of P·V
     constexpr int NS = BN / 8;            // 8-column accumulator chunks of S
     constexpr int NO = D / 8;             // of O
-    constexpr bool KF = CODED && ((FOLD_K && CACHE::KRow::ONE_SCALE) || QK || QH);  // K's row scale folded into S's columns
+    constexpr bool KF = CODED && ((FOLD_K && CACHE::KRow::ONE_SCALE) || QK || HS);  // K's row scale folded into S's columns
     constexpr int KQ = KF ? BN / 16 : 1;  // float4s of K factors per consumer lane and tile
     constexpr uint32_t Q_BYTES = BM * D * 2;
     constexpr uint32_t KV_BYTES = BN * D * 2;  // one stage of K (or of V)
@@ -734,14 +787,14 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     // before its first decode.
     // attn-fp8-qk, attn-int8-qk: 2 ST slots of factors (tile g in slot g % 2 ST), read
     // during the softmax after the K stage is released (see the producer).
-    constexpr int KFS = (QK || QH) ? 2 * ST : ST;
+    constexpr int KFS = (QK || HS) ? 2 * ST : ST;
     const uint32_t book = kfac + KFS * BN * 4;
     // attn-fp8-qk, attn-int8-qk: each query row's 1 / sq (BM f32), written when Q is staged.
     const uint32_t qfac = book + (CACHE::BOOK ? 256 * 16 : 0);
     // attn-int8-qk (FV: P·V in f16 on V's codes, decode_tile DEC_F16): tile_vexp's 4
     // warp maxima, then each V stage's exponent e (ST ints, written with the stage).
-    constexpr bool FV = QH;
-    const uint32_t vslots = qfac + ((QK || QH) ? BM * 4 : 0), vexp = vslots + 16;
+    constexpr bool FV = HS;
+    const uint32_t vslots = qfac + ((QK || HS) ? BM * 4 : 0), vexp = vslots + 16;
     auto full_k = [&](int s) { return bars + 8 * s; };
     auto full_v = [&](int s) { return bars + 8 * (ST + s); };
     auto empty_k = [&](int s) { return bars + 8 * (2 * ST + s); };
@@ -793,12 +846,18 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             if constexpr (CACHE::BOOK) {
                 // The codebook into shared memory (2 float4 per thread); the named barrier
                 // before the first decode makes it visible to the 128 decoding threads.
+                // attn-f16: in f16 (each value rounded to nearest even), 8 bytes a codeword.
                 const float4* src = reinterpret_cast<const float4*>(book_src);
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
                     const float4 w = src[tid + 128 * i];
-                    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(book + 16 * (tid + 128 * i)), "f"(w.x), "f"(w.y), "f"(w.z), "f"(w.w)
-                                 : "memory");
+                    if constexpr (QF)
+                        asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(book + 8 * (tid + 128 * i)), "r"(h2_bits(__floats2half2_rn(w.x, w.y))),
+                                     "r"(h2_bits(__floats2half2_rn(w.z, w.w)))
+                                     : "memory");
+                    else
+                        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(book + 16 * (tid + 128 * i)), "f"(w.x), "f"(w.y), "f"(w.z), "f"(w.w)
+                                     : "memory");
                 }
                 asm volatile("bar.sync 3, 128;\n" ::: "memory");
             }
@@ -865,6 +924,15 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                     store_kfac<D, true>(rk + slot * RAW_K_BYTES, kfac + (g % KFS) * BN * 4, tid, kmul);
                     if (tid == 0) fetch(fc, kc_map, BN * D, sk + s * KV_BYTES, full_k(s));
                     else mbar_arrive(full_k(s));
+                } else if constexpr (QF) {
+                    // attn-f16: the tile's power of two (tile_vexp over K's scales), K as
+                    // code * scale * 2^(127 - e) in f16, and every column's factor kmul *
+                    // 2^(e - 127) in slot g % 2 ST (as attn-int8-qk's).
+                    const int e = tile_vexp<D, KRow>(rk + slot * RAW_K_BYTES, vslots, tid);
+                    decode_tile<D, KRow, DEC_F16>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, tid, book, __uint_as_float((uint32_t)(254 - e) << 23));
+                    st_shared_f32(kfac + (g % KFS) * BN * 4 + 4 * tid, __fmul_rn(kmul, __uint_as_float((uint32_t)e << 23)));
+                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                    mbar_arrive(full_k(s));
                 } else {
                     decode_tile<D, KRow, QH ? DEC_HCODES : KF ? DEC_CODES : DEC_BF16>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, tid, book);
                     // QH: tile g's factors in slot g % 2 ST, as attn-fp8-qk's (above).
@@ -1036,7 +1104,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                     st_shared_v2(sq + off, hw[0], hw[1]);
                     st_shared_v2(sq + BM * D + off, lw[0], lw[1]);
                     if (ch == 0) st_shared_f32(qfac + 4 * r, rqf);
-                } else if constexpr (QH) {
+                } else if constexpr (HS) {
                     // attn-int8-qk: the row's largest |q| over its D / 8 lanes,
                     // its power of two sq (amax sq in [2^14, 2^15): f16's largest finite is
                     // 65504; the scaling is exact), q sq rounded to f16 (nearest even) in
@@ -1073,7 +1141,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             const int qp_min = pos0 + row_w, qp_max = qp_min + 15;
             // attn-fp8-qk: 1 / sq of this thread's rows (g and g + 8 of the warp's 16).
             float rq[2] = {1.0f, 1.0f};
-            if constexpr (QK || QH) {
+            if constexpr (QK || HS) {
                 rq[0] = ld_shared_f32(qfac + 4 * (c * 64 + warp * 16 + g));
                 rq[1] = ld_shared_f32(qfac + 4 * (c * 64 + warp * 16 + g + 8));
             }
@@ -1101,7 +1169,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 for (int kk = 0; kk < KS; ++kk) {
                     const uint32_t qoff = (kk / 4) * (BM * 128) + (kk % 4) * 32;
                     const uint32_t koff = (kk / 4) * (BN * 128) + (kk % 4) * 32;
-                    if constexpr (QH) wgmma_ss_m64n128k16_f16(sc, dq + (qoff >> 4), dk + (koff >> 4));
+                    if constexpr (HS) wgmma_ss_m64n128k16_f16(sc, dq + (qoff >> 4), dk + (koff >> 4));
                     else wgmma_ss_m64n128k16(sc, dq + (qoff >> 4), dk + (koff >> 4));
                 }
                 wgmma_commit();
@@ -1157,13 +1225,13 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                         float x;
                         if constexpr (KF) {
                             float4 k4;
-                            if constexpr (QK || QH) k4 = kfq[4 * (j / 2)];
+                            if constexpr (QK || HS) k4 = kfq[4 * (j / 2)];
                             else k4 = kq[KF ? j / 2 : 0];
                             const float kf = (j % 2 == 0) ? ((e & 1) ? k4.y : k4.x) : ((e & 1) ? k4.w : k4.z);
                             // q·(c s) = (q·c) s: kernel v2's expressions (attention.cu, KF).
                             // attn-fp8-qk: x = S kf / sq, the row's 1 / sq applied in the
                             // exponent below (y = S kf here, its row max the same key's).
-                            if constexpr (CAP && (QK || QH)) x = cap * tanhf(sc[4 * j + e] * kf * (rq[e >> 1] * scale) / cap) * LOG2E;
+                            if constexpr (CAP && (QK || HS)) x = cap * tanhf(sc[4 * j + e] * kf * (rq[e >> 1] * scale) / cap) * LOG2E;
                             else if constexpr (CAP) x = cap * tanhf(sc[4 * j + e] * kf * scale / cap) * LOG2E;
                             else x = sc[4 * j + e] * kf;
                         } else if constexpr (CAP) {
@@ -1183,7 +1251,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 float base_r[2];
                 // attn-fp8-qk without a soft-cap: m and the scores in units of 1 / sq
                 // (sq > 0 keeps the order), the exponent rq (y - m), one FFMA as the FADD.
-                constexpr bool RQ = (QK || QH) && !CAP;
+                constexpr bool RQ = (QK || HS) && !CAP;
                 float nb[2];
                 (void)nb;
 #pragma unroll
@@ -1229,7 +1297,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             // 0..15, store_kfac's order) into registers, loaded while S's wgmmas run (the
             // stage is full: full_k was waited for), before the K stage is released.
             auto load_kf = [&](int st) {
-                if constexpr (QK || QH) {
+                if constexpr (QK || HS) {
                     (void)st;
                 } else if constexpr (KF) {
                     const float4* kfp = reinterpret_cast<const float4*>(attn3_smem + (kfac + st * BN * 4 - smem_addr(attn3_smem))) + (lane & 3);
@@ -1298,7 +1366,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             wgmma_wait<0>();
             fence_regs(sc);
             release(empty_k(gt % ST));
-            if constexpr (QK || QH) kfq = reinterpret_cast<const float4*>(attn3_smem + (kfac + (gt % KFS) * BN * 4 - smem_addr(attn3_smem))) + (lane & 3);
+            if constexpr (QK || HS) kfq = reinterpret_cast<const float4*>(attn3_smem + (kfac + (gt % KFS) * BN * 4 - smem_addr(attn3_smem))) + (lane & 3);
             softmax_tile(tile_first, corr);
             pack_p();
             for (int i = 1; i < n_tiles; ++i) {
@@ -1313,7 +1381,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 wgmma_wait<1>();  // S of tile i done (groups retire in order); P·V of i - 1 may run
                 fence_regs(sc);
                 release(empty_k(s));
-                if constexpr (QK || QH) kfq = reinterpret_cast<const float4*>(attn3_smem + (kfac + (j % KFS) * BN * 4 - smem_addr(attn3_smem))) + (lane & 3);
+                if constexpr (QK || HS) kfq = reinterpret_cast<const float4*>(attn3_smem + (kfac + (j % KFS) * BN * 4 - smem_addr(attn3_smem))) + (lane & 3);
                 softmax_tile(tile_first + i, corr);
                 wgmma_wait<0>();  // P·V of tile i - 1 done: pa and o are free
                 fence_regs(o);
@@ -1433,3 +1501,18 @@ ATTN_WGMMA_QKI(64, int8, attn3::RowBytes<CodeInt8>)
 ATTN_WGMMA_QKI(128, int8, attn3::RowBytes<CodeInt8>)
 ATTN_WGMMA_QKI(64, k8v4, attn3::RowInt4G32)
 ATTN_WGMMA_QKI(128, k8v4, attn3::RowInt4G32)
+
+// attn_wgmma_d<D>_<fmt>f16_f32 (attn-f16): an nvfp4, k4v2 or vq2 cache, K and V decoded
+// to f16 times a power of two per tile, q and P in f16, S and P·V by f16 wgmma
+// (AttnWgmmaCodedArgs, as the format's decoding kernel).
+#define ATTN_WGMMA_QF(D, fmt, KROW, VROW)                                                                        \
+    extern "C" __global__ void __launch_bounds__(attn3::THREADS, 1) attn_wgmma_d##D##_##fmt##f16_f32(            \
+        const __grid_constant__ AttnWgmmaCodedArgs a) {                                                          \
+        attn3::attn_wgmma_impl<D, float, attn3::CacheCoded<KROW, VROW, 3>>(a.a, a.rot, a.book, nullptr);         \
+    }
+ATTN_WGMMA_QF(64, nvfp4, attn3::RowNvfp4, attn3::RowNvfp4)
+ATTN_WGMMA_QF(128, nvfp4, attn3::RowNvfp4, attn3::RowNvfp4)
+ATTN_WGMMA_QF(64, k4v2, attn3::RowInt4G32, attn3::RowInt2G32)
+ATTN_WGMMA_QF(128, k4v2, attn3::RowInt4G32, attn3::RowInt2G32)
+ATTN_WGMMA_QF(64, vq2, attn3::RowVq2, attn3::RowVq2)
+ATTN_WGMMA_QF(128, vq2, attn3::RowVq2, attn3::RowVq2)

@@ -846,22 +846,32 @@ struct CodeInt8 {
 // (v * b) * S does. Four f16 multiplies and eight f32 ones per 8 elements, where
 // multiplying in f32 took sixteen f32 multiplies (and e4m3_value's branches).
 struct CodeNvfp4 {
-    static __device__ __forceinline__ void dec8(uint32_t q, uint32_t block, float S, float v[8]) {
+    // The eight products (e2m1 / 64) * e4m3 as four f16x2 words (element 2i in the low
+    // half of h[i]), exact.
+    static __device__ __forceinline__ void h8(uint32_t q, uint32_t block, uint32_t h[4]) {
         auto remap = [](uint32_t x) { return ((x & 0x08080808u) << 4) | ((x & 0x07070707u) << 2); };
         const uint32_t lo = remap(q & 0x0F0F0F0Fu), hi = remap((q >> 4) & 0x0F0F0F0Fu);
         const uint32_t w0 = __byte_perm(lo, hi, 0x5140u), w1 = __byte_perm(lo, hi, 0x7362u);  // nibbles 0-3, 4-7
-        uint32_t h[4], b;
+        uint32_t b;
         asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h[0]) : "h"((unsigned short)(w0 & 0xFFFFu)));
         asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h[1]) : "h"((unsigned short)(w0 >> 16)));
         asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h[2]) : "h"((unsigned short)(w1 & 0xFFFFu)));
         asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h[3]) : "h"((unsigned short)(w1 >> 16)));
         asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(b) : "h"((unsigned short)((block & 0xFFu) * 0x101u)));  // (b, b)
         const __half2 b2 = *reinterpret_cast<const __half2*>(&b);
-        const float S64 = __fmul_rn(S, 64.0f);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const __half2 p = __hmul2(*reinterpret_cast<const __half2*>(&h[i]), b2);
-            const float2 f = __half22float2(p);
+            h[i] = *reinterpret_cast<const uint32_t*>(&p);
+        }
+    }
+    static __device__ __forceinline__ void dec8(uint32_t q, uint32_t block, float S, float v[8]) {
+        uint32_t h[4];
+        h8(q, block, h);
+        const float S64 = __fmul_rn(S, 64.0f);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h[i]));
             v[2 * i] = __fmul_rn(f.x, S64);
             v[2 * i + 1] = __fmul_rn(f.y, S64);
         }

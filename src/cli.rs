@@ -135,8 +135,8 @@ pub struct Args {
     /// attn-int8-qk off (needs --kv-dtype int8).
     #[arg(long)]
     pub use_original_int8_prefill_kernel: bool,
-    /// Use the original nvfp4 prefill attention kernel, the decoding kernel (needs --kv-dtype
-    /// nvfp4; no fast path reads an nvfp4 cache, so it is also what runs without the flag).
+    /// Use the original nvfp4 prefill attention kernel, kernel v3's decoding kernel: the fast path
+    /// attn-f16 off (needs --kv-dtype nvfp4).
     #[arg(long)]
     pub use_original_nvfp4_prefill_kernel: bool,
     /// YaRN scaling of the rotary embedding, finite in [1, 4] (1: native RoPE).

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 
 use crate::backend::{
-    effective_prefill_chunk, ExecutionSpec, Precision, PrefillChunk, FAST_PATHS, FAST_PATH_ATTN_FP8_QK, FAST_PATH_ATTN_INT8_QK, FAST_PATH_LM_HEAD_FUSED,
+    effective_prefill_chunk, ExecutionSpec, Precision, PrefillChunk, FAST_PATHS, FAST_PATH_ATTN_F16, FAST_PATH_ATTN_FP8_QK, FAST_PATH_ATTN_INT8_QK, FAST_PATH_LM_HEAD_FUSED,
 };
 use crate::cli::{Args, BackendArg, MethodArg};
 use crate::kv::{KvFormat, KvRotation};
@@ -306,6 +306,12 @@ fn execution_spec(args: &Args) -> Result<ExecutionSpec> {
         if name == FAST_PATH_ATTN_INT8_QK && args.use_original_int8_prefill_kernel {
             bail!("--fast-path {name} and --use-original-int8-prefill-kernel: choose one");
         }
+        if name == FAST_PATH_ATTN_F16 && !matches!(kv_format, KvFormat::Nvfp4 | KvFormat::K4v2 | KvFormat::Vq2) {
+            bail!("--fast-path {name} reads an nvfp4, k4v2 or vq2 cache: it needs --kv-dtype nvfp4, k4v2 or vq2 (the run's KV format is {kv_format})");
+        }
+        if name == FAST_PATH_ATTN_F16 && args.use_original_nvfp4_prefill_kernel {
+            bail!("--fast-path {name} and --use-original-nvfp4-prefill-kernel: choose one");
+        }
         if lossless || args.reproducible {
             let flag = if reference { "--reference" } else if lossless { "--lossless" } else { "--reproducible" };
             bail!("--fast-path {name} with {flag}: fast paths change rounding and are off on that route");
@@ -320,8 +326,8 @@ fn execution_spec(args: &Args) -> Result<ExecutionSpec> {
             continue;
         }
         // The original kernel is the decoding one (kernel v3 on sm_90a at d 64 / 128, else v2):
-        // for int8 the fast path attn-int8-qk is turned off (model::cuda_route); no fast path
-        // reads an nvfp4 cache, so for nvfp4 the decoding kernel is what runs in any case.
+        // for int8 the fast path attn-int8-qk is turned off, for nvfp4 attn-f16
+        // (model::cuda_route).
         if kv_format != needs {
             bail!("{flag} needs --kv-dtype {needs} (the run's KV format is {kv_format})");
         }
@@ -489,7 +495,7 @@ mod tests {
     fn route_flags_are_checked() {
         let err = |extra: &[&str]| cfg(extra).unwrap_err().to_string();
         assert!(err(&["--fast-path", "int8-attn"])
-            .contains("--fast-path int8-attn: no such fast path (valid: delta-chunk-tf32, delta-chunk-3xtf32, attn-fp8-qk, attn-int8-qk, lm-head-fused)"));
+            .contains("--fast-path int8-attn: no such fast path (valid: delta-chunk-tf32, delta-chunk-3xtf32, attn-fp8-qk, attn-int8-qk, attn-f16, lm-head-fused)"));
         assert!(err(&["--no-fast-path", "int8-attn"]).contains("--no-fast-path int8-attn: no such fast path"));
         assert_eq!(cfg(&["--fast-path", "delta-chunk-tf32"]).unwrap().execution.fast_paths, vec!["delta-chunk-tf32".to_string()]);
         let off = cfg(&["--no-fast-path", "attn-fp8-qk"]).unwrap().execution;
@@ -511,6 +517,15 @@ mod tests {
         let e = err(&["--fast-path", "attn-int8-qk", "--kv-dtype", "int8", "--use-original-int8-prefill-kernel"]);
         assert!(e.contains("choose one"), "{e}");
         assert_eq!(cfg(&["--fast-path", "attn-int8-qk", "--kv-dtype", "k8v4"]).unwrap().execution.fast_paths, vec!["attn-int8-qk".to_string()]);
+        for kv in ["fp8", "int8", "k8v4", "bf16"] {
+            let e = err(&["--fast-path", "attn-f16", "--kv-dtype", kv]);
+            assert!(e.contains("--fast-path attn-f16") && e.contains("needs --kv-dtype nvfp4, k4v2 or vq2"), "{e}");
+        }
+        for kv in ["nvfp4", "k4v2", "vq2"] {
+            assert_eq!(cfg(&["--fast-path", "attn-f16", "--kv-dtype", kv]).unwrap().execution.fast_paths, vec!["attn-f16".to_string()]);
+        }
+        let e = err(&["--fast-path", "attn-f16", "--kv-dtype", "nvfp4", "--use-original-nvfp4-prefill-kernel"]);
+        assert!(e.contains("--fast-path attn-f16 and --use-original-nvfp4-prefill-kernel: choose one"), "{e}");
         let e = err(&["--fast-path", "lm-head-fused", "--save-top-tokens", "top.bin"]);
         assert!(e.contains("--fast-path lm-head-fused with --save-top-tokens"), "{e}");
         let e = err(&["--fast-path", "lm-head-fused", "--kl-reference", "top.bin"]);

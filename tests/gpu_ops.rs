@@ -1561,16 +1561,16 @@ fn attention_v3_fp8_qk_against_cpu_backend() {
     cases.push(AttnCase { n_seqs: 2, n_heads: 4, n_kv_heads: 1, d_head: 128, n_ctx: 1100, passes: vec![700, 333], window: 300, softcap: 0.0 });
     assert_eq!(cases.len(), 5);
     for (i, c) in cases.iter().enumerate() {
-        fp8_qk_case::<f32>(dev, &mut rng, c, KvRotation::Off, KvFormat::Fp8, false);
+        fast_path_case::<f32>(dev, &mut rng, c, KvRotation::Off, KvFormat::Fp8, false, None);
         if i % 2 == 1 {
-            fp8_qk_case::<bf16>(dev, &mut rng, c, KvRotation::Off, KvFormat::Fp8, false);
-            fp8_qk_case::<f32>(dev, &mut rng, c, KvRotation::On, KvFormat::Fp8, false);
+            fast_path_case::<bf16>(dev, &mut rng, c, KvRotation::Off, KvFormat::Fp8, false, None);
+            fast_path_case::<f32>(dev, &mut rng, c, KvRotation::On, KvFormat::Fp8, false, None);
         }
     }
     // V's row scales spread over 2^20 within every tile and across tiles (the P·V sums'
     // per-tile powers of two).
     for c in &cases[3..] {
-        fp8_qk_case::<f32>(dev, &mut rng, c, KvRotation::Off, KvFormat::Fp8, true);
+        fast_path_case::<f32>(dev, &mut rng, c, KvRotation::Off, KvFormat::Fp8, true, None);
     }
     // Formats other than fp8, and d_head 96, are errors.
     let shape = KvShape { n_seqs: 1, n_kv_heads: 1, n_ctx: 8, d_head: 64 };
@@ -1610,13 +1610,13 @@ fn attention_v3_int8_qk_against_cpu_backend() {
     assert_eq!(cases.len(), 5);
     for format in [KvFormat::Int8, KvFormat::K8v4] {
         for (i, c) in cases.iter().enumerate() {
-            fp8_qk_case::<f32>(dev, &mut rng, c, KvRotation::Off, format, false);
+            fast_path_case::<f32>(dev, &mut rng, c, KvRotation::Off, format, false, None);
             if i % 2 == 1 {
-                fp8_qk_case::<f32>(dev, &mut rng, c, KvRotation::On, format, false);
+                fast_path_case::<f32>(dev, &mut rng, c, KvRotation::On, format, false, None);
             }
         }
         for c in &cases[3..] {
-            fp8_qk_case::<f32>(dev, &mut rng, c, KvRotation::Off, format, true);
+            fast_path_case::<f32>(dev, &mut rng, c, KvRotation::Off, format, true, None);
         }
     }
     // fp8, bf16 output and d_head 96 are errors.
@@ -1638,12 +1638,77 @@ fn attention_v3_int8_qk_against_cpu_backend() {
     assert!(format!("{err:#}").contains("d_head 96"), "{err:#}");
 }
 
-/// One case of [`attention_v3_fp8_qk_against_cpu_backend`] (format fp8) or
-/// [`attention_v3_int8_qk_against_cpu_backend`] (int8, k8v4): the passes of `c` encoded
-/// into a `format` cache (codecs under `rotation`) on the device and in the CPU
-/// backend's cache, the fast path's output against the CPU op's. `v_spread`: each V row
-/// times a power of two from 2^-10 to 2^10, varying within and across key tiles.
-fn fp8_qk_case<O: Elem + Poison + ops::OutElem>(dev: &CudaDevice, rng: &mut ChaCha8Rng, c: &AttnCase, rotation: KvRotation, format: KvFormat, v_spread: bool) {
+/// Kernel v3's fast path attn-f16 (`ops::attention_coded_f16`: K and V decoded to f16,
+/// each element code value * f16(scale * 2^-e) with a power of two per key tile; q and P
+/// in f16, S and P·V by f16 wgmma) against the CPU backend's op on the same nvfp4, k4v2
+/// and vq2 caches, every case of `attention_v3_int8_qk_against_cpu_backend` (rotated K
+/// and V in two, V's row scales spread over 2^20 within and across tiles in two).
+/// Tolerance: v3's budget for the format, [`tol_attn_coded`] (the decoding kernel
+/// rounds every element to bf16, 2^-9; attn-f16 to about 2^-11). The original kernels
+/// stay tested by `attention_v3_coded_against_cpu_backend`.
+#[test]
+fn attention_v3_f16_against_cpu_backend() {
+    let Some(dev) = device() else { return };
+    let mut rng = rng_for("attention_v3_f16");
+    if !ops::attn_f16_covers(dev, KvFormat::Nvfp4, 128) {
+        eprintln!("attention v3 f16: no sm_90a module on this device; nothing to check");
+        return;
+    }
+    let book = ops::VqBook::upload(dev).unwrap();
+    let mut cases: Vec<AttnCase> = coded_attention_cases().into_iter().filter(|c| c.d_head == 64 || c.d_head == 128).collect();
+    cases.push(AttnCase { n_seqs: 3, n_heads: 6, n_kv_heads: 3, d_head: 64, n_ctx: 1100, passes: vec![1024, 70], window: 0, softcap: 0.0 });
+    cases.push(AttnCase { n_seqs: 2, n_heads: 4, n_kv_heads: 1, d_head: 128, n_ctx: 1100, passes: vec![700, 333], window: 300, softcap: 0.0 });
+    assert_eq!(cases.len(), 5);
+    for format in [KvFormat::Nvfp4, KvFormat::K4v2, KvFormat::Vq2] {
+        for (i, c) in cases.iter().enumerate() {
+            fast_path_case::<f32>(dev, &mut rng, c, KvRotation::Auto, format, false, Some(&book));
+            if i % 2 == 1 {
+                fast_path_case::<f32>(dev, &mut rng, c, KvRotation::Off, format, false, Some(&book));
+            }
+        }
+        for c in &cases[3..] {
+            fast_path_case::<f32>(dev, &mut rng, c, KvRotation::Auto, format, true, Some(&book));
+        }
+    }
+    // int8, bf16 output, vq2 without its codebook and d_head 96 are errors.
+    let shape = KvShape { n_seqs: 1, n_kv_heads: 1, n_ctx: 8, d_head: 64 };
+    let q = dev.alloc_zeros::<f32>(96).unwrap();
+    let mut o = dev.alloc_zeros::<f32>(96).unwrap();
+    let p = AttnParams { n_seqs: 1, n_tokens: 1, n_heads: 1, pos0: 0, window: 0, scale: 1.0, softcap: 0.0, q_stride: 64, out_stride: 64 };
+    let kc = dev.alloc_zeros::<u8>(shape.coded_bytes(KvFormat::Int8.k())).unwrap();
+    let err = ops::attention_coded_f16::<f32>(dev, KvFormat::Int8, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p, None).unwrap_err();
+    assert!(format!("{err:#}").contains("nvfp4, k4v2 or vq2"), "{err:#}");
+    let kc = dev.alloc_zeros::<u8>(shape.coded_bytes(KvFormat::Nvfp4.k())).unwrap();
+    let mut ob = dev.alloc_zeros::<bf16>(96).unwrap();
+    let err = ops::attention_coded_f16::<bf16>(dev, KvFormat::Nvfp4, q.view(), kc.view(), kc.view(), shape, ob.view_mut(), &p, None).unwrap_err();
+    assert!(format!("{err:#}").contains("f32"), "{err:#}");
+    let kc = dev.alloc_zeros::<u8>(shape.coded_bytes(KvFormat::Vq2.k())).unwrap();
+    let err = ops::attention_coded_f16::<f32>(dev, KvFormat::Vq2, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p, None).unwrap_err();
+    assert!(format!("{err:#}").contains("codebook"), "{err:#}");
+    let shape = KvShape { d_head: 96, ..shape };
+    let kc = dev.alloc_zeros::<u8>(shape.coded_bytes(KvFormat::Nvfp4.k())).unwrap();
+    let p = AttnParams { q_stride: 96, out_stride: 96, ..p };
+    let err = ops::attention_coded_f16::<f32>(dev, KvFormat::Nvfp4, q.view(), kc.view(), kc.view(), shape, o.view_mut(), &p, None).unwrap_err();
+    assert!(format!("{err:#}").contains("d_head 96"), "{err:#}");
+}
+
+/// One case of [`attention_v3_fp8_qk_against_cpu_backend`] (format fp8),
+/// [`attention_v3_int8_qk_against_cpu_backend`] (int8, k8v4) or
+/// [`attention_v3_f16_against_cpu_backend`] (nvfp4, k4v2, vq2: `book` the vq2
+/// codebook): the passes of `c` encoded into a `format` cache (codecs under `rotation`)
+/// on the device and in the CPU backend's cache, the format's fast path's output
+/// against the CPU op's. `v_spread`: each V row times a power of two from 2^-10 to
+/// 2^10, varying within and across key tiles.
+#[allow(clippy::too_many_arguments)]
+fn fast_path_case<O: Elem + Poison + ops::OutElem>(
+    dev: &CudaDevice,
+    rng: &mut ChaCha8Rng,
+    c: &AttnCase,
+    rotation: KvRotation,
+    format: KvFormat,
+    v_spread: bool,
+    book: Option<&ops::VqBook>,
+) {
     use infernix_perplexity::backend::cpu::{CpuBackend, CpuTensor};
     use infernix_perplexity::backend::{Backend, KvGeometry, PassRows};
     let d = c.d_head;
@@ -1671,15 +1736,24 @@ fn fp8_qk_case<O: Elem + Poison + ops::OutElem>(dev: &CudaDevice, rng: &mut ChaC
             }
         }
         let (kd, vd, qd) = (dev.upload(&k).unwrap(), dev.upload(&v).unwrap(), dev.upload(&q).unwrap());
-        ops::kv_encode(dev, codecs.k, kd.view(), c.n_seqs, n_tokens, kv_stride, kc.view_mut(), shape, pos0, n_bad.view_mut(), None).unwrap();
-        ops::kv_encode(dev, codecs.v, vd.view(), c.n_seqs, n_tokens, kv_stride, vc.view_mut(), shape, pos0, n_bad.view_mut(), None).unwrap();
+        ops::kv_encode(dev, codecs.k, kd.view(), c.n_seqs, n_tokens, kv_stride, kc.view_mut(), shape, pos0, n_bad.view_mut(), book).unwrap();
+        ops::kv_encode(dev, codecs.v, vd.view(), c.n_seqs, n_tokens, kv_stride, vc.view_mut(), shape, pos0, n_bad.view_mut(), book).unwrap();
         let p = AttnParams { n_seqs: c.n_seqs, n_tokens, n_heads: c.n_heads, pos0, window: c.window, scale, softcap: c.softcap, q_stride: width, out_stride: width };
         let mut out = poisoned::<O>(dev, n_rows * width);
-        if format == KvFormat::Fp8 {
-            ops::attention_coded_fp8_qk::<O>(dev, codecs, qd.view(), kc.view(), vc.view(), shape, out.view_mut(), &p).unwrap();
-        } else {
-            ops::attention_coded_int8_qk::<O>(dev, codecs, qd.view(), kc.view(), vc.view(), shape, out.view_mut(), &p).unwrap();
-        }
+        let fast_path = match format {
+            KvFormat::Fp8 => {
+                ops::attention_coded_fp8_qk::<O>(dev, codecs, qd.view(), kc.view(), vc.view(), shape, out.view_mut(), &p).unwrap();
+                ops::FAST_PATH_ATTN_FP8_QK
+            }
+            KvFormat::Int8 | KvFormat::K8v4 => {
+                ops::attention_coded_int8_qk::<O>(dev, codecs, qd.view(), kc.view(), vc.view(), shape, out.view_mut(), &p).unwrap();
+                ops::FAST_PATH_ATTN_INT8_QK
+            }
+            _ => {
+                ops::attention_coded_f16::<O>(dev, codecs, qd.view(), kc.view(), vc.view(), shape, out.view_mut(), &p, book).unwrap();
+                ops::FAST_PATH_ATTN_F16
+            }
+        };
         let gpu: Vec<f32> = dev.download(&out).unwrap().into_iter().map(Poison::as_f32).collect();
         let dense = |x: &[f32]| -> Vec<f32> { (0..n_rows).flat_map(|r| x[r * kv_stride..r * kv_stride + kv_w].to_vec()).collect() };
         let rows = PassRows { n_seqs: c.n_seqs, n_tokens, pos0 };
@@ -1696,7 +1770,7 @@ fn fp8_qk_case<O: Elem + Poison + ops::OutElem>(dev: &CudaDevice, rng: &mut ChaC
             .unwrap();
         let what = format!(
             "attention v3 {} d{d} {format} rot={rotation:?}->{} {} windows h{}/{} pos0={pos0} n={n_tokens} win={} cap={}",
-            if format == KvFormat::Fp8 { ops::FAST_PATH_ATTN_FP8_QK } else { ops::FAST_PATH_ATTN_INT8_QK },
+            fast_path,
             O::NAME,
             c.n_seqs,
             c.n_heads,

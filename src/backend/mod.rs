@@ -687,8 +687,14 @@ pub const FAST_PATH_DELTA_CHUNK_3XTF32: &str = "delta-chunk-3xtf32";
 /// per configuration (docs/performance.md); `--fast-path NAME` forces one,
 /// rejects names not in this table (listing it) and refuses every one under
 /// `--lossless`, `--reference` and `--reproducible`.
-pub const FAST_PATHS: &[&str] =
-    &[FAST_PATH_DELTA_CHUNK_TF32, FAST_PATH_DELTA_CHUNK_3XTF32, FAST_PATH_ATTN_FP8_QK, FAST_PATH_ATTN_INT8_QK, FAST_PATH_LM_HEAD_FUSED];
+pub const FAST_PATHS: &[&str] = &[
+    FAST_PATH_DELTA_CHUNK_TF32,
+    FAST_PATH_DELTA_CHUNK_3XTF32,
+    FAST_PATH_ATTN_FP8_QK,
+    FAST_PATH_ATTN_INT8_QK,
+    FAST_PATH_ATTN_F16,
+    FAST_PATH_LM_HEAD_FUSED,
+];
 
 /// The LM head reduced in its GEMM's epilogue (`cuda::ops::lm_head_fused`,
 /// kernels/gemm_sm90a.cu `gemm_bf16_wgmma_lmhead`): no logits written; per row and
@@ -725,6 +731,21 @@ pub const FAST_PATH_ATTN_FP8_QK: &str = "attn-fp8-qk";
 /// it wherever it has a kernel; `--no-fast-path attn-int8-qk` or
 /// `--use-original-int8-prefill-kernel` turn it off.
 pub const FAST_PATH_ATTN_INT8_QK: &str = "attn-int8-qk";
+
+/// Kernel v3 over an nvfp4, k4v2 or vq2 cache computing in f16 where the decoding
+/// kernel rounds to bf16 (`cuda::ops::attention_coded_f16`, `attn_wgmma_d<D>_<fmt>f16`):
+/// the producer decodes K and V to f16, each element code value * f16(scale * 2^-e)
+/// rounded to f16, e a power of two per key tile (nvfp4: (e2m1 * e4m3) exact times
+/// f16(S * 2^-e); vq2: the codeword rounded to f16); q rounded to f16 times a power of
+/// two per row and P to f16, S and P·V by f16 wgmma, K's power of two folded into S's
+/// columns. Each element to about 2^-11 relative where the decoding kernel rounds to
+/// bf16 (2^-9), except rows whose scales lie 2^14 or more below their tile's largest
+/// (f16's subnormals). On by default on the CUDA default route at the head sizes of
+/// `cuda::ops::ATTN_F16_DEFAULT_HEAD_DIMS` (per format, where the H200 measured it
+/// faster than the decoding kernel); naming it forces it wherever it has a kernel;
+/// `--no-fast-path attn-f16` turns it off, and `--use-original-nvfp4-prefill-kernel`
+/// for nvfp4.
+pub const FAST_PATH_ATTN_F16: &str = "attn-f16";
 
 /// Tokens of one prompt-attention wave of the kernel that stores the
 /// quantized KV formats: the query rows one launch of the CUDA prefill

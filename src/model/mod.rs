@@ -754,6 +754,11 @@ pub fn cuda_route(spec: &ExecutionSpec) -> Result<(Route, RouteOptions)> {
             } else {
                 FastPathUse::of(spec, crate::backend::FAST_PATH_ATTN_INT8_QK)
             },
+            attn_f16: if spec.original_nvfp4_prefill_kernel {
+                FastPathUse::Off
+            } else {
+                FastPathUse::of(spec, crate::backend::FAST_PATH_ATTN_F16)
+            },
             lm_head_fused: FastPathUse::of(spec, crate::backend::FAST_PATH_LM_HEAD_FUSED),
         },
     ))

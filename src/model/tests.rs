@@ -508,6 +508,7 @@ fn cuda_runs_reference_and_reproducible_and_refuses_a_reference_off_the_fp32_rou
         reproducible,
         attn_fp8_qk: if reference || reproducible { FastPathUse::Off } else { FastPathUse::Auto },
         attn_int8_qk: if reference || reproducible { FastPathUse::Off } else { FastPathUse::Auto },
+        attn_f16: if reference || reproducible { FastPathUse::Off } else { FastPathUse::Auto },
         lm_head_fused: if reference || reproducible { FastPathUse::Off } else { FastPathUse::Auto },
         ..RouteOptions::default()
     };
@@ -527,6 +528,12 @@ fn cuda_runs_reference_and_reproducible_and_refuses_a_reference_off_the_fp32_rou
     assert_eq!(int8(&["--fast-path", "attn-int8-qk"]), FastPathUse::Forced);
     assert_eq!(int8(&["--no-fast-path", "attn-int8-qk"]), FastPathUse::Off);
     assert_eq!(int8(&["--use-original-int8-prefill-kernel"]), FastPathUse::Off);
+    let f16 = |kv: &str, extra: &[&str]| cuda_route(&spec(&[&["--kv-dtype", kv][..], extra].concat())).unwrap().1.attn_f16;
+    assert_eq!(f16("nvfp4", &[]), FastPathUse::Auto);
+    assert_eq!(f16("vq2", &["--fast-path", "attn-f16"]), FastPathUse::Forced);
+    assert_eq!(f16("k4v2", &["--no-fast-path", "attn-f16"]), FastPathUse::Off);
+    assert_eq!(f16("nvfp4", &["--use-original-nvfp4-prefill-kernel"]), FastPathUse::Off);
+    assert_eq!(f16("nvfp4", &["--reproducible"]), FastPathUse::Off);
     let lm = |extra: &[&str]| cuda_route(&spec(extra)).unwrap().1.lm_head_fused;
     assert_eq!(lm(&["--fast-path", "lm-head-fused"]), FastPathUse::Forced);
     assert_eq!(lm(&["--no-fast-path", "lm-head-fused"]), FastPathUse::Off);

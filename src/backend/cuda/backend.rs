@@ -222,6 +222,8 @@ pub struct RouteOptions {
     pub attn_fp8_qk: FastPathUse,
     /// [`crate::backend::FAST_PATH_ATTN_INT8_QK`]: int8 / k8v4 attention with Q·Kᵀ on K's stored codes.
     pub attn_int8_qk: FastPathUse,
+    /// [`crate::backend::FAST_PATH_ATTN_F16`]: nvfp4 / k4v2 / vq2 attention decoding to f16.
+    pub attn_f16: FastPathUse,
     /// [`crate::backend::FAST_PATH_LM_HEAD_FUSED`]: the LM head reduced in its GEMM's epilogue.
     pub lm_head_fused: FastPathUse,
 }
@@ -587,6 +589,10 @@ impl CudaBackend {
         if O::NAME == "f32" && self.int8_qk_at(shape.d_head)? {
             return ops::attention_coded_int8_qk::<O>(&self.dev, f, q.f32("attention")?.view(), kc.view(), vc.view(), shape, out.view_mut(), p);
         }
+        // attn-f16 writes f32 (as kernel v3's nvfp4, k4v2 and vq2 kernels).
+        if O::NAME == "f32" && self.f16_at(shape.d_head)? {
+            return ops::attention_coded_f16::<O>(&self.dev, f, q.f32("attention")?.view(), kc.view(), vc.view(), shape, out.view_mut(), p, book);
+        }
         ops::attention_coded::<O>(&self.dev, f, q.f32("attention")?.view(), kc.view(), vc.view(), shape, out.view_mut(), p, book)
     }
 
@@ -619,19 +625,35 @@ impl CudaBackend {
     /// output only: the caller checks the output type); forced, wherever
     /// it has one (else an error naming it); never when turned off.
     fn int8_qk_at(&self, d_head: usize) -> Result<bool> {
-        if !matches!(self.kv_dtype, KvFormat::Int8 | KvFormat::K8v4) || self.route != Route::Bf16TensorCore || self.opts.reference {
+        if !matches!(self.kv_dtype, KvFormat::Int8 | KvFormat::K8v4) {
             return Ok(false);
         }
         let covers = ops::attn_int8_qk_covers(&self.dev, self.kv_dtype, d_head);
-        Ok(match self.opts.attn_int8_qk {
+        self.coded_fast_path_at(self.opts.attn_int8_qk, crate::backend::FAST_PATH_ATTN_INT8_QK, covers, ops::attn_int8_qk_default(self.kv_dtype, d_head), d_head)
+    }
+
+    /// Whether an nvfp4, k4v2 or vq2 cache's attention at `d_head` runs the fast path
+    /// [`crate::backend::FAST_PATH_ATTN_F16`], as [`Self::int8_qk_at`] decides for its
+    /// formats (`ops::ATTN_F16_DEFAULT_HEAD_DIMS`).
+    fn f16_at(&self, d_head: usize) -> Result<bool> {
+        if !matches!(self.kv_dtype, KvFormat::Nvfp4 | KvFormat::K4v2 | KvFormat::Vq2) {
+            return Ok(false);
+        }
+        let covers = ops::attn_f16_covers(&self.dev, self.kv_dtype, d_head);
+        self.coded_fast_path_at(self.opts.attn_f16, crate::backend::FAST_PATH_ATTN_F16, covers, ops::attn_f16_default(self.kv_dtype, d_head), d_head)
+    }
+
+    /// A coded-cache fast path's decision on the default route: `by_default` (and
+    /// `covers`) unless turned off; forced, `covers` or an error naming `name`.
+    fn coded_fast_path_at(&self, use_: FastPathUse, name: &str, covers: bool, by_default: bool, d_head: usize) -> Result<bool> {
+        if self.route != Route::Bf16TensorCore || self.opts.reference {
+            return Ok(false);
+        }
+        Ok(match use_ {
             FastPathUse::Off => false,
-            FastPathUse::Auto => covers && ops::attn_int8_qk_default(self.kv_dtype, d_head),
+            FastPathUse::Auto => covers && by_default,
             FastPathUse::Forced => {
-                ensure!(
-                    covers,
-                    "--fast-path {}: no kernel at d_head {d_head} on this device (d_head 64 or 128 on sm_90a); drop it",
-                    crate::backend::FAST_PATH_ATTN_INT8_QK
-                );
+                ensure!(covers, "--fast-path {name}: no kernel at d_head {d_head} on this device (d_head 64 or 128 on sm_90a); drop it");
                 true
             }
         })
@@ -686,6 +708,23 @@ impl CudaBackend {
 
     /// The report's line on the attention fast path.
     fn attention_fast_path(&self) -> String {
+        if matches!(self.kv_dtype, KvFormat::Nvfp4 | KvFormat::K4v2 | KvFormat::Vq2) && self.route == Route::Bf16TensorCore && !self.opts.reference {
+            let name = crate::backend::FAST_PATH_ATTN_F16;
+            let how = match self.opts.attn_f16 {
+                FastPathUse::Off => {
+                    return format!("{name} off (--no-fast-path, --use-original-nvfp4-prefill-kernel or --reproducible): kernel v3's decoding kernel")
+                }
+                FastPathUse::Auto => "on by default",
+                FastPathUse::Forced => "forced (--fast-path)",
+            };
+            let dims: Vec<usize> = ops::ATTN_V3_HEAD_DIMS.iter().copied().filter(|&d| self.f16_at(d).unwrap_or(false)).collect();
+            return format!(
+                "{name} {how}, at d_head {dims:?} on this device: attn_wgmma_d<D>_{}f16 (kernel v3; K and V decoded to f16 as \
+                 code value * f16(scale * 2^-e), e a power of two per key tile; q in f16 times a per-row power of two, P in f16; \
+                 S and P·V by f16 wgmma)",
+                self.kv_dtype.name()
+            );
+        }
         if matches!(self.kv_dtype, KvFormat::Int8 | KvFormat::K8v4) && self.route == Route::Bf16TensorCore && !self.opts.reference {
             let name = crate::backend::FAST_PATH_ATTN_INT8_QK;
             let how = match self.opts.attn_int8_qk {

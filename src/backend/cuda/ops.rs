@@ -2343,19 +2343,60 @@ pub fn attention_coded_int8_qk<O: OutElem>(
     out: DevViewMut<O>,
     p: &AttnParams,
 ) -> Result<()> {
-    let KvCodecs { format, k: kc, v: vc } = kv.into();
+    attention_coded_v3_fast::<O>(dev, V3Variant::QkF16, kv.into(), q, k_cache, v_cache, shape, out, p, None)
+}
+
+/// [`attention_coded_exact`] with kernel v3 and the named fast path
+/// [`FAST_PATH_ATTN_F16`] (`attn_wgmma_d<D>_<nvfp4|k4v2|vq2>f16_f32`): an nvfp4, k4v2 or
+/// vq2 cache at d_head 64 or 128 on sm_90a, the producer decoding K and V to f16 (each
+/// element code value * f16(scale * 2^-e), e a power of two per key tile; nvfp4's
+/// (e2m1 * e4m3) exact in f16 times f16(S * 2^-e); vq2's codewords from an f16 copy of
+/// the codebook), q in f16 times a power of two per row, S and P·V by f16 wgmma, K's
+/// power of two folded into S's columns, O rescaled between tiles as attn-int8-qk's
+/// (kernels/attention_sm90a.cu, "attn-f16"). f32 output only. Parity:
+/// tests/gpu_ops.rs `attention_v3_f16_against_cpu_backend`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_coded_f16<O: OutElem>(
+    dev: &CudaDevice,
+    kv: impl Into<KvCodecs>,
+    q: DevView<f32>,
+    k_cache: DevView<u8>,
+    v_cache: DevView<u8>,
+    shape: KvShape,
+    out: DevViewMut<O>,
+    p: &AttnParams,
+    book: Option<&VqBook>,
+) -> Result<()> {
+    attention_coded_v3_fast::<O>(dev, V3Variant::F16, kv.into(), q, k_cache, v_cache, shape, out, p, book)
+}
+
+/// The fast path of `variant` (attn-int8-qk or attn-f16) over a coded cache: the
+/// format, head size, cache lengths and output type checked, then kernel v3.
+#[allow(clippy::too_many_arguments)]
+fn attention_coded_v3_fast<O: OutElem>(
+    dev: &CudaDevice,
+    variant: V3Variant,
+    kv: KvCodecs,
+    q: DevView<f32>,
+    k_cache: DevView<u8>,
+    v_cache: DevView<u8>,
+    shape: KvShape,
+    out: DevViewMut<O>,
+    p: &AttnParams,
+    book: Option<&VqBook>,
+) -> Result<()> {
+    let KvCodecs { format, k: kc, v: vc } = kv;
+    let name = variant.fast_path().context("attention: kernel v3's decoding kernel is not a fast path")?;
+    ensure!(variant.reads(format), "attention: {name} reads a {} cache, not {format}", variant.formats());
     ensure!(
-        matches!(format, KvFormat::Int8 | KvFormat::K8v4),
-        "attention: {FAST_PATH_ATTN_INT8_QK} reads an int8 or k8v4 cache, not {format}"
-    );
-    ensure!(
-        attn_int8_qk_covers(dev, format, shape.d_head),
-        "attention: {FAST_PATH_ATTN_INT8_QK} has no kernel at d_head {} on this device (d_head 64 or 128, sm_90a)",
+        fast_path_covers(dev, variant, format, shape.d_head),
+        "attention: {name} has no kernel at d_head {} on this device (d_head 64 or 128, sm_90a)",
         shape.d_head
     );
     let (nk, nv) = (shape.coded_bytes(kc), shape.coded_bytes(vc));
     ensure!(k_cache.len() == nk && v_cache.len() == nv, "attention {format}: caches of ({}, {}) bytes, shape {shape:?} needs ({nk}, {nv})", k_cache.len(), v_cache.len());
     format.check_dims(shape.d_head, shape.d_head).with_context(|| format!("attention {format}"))?;
+    let uses_book = kc.elem == ElemCodec::Vq2 || vc.elem == ElemCodec::Vq2;
     let cache = CacheRef {
         kv: format.name(),
         k: k_cache.ptr(),
@@ -2363,17 +2404,18 @@ pub fn attention_coded_int8_qk<O: OutElem>(
         k_row_bytes: kc.row_bytes(shape.d_head),
         v_row_bytes: vc.row_bytes(shape.d_head),
         rot: i32::from(kc.rotate) | (i32::from(vc.rotate) << 1),
-        book: 0,
+        book: if uses_book { book_ptr(ElemCodec::Vq2, book, "attention")? } else { 0 },
     };
     attention_launch_checks(q, shape, &out, p)?;
     if p.n_seqs * p.n_tokens == 0 {
         return Ok(());
     }
-    ensure!(O::NAME == "f32", "attention: {FAST_PATH_ATTN_INT8_QK} writes f32 output (an int8 cache has no bf16-output kernel)");
-    attention_v3::<O>(dev, q, &cache, shape, out, p, V3Variant::QkF16)
+    ensure!(O::NAME == "f32", "attention: {name} writes f32 output (as the {format} decoding kernel)");
+    attention_v3::<O>(dev, q, &cache, shape, out, p, variant)
 }
 
 pub use crate::backend::FAST_PATH_ATTN_FP8_QK;
+pub use crate::backend::FAST_PATH_ATTN_F16;
 pub use crate::backend::FAST_PATH_ATTN_INT8_QK;
 
 /// The (format, head sizes) at which the default route runs [`FAST_PATH_ATTN_INT8_QK`]
@@ -2396,9 +2438,34 @@ pub fn attn_int8_qk_default(format: KvFormat, d_head: usize) -> bool {
 /// Whether [`attention_coded_int8_qk`] has a kernel for `format` (int8 or k8v4) at
 /// `d_head` on this device.
 pub fn attn_int8_qk_covers(dev: &CudaDevice, format: KvFormat, d_head: usize) -> bool {
-    matches!(format, KvFormat::Int8 | KvFormat::K8v4)
-        && ATTN_V3_HEAD_DIMS.contains(&d_head)
-        && dev.has_function(&attn_v3_name(d_head, &format!("{}qk", format.name()), "f32"))
+    fast_path_covers(dev, V3Variant::QkF16, format, d_head)
+}
+
+/// The (format, head sizes) at which the default route runs [`FAST_PATH_ATTN_F16`]
+/// unless it is turned off: where the H200 measured it faster than kernel v3's decoding
+/// kernel at the tool's default context (f16, 2026-12-03 14:37 UTC, causal ctx 4096,
+/// TFLOP/s, fast path / decoding kernel: nvfp4 d 128 264.0 / 259.1, 8B 32/8 282.9 /
+/// 276.8; vq2 d 128 264.3 / 248.1, d 64 217.8 / 209.3, 8B 281.9 / 265.9). nvfp4 at d 64
+/// (209.2 / 210.0) and k4v2 (d 128 286.6 / 287.6, d 64 225.8 / 228.3) keep the decoding
+/// kernel unless named; at ctx 512 the fast path was 1-7 % slower for every format
+/// (docs/performance.md, "Issue 11: attn-f16").
+pub const ATTN_F16_DEFAULT_HEAD_DIMS: &[(KvFormat, &[usize])] = &[(KvFormat::Nvfp4, &[128]), (KvFormat::Vq2, &[64, 128])];
+
+/// Whether the default route runs [`FAST_PATH_ATTN_F16`] for `format` at `d_head`
+/// ([`ATTN_F16_DEFAULT_HEAD_DIMS`]).
+pub fn attn_f16_default(format: KvFormat, d_head: usize) -> bool {
+    ATTN_F16_DEFAULT_HEAD_DIMS.iter().any(|(f, dims)| *f == format && dims.contains(&d_head))
+}
+
+/// Whether [`attention_coded_f16`] has a kernel for `format` (nvfp4, k4v2 or vq2) at
+/// `d_head` on this device.
+pub fn attn_f16_covers(dev: &CudaDevice, format: KvFormat, d_head: usize) -> bool {
+    fast_path_covers(dev, V3Variant::F16, format, d_head)
+}
+
+/// Whether the fast path `variant` has a kernel for `format` at `d_head` on this device.
+fn fast_path_covers(dev: &CudaDevice, variant: V3Variant, format: KvFormat, d_head: usize) -> bool {
+    variant.reads(format) && ATTN_V3_HEAD_DIMS.contains(&d_head) && dev.has_function(&attn_v3_name(d_head, &variant.kv_name(format.name()), "f32"))
 }
 
 /// The head sizes at which the default route runs [`FAST_PATH_ATTN_FP8_QK`] for an fp8
@@ -2555,6 +2622,49 @@ enum V3Variant {
     QkCodes,
     /// `..._<kv>qk_<out>` (attn-int8-qk): K's codes decoded to f16 by the producer.
     QkF16,
+    /// `..._<kv>f16_<out>` (attn-f16): K and V decoded to f16 by the producer.
+    F16,
+}
+
+impl V3Variant {
+    /// The kernel-name part of the cache type (`attn_wgmma_d<D>_<this>_<out>`).
+    fn kv_name(self, kv: &str) -> String {
+        match self {
+            Self::Decode => kv.to_string(),
+            Self::QkCodes | Self::QkF16 => format!("{kv}qk"),
+            Self::F16 => format!("{kv}f16"),
+        }
+    }
+
+    /// The named fast path this variant is (none for the decoding kernel).
+    fn fast_path(self) -> Option<&'static str> {
+        match self {
+            Self::Decode => None,
+            Self::QkCodes => Some(FAST_PATH_ATTN_FP8_QK),
+            Self::QkF16 => Some(FAST_PATH_ATTN_INT8_QK),
+            Self::F16 => Some(FAST_PATH_ATTN_F16),
+        }
+    }
+
+    /// The formats whose caches this variant reads, for messages.
+    fn formats(self) -> &'static str {
+        match self {
+            Self::Decode => "bf16 or quantized",
+            Self::QkCodes => "fp8",
+            Self::QkF16 => "int8 or k8v4",
+            Self::F16 => "nvfp4, k4v2 or vq2",
+        }
+    }
+
+    /// Whether this variant reads a `format` cache.
+    fn reads(self, format: KvFormat) -> bool {
+        match self {
+            Self::Decode => true,
+            Self::QkCodes => format == KvFormat::Fp8,
+            Self::QkF16 => matches!(format, KvFormat::Int8 | KvFormat::K8v4),
+            Self::F16 => matches!(format, KvFormat::Nvfp4 | KvFormat::K4v2 | KvFormat::Vq2),
+        }
+    }
 }
 
 /// Kernel v3 (`attn_wgmma_d<D>_<kv>_<out>`, kv of [`ATTN_V3_KV`]) for a call `attention_launch` checked
@@ -2563,8 +2673,10 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
     let d = shape.d_head;
     let qk = variant != V3Variant::Decode;
     ensure!(
-        !qk || matches!(cache.kv, "fp8" | "int8" | "k8v4"),
-        "attention: {FAST_PATH_ATTN_FP8_QK} / {FAST_PATH_ATTN_INT8_QK} read an fp8, int8 or k8v4 cache, not {}",
+        !qk || cache.kv.parse::<KvFormat>().is_ok_and(|f| variant.reads(f)),
+        "attention: {} reads a {} cache, not {}",
+        variant.fast_path().unwrap_or("kernel v3"),
+        variant.formats(),
         cache.kv
     );
     ensure!(
@@ -2574,7 +2686,7 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
     );
     ensure!(ATTN_V3_HEAD_DIMS.contains(&d), "attention kernel v3: d_head {d} has no kernel (built: {ATTN_V3_HEAD_DIMS:?}); it runs kernel v2");
     let coded = cache.kv != "bf16";
-    let kv_name = if qk { format!("{}qk", cache.kv) } else { cache.kv.to_string() };
+    let kv_name = variant.kv_name(cache.kv);
     let name = attn_v3_name(d, &kv_name, O::NAME);
     ensure!(
         dev.has_function(&name),
@@ -2598,10 +2710,10 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
         cache.v_row_bytes
     );
     let f = func(dev, &name)?;
-    // attn-fp8-qk, attn-int8-qk: K's factors have 2 ST slots (not ST), and BM f32 of the
-    // query rows' 1 / sq follow, then 32 bytes for V's tile exponents (4 warp maxima, one
-    // exponent per stage); attn-fp8-qk's raw K stages hold 16 bytes per row (the scales),
-    // attn-int8-qk's the stored rows.
+    // attn-fp8-qk, attn-int8-qk, attn-f16: K's factors have 2 ST slots (not ST), and BM
+    // f32 of the query rows' 1 / sq follow, then 32 bytes for the tile exponents (4 warp
+    // maxima, one exponent per stage); attn-fp8-qk's raw K stages hold 16 bytes per row
+    // (the scales), the others' the stored rows.
     let smem = if qk {
         let raw_k_row_bytes = if variant == V3Variant::QkCodes { 16 } else { k_row_bytes };
         attn_v3_smem_bytes(d, Some((raw_k_row_bytes, v_row_bytes)), uses_book) + attn_v3_stages(d) * ATTN_V3_BN * 4 + ATTN_V3_BM * 4 + 32
