@@ -186,6 +186,23 @@
 // scale is 2^14 or more below its tile's largest has its elements in f16's subnormal
 // range (absolute error 2^-25 of the tile's unit, a bf16 rounding's worth at 2^24 below),
 // and rows about 2^25 below the largest vanish (r rounds to 0).
+// The named fast path attn-f16 (attn_wgmma_d<D>_<nvfp4|k4v2|vq2>f16_f32,
+// AttnWgmmaCodedArgs as the decoding kernels; ops::attention_coded_f16; 2026-12-03): the
+// decoding kernels computing in f16 where they round to bf16. The producer writes K and
+// V in f16 as pv16 writes attn-int8-qk's V (decode_tile DEC_F16, tile_vexp): each element
+// code value * f16(scale * 2^(127 - e)), e the exponent of the tile's largest scale
+// field, with nvfp4's (e2m1 / 64) * e4m3 exact in f16 (CodeNvfp4::h8) times f16(S * 64 *
+// 2^(127 - e)), int2's 2 (code - 1.5) exact by a permute, a mask and one HFMA2 a pair
+// times f16(scale * 2^(126 - e)), vq2's codewords from an f16 copy of the codebook (each
+// value rounded to f16, written at the kernel's start) times f16(rms * 2^(127 - e)). K's
+// 2^(e - 127) times kmul is every column's factor in attn-int8-qk's ring; q in f16 times
+// a power of two per row, S by f16 wgmma, the softmax, P in f16, P·V by f16 wgmma and O's
+// units as attn-int8-qk's. Numerics against the decoding kernel: each element to about
+// 2^-11 + 2^-12 relative (r's rounding, then the product's; vq2's codeword rounding adds
+// 2^-12) where that kernel rounds code * scale to bf16 (2^-9), except in rows whose
+// scales lie 2^14 or more below the tile's largest (f16's subnormals, as pv16's V). H200, ctx 4096 d 128, TFLOP/s, this / decoding kernel
+// (docs/performance.md, attn-f16): nvfp4 264.0 / 259.1, k4v2 286.6 / 287.6, vq2 264.3 /
+// 248.1; a second raw V stage measured no faster at ctx 4096 and 4-9 % slower at ctx 512.
 // Not covered here (the launcher sends them to v2): d_head 96 and 256, misaligned q /
 // out.
 // attn-fp8-qk: raw K stages of BN * 16 bytes, 2 ST slots of K's factors (not ST), plus BM

@@ -7,7 +7,8 @@
 #       Builds benches/attention.rs in release and packs it, stripped and xz'd, with this
 #       script into .devcarry/ncu/ (git-ignored, about 4 MB).
 #   bash .devcarry/ncu/attention-ncu.sh run        (on the GPU machine; carry [".devcarry/ncu"])
-#       For bf16, fp8, fp8-qk, int8-qk and int8: ncu --clock-control none with the sections
+#       For bf16, fp8, fp8-qk, int8-qk and int8 (or the kernels INFERNIX_NCU_KERNELS
+#       names, "FORMAT KERNEL;..."): ncu --clock-control none with the sections
 #       SpeedOfLight, ComputeWorkloadAnalysis, SchedulerStats and WarpStateStats, then the
 #       stall reasons (smsp__warp_issue_stalled_*_per_warp_active.pct). Reports in $OUT.
 set -u
@@ -37,8 +38,11 @@ run)
         no_instruction not_selected selected lg_throttle tex_throttle branch_resolving drain misc imc_miss; do
         stalls="$stalls${stalls:+,}smsp__warp_issue_stalled_${r}_per_warp_active.pct"
     done
-    for spec in "bf16 attn_wgmma_d128_bf16_f32" "fp8 attn_wgmma_d128_fp8_f32" "fp8 attn_wgmma_d128_fp8qk_f32" \
-        "int8 attn_wgmma_d128_int8qk_f32" "int8 attn_wgmma_d128_int8_f32"; do
+    specs=("bf16 attn_wgmma_d128_bf16_f32" "fp8 attn_wgmma_d128_fp8_f32" "fp8 attn_wgmma_d128_fp8qk_f32"
+        "int8 attn_wgmma_d128_int8qk_f32" "int8 attn_wgmma_d128_int8_f32")
+    # INFERNIX_NCU_KERNELS="FORMAT KERNEL;FORMAT KERNEL;...": other kernels instead.
+    if [[ -n "${INFERNIX_NCU_KERNELS:-}" ]]; then IFS=';' read -r -a specs <<< "$INFERNIX_NCU_KERNELS"; fi
+    for spec in "${specs[@]}"; do
         set -- $spec
         for what in sections stalls; do
             if [[ $what == sections ]]; then
