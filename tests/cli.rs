@@ -129,7 +129,7 @@ fn bad_input_is_one_line_exit_2_and_no_report() {
     let route_cases: [(&str, &[&str], &[&str]); 12] = [
         ("k1", &["--kv-dtype", "fp4"], &["--kv-dtype fp4", "unknown KV format", "nvfp4"]),
         ("k2", &["--lossless", "--kv-dtype", "int8"], &["--kv-dtype int8 with --lossless", "--reference"]),
-        ("k3", &["--fast-path", "int8-attn"], &["--fast-path int8-attn", "no such fast path (valid: delta-chunk-tf32, delta-chunk-3xtf32, attn-fp8-qk, attn-int8-qk, lm-head-fused)"]),
+        ("k3", &["--fast-path", "int8-attn"], &["--fast-path int8-attn", "no such fast path (valid: delta-chunk-tf32, delta-chunk-3xtf32, attn-fp8-qk, attn-int8-qk, attn-f16, lm-head-fused)"]),
         ("k4", &["--use-original-int8-prefill-kernel"], &["--use-original-int8-prefill-kernel", "needs --kv-dtype int8"]),
         ("k6", &["--rope-yarn-factor", "4.5"], &["--rope-yarn-factor 4.5", "[1, 4]"]),
         ("k7", &["--rope-yarn-factor", "NaN"], &["--rope-yarn-factor NaN"]),
