@@ -2298,26 +2298,7 @@ pub fn attention_coded_fp8_qk<O: OutElem>(
     out: DevViewMut<O>,
     p: &AttnParams,
 ) -> Result<()> {
-    let KvCodecs { format, k: kc, v: vc } = kv.into();
-    ensure!(format == KvFormat::Fp8, "attention: {FAST_PATH_ATTN_FP8_QK} reads an fp8 cache, not {format}");
-    ensure!(attn_fp8_qk_covers(dev, shape.d_head), "attention: {FAST_PATH_ATTN_FP8_QK} has no kernel at d_head {} on this device (d_head 64 or 128, sm_90a)", shape.d_head);
-    let (nk, nv) = (shape.coded_bytes(kc), shape.coded_bytes(vc));
-    ensure!(k_cache.len() == nk && v_cache.len() == nv, "attention {format}: caches of ({}, {}) bytes, shape {shape:?} needs ({nk}, {nv})", k_cache.len(), v_cache.len());
-    format.check_dims(shape.d_head, shape.d_head).with_context(|| format!("attention {format}"))?;
-    let cache = CacheRef {
-        kv: format.name(),
-        k: k_cache.ptr(),
-        v: v_cache.ptr(),
-        k_row_bytes: kc.row_bytes(shape.d_head),
-        v_row_bytes: vc.row_bytes(shape.d_head),
-        rot: i32::from(kc.rotate) | (i32::from(vc.rotate) << 1),
-        book: 0,
-    };
-    attention_launch_checks(q, shape, &out, p)?;
-    if p.n_seqs * p.n_tokens == 0 {
-        return Ok(());
-    }
-    attention_v3::<O>(dev, q, &cache, shape, out, p, V3Variant::QkCodes)
+    attention_coded_v3_fast::<O>(dev, V3Variant::QkCodes, kv.into(), q, k_cache, v_cache, shape, out, p, None)
 }
 
 /// [`attention_coded_exact`] with kernel v3 and the named fast path
@@ -2370,8 +2351,9 @@ pub fn attention_coded_f16<O: OutElem>(
     attention_coded_v3_fast::<O>(dev, V3Variant::F16, kv.into(), q, k_cache, v_cache, shape, out, p, book)
 }
 
-/// The fast path of `variant` (attn-int8-qk or attn-f16) over a coded cache: the
-/// format, head size, cache lengths and output type checked, then kernel v3.
+/// The fast path of `variant` (attn-fp8-qk, attn-int8-qk or attn-f16) over a coded
+/// cache: the format, head size, cache lengths and output type (f32, or bf16 for
+/// attn-fp8-qk) checked, then kernel v3.
 #[allow(clippy::too_many_arguments)]
 fn attention_coded_v3_fast<O: OutElem>(
     dev: &CudaDevice,
@@ -2410,7 +2392,7 @@ fn attention_coded_v3_fast<O: OutElem>(
     if p.n_seqs * p.n_tokens == 0 {
         return Ok(());
     }
-    ensure!(O::NAME == "f32", "attention: {name} writes f32 output (as the {format} decoding kernel)");
+    ensure!(O::NAME == "f32" || variant == V3Variant::QkCodes, "attention: {name} writes f32 output (as the {format} decoding kernel)");
     attention_v3::<O>(dev, q, &cache, shape, out, p, variant)
 }
 
@@ -2477,7 +2459,7 @@ pub const ATTN_FP8_QK_DEFAULT_HEAD_DIMS: &[usize] = &[128];
 
 /// Whether [`attention_coded_fp8_qk`] has a kernel for `d_head` on this device.
 pub fn attn_fp8_qk_covers(dev: &CudaDevice, d_head: usize) -> bool {
-    ATTN_V3_HEAD_DIMS.contains(&d_head) && dev.has_function(&attn_v3_name(d_head, "fp8qk", "f32"))
+    fast_path_covers(dev, V3Variant::QkCodes, KvFormat::Fp8, d_head)
 }
 
 /// One layer's K and V caches as a kernel sees them (lengths checked by the caller).
