@@ -194,7 +194,9 @@
 // field, with nvfp4's (e2m1 / 64) * e4m3 exact in f16 (CodeNvfp4::h8) times f16(S * 64 *
 // 2^(127 - e)), int2's 2 (code - 1.5) exact by a permute, a mask and one HFMA2 a pair
 // times f16(scale * 2^(126 - e)), vq2's codewords from an f16 copy of the codebook (each
-// value rounded to f16, written at the kernel's start) times f16(rms * 2^(127 - e)). K's
+// value rounded to f16, written at the kernel's start) times f16(rms * 2^(127 - e)); an
+// nvfp4 K chunk in the order 0, 2, 4, 6, 1, 3, 5, 7 (DEC_F16K: the E4M3 bytes of the even
+// and the odd nibbles straight from q, no byte permute), q's chunk staged alike. K's
 // 2^(e - 127) times kmul is every column's factor in attn-int8-qk's ring; q in f16 times
 // a power of two per row, S by f16 wgmma, the softmax, P in f16, P·V by f16 wgmma and O's
 // units as attn-int8-qk's. Numerics against the decoding kernel: each element to about
@@ -202,7 +204,8 @@
 // 2^-12) where that kernel rounds code * scale to bf16 (2^-9), except in rows whose
 // scales lie 2^14 or more below the tile's largest (f16's subnormals, as pv16's V). H200, ctx 4096 d 128, TFLOP/s, this / decoding kernel
 // (docs/performance.md, attn-f16): nvfp4 264.0 / 259.1, k4v2 286.6 / 287.6, vq2 264.3 /
-// 248.1; a second raw V stage measured no faster at ctx 4096 and 4-9 % slower at ctx 512.
+// 248.1; a second raw V stage measured no faster at ctx 4096 and 4-9 % slower at ctx 512;
+// nvfp4's K in DEC_F16K's order: 268.4 (the decoding kernel 252.1 in that call).
 // Not covered here (the launcher sends them to v2): d_head 96 and 256, misaligned q /
 // out.
 // attn-fp8-qk: raw K stages of BN * 16 bytes, 2 ST slots of K's factors (not ST), plus BM
@@ -454,7 +457,7 @@ __device__ __forceinline__ uint32_t smax_f32s(uint32_t addr) {
 template <typename CODE>
 struct RowBytes {
     static constexpr int BATCH = 8;
-    static constexpr bool ONE_SCALE = true, BOOK = false;
+    static constexpr bool ONE_SCALE = true, BOOK = false, K_PERMUTED = false;
     static __host__ __device__ constexpr int bytes(int d) { return coded_row_bytes(d); }
     using Raw = uint2;
     using Scale = float;
@@ -492,7 +495,7 @@ struct RowBytes {
 // float 2^23 + q exactly; subtracting 2^23 + 8 (exact) leaves q - 8.
 struct RowInt4G32 {
     static constexpr int BATCH = 8;
-    static constexpr bool ONE_SCALE = false, BOOK = false;
+    static constexpr bool ONE_SCALE = false, BOOK = false, K_PERMUTED = false;
     static __host__ __device__ constexpr int bytes(int d) { return (d / 2 + 4 * (d / 32) + 15) / 16 * 16; }
     using Raw = uint32_t;
     using Scale = float;
@@ -526,7 +529,7 @@ struct RowInt4G32 {
 // 2^22 + 1.5 (exact) leaves q - 1.5.
 struct RowInt2G32 {
     static constexpr int BATCH = 8;
-    static constexpr bool ONE_SCALE = false, BOOK = false;
+    static constexpr bool ONE_SCALE = false, BOOK = false, K_PERMUTED = false;
     static __host__ __device__ constexpr int bytes(int d) { return (d / 4 + 4 * (d / 32) + 15) / 16 * 16; }
     using Raw = uint32_t;
     using Scale = float;
@@ -565,7 +568,7 @@ struct RowInt2G32 {
 // (common.cuh CodeNvfp4, as kernel v2's DecNvfp4).
 struct RowNvfp4 {
     static constexpr int BATCH = 4;
-    static constexpr bool ONE_SCALE = false, BOOK = false;
+    static constexpr bool ONE_SCALE = false, BOOK = false, K_PERMUTED = true;
     static __host__ __device__ constexpr int bytes(int d) { return (d / 2 + 4 + d / 16 + 15) / 16 * 16; }
     using Raw = uint32_t;
     struct Scale {
@@ -581,18 +584,21 @@ struct RowNvfp4 {
     // attn-f16: the tile's power of two from the row scales S.
     template <int D>
     static __device__ __forceinline__ uint32_t smax_bits(uint32_t row) { return smax_f32s<1>(row + D / 2); }
-    // (e2m1 / 64) * e4m3 exact in f16 (CodeNvfp4::h8), times r = f16(S * 64 * rmul).
+    // (e2m1 / 64) * e4m3 exact in f16 (CodeNvfp4::h8), times r = f16(S * 64 * rmul);
+    // ORDERED false: the elements in K_ORDER (attn-f16's K).
+    template <bool ORDERED = true>
     static __device__ __forceinline__ uint4 dech8(Raw q, Scale s, float rmul, uint32_t) {
         uint32_t h[4];
-        CodeNvfp4::h8(q, s.block, h);
+        CodeNvfp4::h8<ORDERED>(q, s.block, h);
         return mul_h8(h, s.row * 64.0f * rmul);
     }
+
 };
 // vq2 (K and V of vq2): D/4 one-byte codeword indices (elements 4i .. 4i + 3), the f32
 // RMS at byte D/4; value codeword * rms (DecVq2), each of the 4 elements one __fmul_rn.
 struct RowVq2 {
     static constexpr int BATCH = 4;
-    static constexpr bool ONE_SCALE = false, BOOK = true;
+    static constexpr bool ONE_SCALE = false, BOOK = true, K_PERMUTED = false;
     static __host__ __device__ constexpr int bytes(int d) { return (d / 4 + 4 + 15) / 16 * 16; }
     using Raw = uint32_t;
     using Scale = float;
@@ -646,8 +652,10 @@ struct CacheCoded {
 // cache gets; DEC_F16 (V under attn-int8-qk, RC::dech8): the code value (exact in f16)
 // times r = f16(scale * rmul), rounded to f16, where rmul = 2^-e is the tile's power of
 // two (tile_vexp), so r < 4 whatever the scales' magnitude; DEC_HCODES (K under
-// attn-int8-qk, RC::hcodes8): the code value in f16, exact.
-constexpr int DEC_CODES = 0, DEC_BF16 = 1, DEC_F16 = 2, DEC_HCODES = 3;
+// attn-int8-qk, RC::hcodes8): the code value in f16, exact; DEC_F16K (K under attn-f16
+// where RC::K_PERMUTED): DEC_F16 with each chunk's elements in the order 0, 2, 4, 6, 1,
+// 3, 5, 7 (no byte permute), q staged alike.
+constexpr int DEC_CODES = 0, DEC_BF16 = 1, DEC_F16 = 2, DEC_HCODES = 3, DEC_F16K = 4;
 
 // One tile of BN coded rows (raw stage at `raw`, rows of RC::bytes(D), as the TMA box
 // lands them) into the 16-bit stage at `dst` in the layout the consumers read (the
@@ -661,7 +669,7 @@ template <int D, typename RC, int MODE>
 __device__ __forceinline__ void decode_tile(uint32_t raw, uint32_t dst, int tid, uint32_t book, float rmul = 1.0f) {
     constexpr int NT = 128, B = RC::BATCH;  // decoding threads; chunks whose loads go out together
     constexpr int CH = D / 8, RB = RC::bytes(D), IT = BN * CH / NT;
-    constexpr bool SCALED = MODE == DEC_BF16 || MODE == DEC_F16;
+    constexpr bool SCALED = MODE == DEC_BF16 || MODE == DEC_F16 || MODE == DEC_F16K;
     static_assert(NT % CH == 0 && IT % B == 0, "decode_tile: a thread keeps one column chunk");
     const int c = tid % CH, r0 = tid / CH;  // rows r0 + (NT / CH) k
     const uint32_t src = raw + r0 * RB;
@@ -683,7 +691,9 @@ __device__ __forceinline__ void decode_tile(uint32_t raw, uint32_t dst, int tid,
         for (int b = 0; b < B; ++b) {
             const int r = r0 + (k0 + b) * (NT / CH);
             const uint32_t at = out + (k0 + b) * (NT / CH) * 128 + (((c % 8) ^ (r & 7)) * 16);
-            if constexpr (MODE == DEC_F16) {
+            if constexpr (MODE == DEC_F16K) {
+                st_shared_v4(at, RC::template dech8<false>(q[b], sc[b], rmul, book));
+            } else if constexpr (MODE == DEC_F16) {
                 st_shared_v4(at, RC::dech8(q[b], sc[b], rmul, book));
             } else if constexpr (MODE == DEC_HCODES) {
                 st_shared_v4(at, RC::hcodes8(q[b]));
@@ -946,7 +956,8 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                     // code * scale * 2^(127 - e) in f16, and every column's factor kmul *
                     // 2^(e - 127) in slot g % 2 ST (as attn-int8-qk's).
                     const int e = tile_vexp<D, KRow>(rk + slot * RAW_K_BYTES, vslots, tid);
-                    decode_tile<D, KRow, DEC_F16>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, tid, book, __uint_as_float((uint32_t)(254 - e) << 23));
+                    decode_tile<D, KRow, KRow::K_PERMUTED ? DEC_F16K : DEC_F16>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, tid, book,
+                                                                               __uint_as_float((uint32_t)(254 - e) << 23));
                     st_shared_f32(kfac + (g % KFS) * BN * 4 + 4 * tid, __fmul_rn(kmul, __uint_as_float((uint32_t)e << 23)));
                     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                     mbar_arrive(full_k(s));
@@ -1136,9 +1147,15 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                     const bool ok = eb >= 15u && eb <= 254u;
                     const float sqf = ok ? __uint_as_float((268u - eb) << 23) : 1.0f;
                     const float rqf = ok ? __uint_as_float((eb - 14u) << 23) : 1.0f;
+                    // attn-f16 over K rows decoded in DEC_F16K's order: q's chunk in that
+                    // order too (q·k is unchanged by a common permutation of the index).
+                    constexpr bool PERM = QF && CACHE::KRow::K_PERMUTED;
                     uint32_t hw[4];
 #pragma unroll
-                    for (int p2 = 0; p2 < 4; ++p2) hw[p2] = h2_bits(__floats2half2_rn(v[2 * p2] * sqf, v[2 * p2 + 1] * sqf));
+                    for (int p2 = 0; p2 < 4; ++p2) {
+                        const int i0 = PERM ? (p2 & 1) * 4 + (p2 >> 1) : 2 * p2, i1 = PERM ? i0 + 2 : 2 * p2 + 1;
+                        hw[p2] = h2_bits(__floats2half2_rn(v[i0] * sqf, v[i1] * sqf));
+                    }
                     st_shared_v4(sq + (ch / 8) * (BM * 128) + r * 128 + (((ch % 8) ^ (r & 7)) * 16), make_uint4(hw[0], hw[1], hw[2], hw[3]));
                     if (ch == 0) st_shared_f32(qfac + 4 * r, rqf);
                 } else {
