@@ -74,8 +74,9 @@
 // the packing of P), and the no-instruction stalls are gone (0.04 cycles, tensor
 // pipe 50 % busy at d 128; docs/performance.md, "Prefill attention kernels", attn4).
 // A coded cache (every quantized format): the producer warpgroup is 128 decoding threads
-// (setmaxnreg 40 for them, 232 for the consumers, against 24 / 240 for a bf16
-// cache). Thread 0 brings the stored K rows and V rows of the tiles, as stored, by
+// (setmaxnreg 56 for them, 224 for the consumers, against 24 / 240 for a bf16
+// cache; 40 / 232 under attn-fp8-qk and attn-int8-qk, and for every coded cache
+// until prod56, 2026-12-03: docs/performance.md). Thread 0 brings the stored K rows and V rows of the tiles, as stored, by
 // TMA (a 3-D byte map over the rows, box (row bytes, BN, 1), no swizzle, rows past
 // kv_len zero-filled) into raw stages: two for K (tile g in stage g % 2, so tile
 // g + 1's rows land while tile g decodes) and one for V (raw_k[2] / raw_v
@@ -197,7 +198,8 @@
 // value rounded to f16, written at the kernel's start) times f16(rms * 2^(127 - e)); an
 // nvfp4 K chunk in the order 0, 2, 4, 6, 1, 3, 5, 7 (DEC_F16K: the E4M3 bytes of the even
 // and the odd nibbles straight from q, no byte permute), q's chunk staged alike. K's
-// 2^(e - 127) times kmul is every column's factor in attn-int8-qk's ring; q in f16 times
+// 2^(e - 127) times kmul is every column's factor, one float per tile in attn-int8-qk's
+// ring (the consumers multiply S by it as a bf16 cache's by scale * log2 e); q in f16 times
 // a power of two per row, S by f16 wgmma, the softmax, P in f16, P·V by f16 wgmma and O's
 // units as attn-int8-qk's. Numerics against the decoding kernel: each element to about
 // 2^-11 + 2^-12 relative (r's rounding, then the product's; vq2's codeword rounding adds
@@ -420,10 +422,7 @@ __host__ __device__ constexpr int coded_row_bytes(int d) { return (d + 4 + 15) /
 // their decoded values, src/kv's decode (code value times scale, one __fmul_rn; nvfp4
 // (e2m1 * e4m3) * S, the inner product exact; vq2 codeword * rms, the codeword from the
 // block's shared copy of the codebook at `book`). ONE_SCALE: one f32 scale per row, the
-// code values exact in bf16 (`cvt8`, for FOLD_K); BOOK: the codebook is read; BATCH:
-// the chunks whose loads decode_tile issues together (4 for nvfp4 and vq2, whose scale
-// fields and lookups need more registers: with 8, ptxas 13.0 spilled 192 bytes in the
-// d 128 nvfp4 kernel against 12 with 4).
+// code values exact in bf16 (`cvt8`, for FOLD_K); BOOK: the codebook is read.
 __device__ __forceinline__ uint32_t ld_shared_u16(uint32_t addr) {
     unsigned short v;
     asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(addr) : "memory");
@@ -456,7 +455,6 @@ __device__ __forceinline__ uint32_t smax_f32s(uint32_t addr) {
 // D one-byte codes (fp8: CodeE4m3, int8: CodeInt8), the f32 row scale at byte D.
 template <typename CODE>
 struct RowBytes {
-    static constexpr int BATCH = 8;
     static constexpr bool ONE_SCALE = true, BOOK = false, K_PERMUTED = false;
     static __host__ __device__ constexpr int bytes(int d) { return coded_row_bytes(d); }
     using Raw = uint2;
@@ -494,7 +492,6 @@ struct RowBytes {
 // value (q - 8) * s (DecInt4G32). The nibble as the low mantissa bits of 2^23 is the
 // float 2^23 + q exactly; subtracting 2^23 + 8 (exact) leaves q - 8.
 struct RowInt4G32 {
-    static constexpr int BATCH = 8;
     static constexpr bool ONE_SCALE = false, BOOK = false, K_PERMUTED = false;
     static __host__ __device__ constexpr int bytes(int d) { return (d / 2 + 4 * (d / 32) + 15) / 16 * 16; }
     using Raw = uint32_t;
@@ -528,7 +525,6 @@ struct RowInt4G32 {
 // the low mantissa bits of 2^22 (ulp 0.5) is the float 2^22 + q exactly; subtracting
 // 2^22 + 1.5 (exact) leaves q - 1.5.
 struct RowInt2G32 {
-    static constexpr int BATCH = 8;
     static constexpr bool ONE_SCALE = false, BOOK = false, K_PERMUTED = false;
     static __host__ __device__ constexpr int bytes(int d) { return (d / 4 + 4 * (d / 32) + 15) / 16 * 16; }
     using Raw = uint32_t;
@@ -560,14 +556,13 @@ struct RowInt2G32 {
             const uint32_t hi = __byte_perm(q, 0x64646464u, 0x4040u + 0x0101u * i) & 0xFFC0FF30u;
             h[2 * i + 1] = h2_bits(__hfma2(as_h2(hi), as_h2(0x28003000u), as_h2(0xD060D818u)));
         }
-        return mul_h8(h, s * rmul * 0.5f);
+        return mul_h8(h, s * (rmul * 0.5f));
     }
 };
 // nvfp4 (K and V of nvfp4): D/2 bytes of E2M1 nibbles (element 2i low), the f32 row
 // scale S at byte D/2, D/16 E4M3 block scales at byte D/2 + 4; value (e2m1 * e4m3) * S
 // (common.cuh CodeNvfp4, as kernel v2's DecNvfp4).
 struct RowNvfp4 {
-    static constexpr int BATCH = 4;
     static constexpr bool ONE_SCALE = false, BOOK = false, K_PERMUTED = true;
     static __host__ __device__ constexpr int bytes(int d) { return (d / 2 + 4 + d / 16 + 15) / 16 * 16; }
     using Raw = uint32_t;
@@ -590,14 +585,13 @@ struct RowNvfp4 {
     static __device__ __forceinline__ uint4 dech8(Raw q, Scale s, float rmul, uint32_t) {
         uint32_t h[4];
         CodeNvfp4::h8<ORDERED>(q, s.block, h);
-        return mul_h8(h, s.row * 64.0f * rmul);
+        return mul_h8(h, s.row * (64.0f * rmul));
     }
 
 };
 // vq2 (K and V of vq2): D/4 one-byte codeword indices (elements 4i .. 4i + 3), the f32
 // RMS at byte D/4; value codeword * rms (DecVq2), each of the 4 elements one __fmul_rn.
 struct RowVq2 {
-    static constexpr int BATCH = 4;
     static constexpr bool ONE_SCALE = false, BOOK = true, K_PERMUTED = false;
     static __host__ __device__ constexpr int bytes(int d) { return (d / 4 + 4 + 15) / 16 * 16; }
     using Raw = uint32_t;
@@ -667,7 +661,7 @@ constexpr int DEC_CODES = 0, DEC_BF16 = 1, DEC_F16 = 2, DEC_HCODES = 3, DEC_F16K
 // never NaN.
 template <int D, typename RC, int MODE>
 __device__ __forceinline__ void decode_tile(uint32_t raw, uint32_t dst, int tid, uint32_t book, float rmul = 1.0f) {
-    constexpr int NT = 128, B = RC::BATCH;  // decoding threads; chunks whose loads go out together
+    constexpr int NT = 128, B = 8;  // decoding threads; chunks whose loads go out together
     constexpr int CH = D / 8, RB = RC::bytes(D), IT = BN * CH / NT;
     constexpr bool SCALED = MODE == DEC_BF16 || MODE == DEC_F16 || MODE == DEC_F16K;
     static_assert(NT % CH == 0 && IT % B == 0, "decode_tile: a thread keeps one column chunk");
@@ -869,7 +863,8 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             // make their st.shared visible to wgmma (fence.proxy.async) and arrive on full_k /
             // full_v; after a named barrier (every thread done reading the raw stage) thread 0
             // fetches tile g + 1's rows into it, so that copy runs while the consumers work.
-            asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+            if constexpr (QK || QH) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+            else asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
             if constexpr (CACHE::BOOK) {
                 // The codebook into shared memory (2 float4 per thread); the named barrier
                 // before the first decode makes it visible to the 128 decoding threads.
@@ -953,12 +948,13 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                     else mbar_arrive(full_k(s));
                 } else if constexpr (QF) {
                     // attn-f16: the tile's power of two (tile_vexp over K's scales), K as
-                    // code * scale * 2^(127 - e) in f16, and every column's factor kmul *
-                    // 2^(e - 127) in slot g % 2 ST (as attn-int8-qk's).
+                    // code * scale * 2^(127 - e) in f16, and the factor of all its columns,
+                    // kmul * 2^(e - 127), at the start of slot g % 2 ST (attn-int8-qk's ring:
+                    // one float, read by the consumers as one scalar per tile).
                     const int e = tile_vexp<D, KRow>(rk + slot * RAW_K_BYTES, vslots, tid);
                     decode_tile<D, KRow, KRow::K_PERMUTED ? DEC_F16K : DEC_F16>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, tid, book,
                                                                                __uint_as_float((uint32_t)(254 - e) << 23));
-                    st_shared_f32(kfac + (g % KFS) * BN * 4 + 4 * tid, __fmul_rn(kmul, __uint_as_float((uint32_t)e << 23)));
+                    if (tid == 0) st_shared_f32(kfac + (g % KFS) * BN * 4, __fmul_rn(kmul, __uint_as_float((uint32_t)e << 23)));
                     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                     mbar_arrive(full_k(s));
                 } else {
@@ -1015,8 +1011,11 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
         return;
     }
 
-    // 24 + 2 x 240 (bf16) or 40 + 2 x 232 (coded: the decoders' registers) per thread, x 128.
-    if constexpr (CODED) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    // Per thread, x 128: 24 + 2 x 240 (bf16); coded, 56 + 2 x 224 (the decoders' registers:
+    // 8 chunks in flight in decode_tile), or 40 + 2 x 232 under attn-fp8-qk and
+    // attn-int8-qk (their consumers measured 1-4 % slower at 224).
+    if constexpr (QK || QH) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    else if constexpr (CODED) asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
     else asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
     const int c = warpgroup - 1;  // consumer: rows 64c .. 64c + 63 of each item's query tile
     const int warp = tid / 32, lane = tid % 32;
@@ -1041,6 +1040,8 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
         (void)kq;
         const float4* kfq = nullptr;  // attn-fp8-qk: this lane's factors of the tile being scored
         (void)kfq;
+        float kfs = 1.0f;  // attn-f16: the factor of every column of the tile being scored
+        (void)kfs;
         int gt = 0;           // tiles consumed so far by this block (the producer's g)
         for (int w = blockIdx.x; w < n_items; w += gridDim.x) {
             const Item it = item_of(w, n_qt, a.n_heads, a.n_seqs);
@@ -1258,10 +1259,13 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                     for (int e = 0; e < 4; ++e) {
                         float x;
                         if constexpr (KF) {
-                            float4 k4;
-                            if constexpr (QK || HS) k4 = kfq[4 * (j / 2)];
-                            else k4 = kq[KF ? j / 2 : 0];
-                            const float kf = (j % 2 == 0) ? ((e & 1) ? k4.y : k4.x) : ((e & 1) ? k4.w : k4.z);
+                            float kf = kfs;
+                            if constexpr (!QF) {
+                                float4 k4;
+                                if constexpr (QK || HS) k4 = kfq[4 * (j / 2)];
+                                else k4 = kq[KF ? j / 2 : 0];
+                                kf = (j % 2 == 0) ? ((e & 1) ? k4.y : k4.x) : ((e & 1) ? k4.w : k4.z);
+                            }
                             // q·(c s) = (q·c) s: kernel v2's expressions (attention.cu, KF).
                             // attn-fp8-qk: x = S kf / sq, the row's 1 / sq applied in the
                             // exponent below (y = S kf here, its row max the same key's).
@@ -1400,7 +1404,8 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             wgmma_wait<0>();
             fence_regs(sc);
             release(empty_k(gt % ST));
-            if constexpr (QK || HS) kfq = reinterpret_cast<const float4*>(attn3_smem + (kfac + (gt % KFS) * BN * 4 - smem_addr(attn3_smem))) + (lane & 3);
+            if constexpr (QF) kfs = ld_shared_f32(kfac + (gt % KFS) * BN * 4);
+            else if constexpr (QK || HS) kfq = reinterpret_cast<const float4*>(attn3_smem + (kfac + (gt % KFS) * BN * 4 - smem_addr(attn3_smem))) + (lane & 3);
             softmax_tile(tile_first, corr);
             pack_p();
             for (int i = 1; i < n_tiles; ++i) {
@@ -1415,7 +1420,8 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 wgmma_wait<1>();  // S of tile i done (groups retire in order); P·V of i - 1 may run
                 fence_regs(sc);
                 release(empty_k(s));
-                if constexpr (QK || HS) kfq = reinterpret_cast<const float4*>(attn3_smem + (kfac + (j % KFS) * BN * 4 - smem_addr(attn3_smem))) + (lane & 3);
+                if constexpr (QF) kfs = ld_shared_f32(kfac + (j % KFS) * BN * 4);
+                else if constexpr (QK || HS) kfq = reinterpret_cast<const float4*>(attn3_smem + (kfac + (j % KFS) * BN * 4 - smem_addr(attn3_smem))) + (lane & 3);
                 softmax_tile(tile_first + i, corr);
                 wgmma_wait<0>();  // P·V of tile i - 1 done: pa and o are free
                 fence_regs(o);

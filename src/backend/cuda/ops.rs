@@ -2425,13 +2425,16 @@ pub fn attn_int8_qk_covers(dev: &CudaDevice, format: KvFormat, d_head: usize) ->
 
 /// The (format, head sizes) at which the default route runs [`FAST_PATH_ATTN_F16`]
 /// unless it is turned off: where the H200 measured it faster than kernel v3's decoding
-/// kernel at the tool's default context (f16, 2026-12-03 14:37 UTC, causal ctx 4096,
-/// TFLOP/s, fast path / decoding kernel: nvfp4 d 128 264.0 / 259.1, 8B 32/8 282.9 /
-/// 276.8; vq2 d 128 264.3 / 248.1, d 64 217.8 / 209.3, 8B 281.9 / 265.9). nvfp4 at d 64
-/// (209.2 / 210.0) and k4v2 (d 128 286.6 / 287.6, d 64 225.8 / 228.3) keep the decoding
-/// kernel unless named; at ctx 512 the fast path was 1-7 % slower for every format
-/// (docs/performance.md, "Issue 11: attn-f16").
-pub const ATTN_F16_DEFAULT_HEAD_DIMS: &[(KvFormat, &[usize])] = &[(KvFormat::Nvfp4, &[128]), (KvFormat::Vq2, &[64, 128])];
+/// kernel at the tool's default context. prod56 (2026-12-03 17:59 UTC, both kernels with
+/// the decoders at 56 registers; causal ctx 4096, TFLOP/s, fast path / decoding kernel,
+/// mean of two rounds): d 128 nvfp4 294.8 / 286.5, k4v2 306.5 / 289.9, vq2 283.5 / 258.6;
+/// 8B 32/8 nvfp4 314.0 / 304.5, k4v2 327.5 / 309.4, vq2 303.0 / 279.9; d 64 k4v2 243.4 /
+/// 237.7, vq2 244.8 / 228.8, nvfp4 238.3 / 244.0 (so nvfp4 at d 64 keeps the decoding
+/// kernel unless named). At ctx 512 d 128 the fast path is 0.4-5 % slower (nvfp4 147.6 /
+/// 154.8). Before prod56 (attn-f16, 14:37 UTC) k4v2 had measured no faster (d 128 286.6
+/// / 287.6) and was not on by default (docs/performance.md, "Issue 11: prod56").
+pub const ATTN_F16_DEFAULT_HEAD_DIMS: &[(KvFormat, &[usize])] =
+    &[(KvFormat::Nvfp4, &[128]), (KvFormat::K4v2, &[64, 128]), (KvFormat::Vq2, &[64, 128])];
 
 /// Whether the default route runs [`FAST_PATH_ATTN_F16`] for `format` at `d_head`
 /// ([`ATTN_F16_DEFAULT_HEAD_DIMS`]).
