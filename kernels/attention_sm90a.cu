@@ -74,9 +74,10 @@
 // the packing of P), and the no-instruction stalls are gone (0.04 cycles, tensor
 // pipe 50 % busy at d 128; docs/performance.md, "Prefill attention kernels", attn4).
 // A coded cache (every quantized format): the producer warpgroup is 128 decoding threads
-// (setmaxnreg 56 for them, 224 for the consumers, against 24 / 240 for a bf16
-// cache; 40 / 232 under attn-fp8-qk and attn-int8-qk, and for every coded cache
-// until prod56, 2026-12-03: docs/performance.md). Thread 0 brings the stored K rows and V rows of the tiles, as stored, by
+// (setmaxnreg 56 for them, 224 for the consumers, against 24 / 240 for a bf16 cache;
+// 40 / 232 under attn-fp8-qk and attn-int8-qk, and for every coded cache until prod56,
+// 2026-12-03: docs/performance.md). Thread 0 brings the stored K rows and V rows of the
+// tiles, as stored, by
 // TMA (a 3-D byte map over the rows, box (row bytes, BN, 1), no swizzle, rows past
 // kv_len zero-filled) into raw stages: two for K (tile g in stage g % 2, so tile
 // g + 1's rows land while tile g decodes) and one for V (raw_k[2] / raw_v
@@ -90,8 +91,9 @@
 // named barrier among the 128 (the raw stage read) thread 0 fetches tile g + 2's K
 // rows into it; the same for V (tile g + 1). The decode of each format is kernel
 // v2's (attention.cu flash::Dec*: code value * scale in f32, nvfp4 (e2m1 * e4m3) * S,
-// vq2 codeword * rms), rounded to bf16; vq2's codebook (4 KiB) is copied into shared
-// memory by the producer before its first decode and read there.
+// vq2 codeword * rms), rounded to bf16; vq2's codebook is copied into shared
+// memory by the producer before its first decode and read there, one copy per lane of
+// those a load serves together (BOOK_BYTES: no bank conflicts whatever the indices).
 // With FOLD_K (off: attn7 measured it no faster, 310-314 against 314-316 TFLOP/s
 // for fp8 at d 128, docs/performance.md), K (one-byte codes) is folded as kernel
 // v2 folds it (attention.cu DecByte): the
@@ -192,22 +194,27 @@
 // decoding kernels computing in f16 where they round to bf16. The producer writes K and
 // V in f16 as pv16 writes attn-int8-qk's V (decode_tile DEC_F16, tile_vexp): each element
 // code value * f16(scale * 2^(127 - e)), e the exponent of the tile's largest scale
-// field, with nvfp4's (e2m1 / 64) * e4m3 exact in f16 (CodeNvfp4::h8) times f16(S * 64 *
-// 2^(127 - e)), int2's 2 (code - 1.5) exact by a permute, a mask and one HFMA2 a pair
-// times f16(scale * 2^(126 - e)), vq2's codewords from an f16 copy of the codebook (each
-// value rounded to f16, written at the kernel's start) times f16(rms * 2^(127 - e)); an
-// nvfp4 K chunk in the order 0, 2, 4, 6, 1, 3, 5, 7 (DEC_F16K: the E4M3 bytes of the even
-// and the odd nibbles straight from q, no byte permute), q's chunk staged alike. K's
-// 2^(e - 127) times kmul is every column's factor, one float per tile in attn-int8-qk's
-// ring (the consumers multiply S by it as a bf16 cache's by scale * log2 e); q in f16 times
-// a power of two per row, S by f16 wgmma, the softmax, P in f16, P·V by f16 wgmma and O's
-// units as attn-int8-qk's. Numerics against the decoding kernel: each element to about
-// 2^-11 + 2^-12 relative (r's rounding, then the product's; vq2's codeword rounding adds
-// 2^-12) where that kernel rounds code * scale to bf16 (2^-9), except in rows whose
-// scales lie 2^14 or more below the tile's largest (f16's subnormals, as pv16's V). H200, ctx 4096 d 128, TFLOP/s, this / decoding kernel
+// field, with nvfp4's e2m1 / 64 exact in f16 (CodeNvfp4::codes8) times f16(e4m3 * f16(S *
+// 64 * 2^(127 - e))) (one HMUL2 a block, one a pair; c2, 2026-12-03), int2's 2 (code -
+// 1.5) exact by a permute, a mask and one HFMA2 a pair times f16(scale * 2^(126 - e)),
+// vq2's codewords from f16 copies of the codebook (each value rounded to f16, written at
+// the kernel's start) times f16(rms * 2^(127 - e)); an nvfp4 K chunk in the order 0, 2,
+// 4, 6, 1, 3, 5, 7 (DEC_F16K: the E4M3 bytes of the even and the odd nibbles straight
+// from q, no byte permute), q's chunk staged alike. K's 2^(e - 127) times kmul is every
+// column's factor, one float per tile in attn-int8-qk's ring (the consumers multiply S by
+// it as a bf16 cache's by scale * log2 e); q in f16 times a power of two per row, S by
+// f16 wgmma, the softmax, P in f16, P·V by f16 wgmma and O's units as attn-int8-qk's.
+// Numerics against the decoding kernel: each element through f16 roundings of at most
+// 2^-11 relative each, two for int4 and int2 (r's, then the product's), three for nvfp4
+// (r's, e4m3 * r's, the product's; e4m3 * r < 448 * 128, inside f16's range) and for vq2
+// (the codeword's, r's, the product's), where that kernel rounds code * scale to bf16
+// (2^-9 once), except in rows whose scales lie 2^14 or more below the tile's largest
+// (f16's subnormals, as pv16's V). H200, ctx 4096 d 128, TFLOP/s, this / decoding kernel
 // (docs/performance.md, attn-f16): nvfp4 264.0 / 259.1, k4v2 286.6 / 287.6, vq2 264.3 /
 // 248.1; a second raw V stage measured no faster at ctx 4096 and 4-9 % slower at ctx 512;
-// nvfp4's K in DEC_F16K's order: 268.4 (the decoding kernel 252.1 in that call).
+// nvfp4's K in DEC_F16K's order: 268.4 (the decoding kernel 252.1 in that call); after
+// prod56 (setmaxnreg 56): nvfp4 294.8, k4v2 306.5, vq2 283.5; c2: nvfp4 +1.2 % at d 128,
+// +3.1 % at d 64.
 // Not covered here (the launcher sends them to v2): d_head 96 and 256, misaligned q /
 // out.
 // attn-fp8-qk: raw K stages of BN * 16 bytes, 2 ST slots of K's factors (not ST), plus BM
@@ -222,7 +229,7 @@
 // cache adds 128 * (2 * K row bytes + V row bytes) (raw K x 2, V) + 32 (their
 // barriers) + ST * 128 * 4 (K's column factors): fp8 / int8 d 128 221280 bytes, d 64
 // 181408; k8v4 d 128 213088, d 64 177312; nvfp4 d 128 196704, d 64 169120; k4v2 d 128
-// 192608, d 64 167072; vq2 (the 4096-byte codebook included) d 128 188512, d 64 167072.
+// 192608, d 64 167072; vq2 (the codebook's BOOK_BYTES included) d 128 217184, d 64 195744.
 // The launcher (ops::attention_v3) mirrors BM, BN and stages(D).
 // CPU twin: backend::cpu::attention::attention on the same bf16-rounded q, k, v
 // (tests/gpu_ops.rs attention_case); a coded cache: the CPU backend's attention op
@@ -404,13 +411,14 @@ __device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
 
 __device__ __forceinline__ __half2 as_h2(uint32_t x) { return *reinterpret_cast<const __half2*>(&x); }
 __device__ __forceinline__ uint32_t h2_bits(__half2 v) { return *reinterpret_cast<const uint32_t*>(&v); }
-// Eight f16 code values (four f16x2 words) times r rounded to f16, each product rounded
-// to f16 (HMUL2): attn-int8-qk's V elements (decode_tile's DEC_F16).
-__device__ __forceinline__ uint4 mul_h8(const uint32_t h[4], float r) {
-    const __half2 r2 = __float2half2_rn(r);
+// Eight f16 code values (four f16x2 words) times the f16 pair r2, each product rounded
+// to f16 (HMUL2); the float overload rounds r to f16 first: attn-int8-qk's V elements
+// (decode_tile's DEC_F16).
+__device__ __forceinline__ uint4 mul_h8(const uint32_t h[4], __half2 r2) {
     return make_uint4(h2_bits(__hmul2(as_h2(h[0]), r2)), h2_bits(__hmul2(as_h2(h[1]), r2)), h2_bits(__hmul2(as_h2(h[2]), r2)),
                       h2_bits(__hmul2(as_h2(h[3]), r2)));
 }
+__device__ __forceinline__ uint4 mul_h8(const uint32_t h[4], float r) { return mul_h8(h, __float2half2_rn(r)); }
 
 // Bytes of one row of one-byte codes (src/kv: D codes, the f32 scale, zeros to a multiple of 16).
 __host__ __device__ constexpr int coded_row_bytes(int d) { return (d + 4 + 15) / 16 * 16; }
@@ -433,6 +441,14 @@ __device__ __forceinline__ uint32_t ld_shared_u8(uint32_t addr) {
     asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
     return v;
 }
+// vq2's codebook in shared memory, replicated so that the lookups of a warp never meet
+// in a bank (random codeword indices put about 3 lanes of 16 on one bank pair, a 3-way
+// conflict, when every lane read one copy): 128 bytes per codeword, codeword i's copy j
+// at 128 i + W j, W = 16 bytes (f32, 8 copies: a 16-byte load is served 8 lanes at a
+// time) or 8 (attn-f16's f16, 16 copies: 16 lanes at a time); lane l reads copy l % (128
+// / W), so the lanes served together read 8 or 16 different bank groups whatever their
+// indices. 256 x 128 bytes (vqbook, 2026-12-03).
+constexpr int BOOK_BYTES = 256 * 128;
 // A codeword of the shared codebook: not volatile (the book is written once, before the
 // producer's first decode, behind a barrier), so the compiler may issue the lookups of
 // several chunks together; the address depends on the (volatile) index load.
@@ -579,13 +595,14 @@ struct RowNvfp4 {
     // attn-f16: the tile's power of two from the row scales S.
     template <int D>
     static __device__ __forceinline__ uint32_t smax_bits(uint32_t row) { return smax_f32s<1>(row + D / 2); }
-    // (e2m1 / 64) * e4m3 exact in f16 (CodeNvfp4::h8), times r = f16(S * 64 * rmul);
-    // ORDERED false: the elements in K_ORDER (attn-f16's K).
+    // e2m1 / 64 exact in f16 (CodeNvfp4::codes8) times f16(e4m3 * r), r = f16(S * 64 *
+    // rmul): one HMUL2 for the block's factor, one per pair of elements; ORDERED false: the
+    // elements in K_ORDER (attn-f16's K).
     template <bool ORDERED = true>
     static __device__ __forceinline__ uint4 dech8(Raw q, Scale s, float rmul, uint32_t) {
         uint32_t h[4];
-        CodeNvfp4::h8<ORDERED>(q, s.block, h);
-        return mul_h8(h, s.row * (64.0f * rmul));
+        CodeNvfp4::codes8<ORDERED>(q, h);
+        return mul_h8(h, __hmul2(CodeNvfp4::block_h2(s.block), __float2half2_rn(s.row * (64.0f * rmul))));
     }
 
 };
@@ -599,21 +616,22 @@ struct RowVq2 {
     static __device__ __forceinline__ Raw load(uint32_t row, int c) { return ld_shared_u16(row + 2 * c); }
     template <int D>
     static __device__ __forceinline__ Scale scale(uint32_t row, int) { return ld_shared_f32(row + D / 4); }
+    // `book`: this lane's copy of the codebook (BOOK_BYTES), codeword i at book + 128 i.
     static __device__ __forceinline__ void dec8(Raw q, Scale s, float v[8], uint32_t book) {
-        const float4 c0 = ld_book(book + 16 * (q & 0xFFu)), c1 = ld_book(book + 16 * (q >> 8));
+        const float4 c0 = ld_book(book + 128 * (q & 0xFFu)), c1 = ld_book(book + 128 * (q >> 8));
         const float w[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(w[j], s);
     }
     template <int D>
     static __device__ __forceinline__ uint32_t smax_bits(uint32_t row) { return smax_f32s<1>(row + D / 4); }
-    // attn-f16: the codewords from the block's f16 copy of the codebook (8 bytes each,
+    // attn-f16: the codewords from the lane's f16 copy of the codebook (8 bytes each,
     // written at the kernel's start: each codeword value rounded to f16), times r =
     // f16(rms * rmul).
     static __device__ __forceinline__ uint4 dech8(Raw q, Scale s, float rmul, uint32_t book) {
         uint32_t h[4];
-        asm("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(h[0]), "=r"(h[1]) : "r"(book + 8 * (q & 0xFFu)));
-        asm("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(h[2]), "=r"(h[3]) : "r"(book + 8 * (q >> 8)));
+        asm("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(h[0]), "=r"(h[1]) : "r"(book + 128 * (q & 0xFFu)));
+        asm("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(h[2]), "=r"(h[3]) : "r"(book + 128 * (q >> 8)));
         return mul_h8(h, s * rmul);
     }
 };
@@ -804,14 +822,14 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     // Coded: K's column factors of each bf16 K stage (BN f32, store_kfac's order), read
     // by the consumers before they release the stage (empty_k).
     const uint32_t kfac = bars + 8 * 4 * ST + 32;
-    // vq2: the block's copy of the codebook (256 x 4 f32), written by the producer
+    // vq2: the block's copies of the codebook (BOOK_BYTES), written by the producer
     // before its first decode.
     // attn-fp8-qk, attn-int8-qk: 2 ST slots of factors (tile g in slot g % 2 ST), read
     // during the softmax after the K stage is released (see the producer).
     constexpr int KFS = (QK || HS) ? 2 * ST : ST;
     const uint32_t book = kfac + KFS * BN * 4;
     // attn-fp8-qk, attn-int8-qk: each query row's 1 / sq (BM f32), written when Q is staged.
-    const uint32_t qfac = book + (CACHE::BOOK ? 256 * 16 : 0);
+    const uint32_t qfac = book + (CACHE::BOOK ? BOOK_BYTES : 0);
     // attn-int8-qk (FV: P·V in f16 on V's codes, decode_tile DEC_F16): tile_vexp's 4
     // warp maxima, then each V stage's exponent e (ST ints, written with the stage).
     constexpr bool FV = HS;
@@ -866,23 +884,27 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             if constexpr (QK || QH) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
             else asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
             if constexpr (CACHE::BOOK) {
-                // The codebook into shared memory (2 float4 per thread); the named barrier
-                // before the first decode makes it visible to the 128 decoding threads.
-                // attn-f16: in f16 (each value rounded to nearest even), 8 bytes a codeword.
+                // The codebook into shared memory (BOOK_BYTES, 16 bytes per thread and step,
+                // consecutive threads at consecutive addresses: 16-byte chunk x holds copy x %
+                // 8 of codeword x / 8 in f32, or copies 2 (x % 8) and 2 (x % 8) + 1 in f16);
+                // the named barrier before the first decode makes it visible to the 128
+                // decoding threads. attn-f16: in f16 (each value rounded to nearest even).
                 const float4* src = reinterpret_cast<const float4*>(book_src);
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    const float4 w = src[tid + 128 * i];
-                    if constexpr (QF)
-                        asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(book + 8 * (tid + 128 * i)), "r"(h2_bits(__floats2half2_rn(w.x, w.y))),
-                                     "r"(h2_bits(__floats2half2_rn(w.z, w.w)))
+#pragma unroll 4
+                for (int x = tid; x < BOOK_BYTES / 16; x += 128) {
+                    const float4 w = src[x / 8];
+                    if constexpr (QF) {
+                        const uint32_t lo = h2_bits(__floats2half2_rn(w.x, w.y)), hi = h2_bits(__floats2half2_rn(w.z, w.w));
+                        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(book + 16 * x), "r"(lo), "r"(hi), "r"(lo), "r"(hi) : "memory");
+                    } else {
+                        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(book + 16 * x), "f"(w.x), "f"(w.y), "f"(w.z), "f"(w.w)
                                      : "memory");
-                    else
-                        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(book + 16 * (tid + 128 * i)), "f"(w.x), "f"(w.y), "f"(w.z), "f"(w.w)
-                                     : "memory");
+                    }
                 }
                 asm volatile("bar.sync 3, 128;\n" ::: "memory");
             }
+            // vq2: this lane's copy of the codebook (BOOK_BYTES).
+            const uint32_t lbook = book + (QF ? 8 * (tid % 16) : 16 * (tid % 8));
             using KRow = typename CACHE::KRow;
             using VRow = typename CACHE::VRow;
             struct Cursor {
@@ -952,13 +974,13 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                     // kmul * 2^(e - 127), at the start of slot g % 2 ST (attn-int8-qk's ring:
                     // one float, read by the consumers as one scalar per tile).
                     const int e = tile_vexp<D, KRow>(rk + slot * RAW_K_BYTES, vslots, tid);
-                    decode_tile<D, KRow, KRow::K_PERMUTED ? DEC_F16K : DEC_F16>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, tid, book,
+                    decode_tile<D, KRow, KRow::K_PERMUTED ? DEC_F16K : DEC_F16>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, tid, lbook,
                                                                                __uint_as_float((uint32_t)(254 - e) << 23));
                     if (tid == 0) st_shared_f32(kfac + (g % KFS) * BN * 4, __fmul_rn(kmul, __uint_as_float((uint32_t)e << 23)));
                     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                     mbar_arrive(full_k(s));
                 } else {
-                    decode_tile<D, KRow, QH ? DEC_HCODES : KF ? DEC_CODES : DEC_BF16>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, tid, book);
+                    decode_tile<D, KRow, QH ? DEC_HCODES : KF ? DEC_CODES : DEC_BF16>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, tid, lbook);
                     // QH: tile g's factors in slot g % 2 ST, as attn-fp8-qk's (above).
                     if constexpr (KF) store_kfac<D>(rk + slot * RAW_K_BYTES, kfac + (QH ? g % KFS : s) * BN * 4, tid, kmul);
                     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -970,10 +992,10 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 mbar_wait(empty_v(s), ph);
                 if constexpr (FV) {
                     const int e = tile_vexp<D, VRow>(rv, vslots, tid);
-                    decode_tile<D, VRow, DEC_F16>(rv, sv + s * KV_BYTES, tid, book, __uint_as_float((uint32_t)(254 - e) << 23));
+                    decode_tile<D, VRow, DEC_F16>(rv, sv + s * KV_BYTES, tid, lbook, __uint_as_float((uint32_t)(254 - e) << 23));
                     if (tid == 0) asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(vexp + 4 * s), "r"(e) : "memory");
                 } else {
-                    decode_tile<D, VRow, DEC_BF16>(rv, sv + s * KV_BYTES, tid, book);
+                    decode_tile<D, VRow, DEC_BF16>(rv, sv + s * KV_BYTES, tid, lbook);
                 }
                 asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                 mbar_arrive(full_v(s));

@@ -846,16 +846,17 @@ struct CodeInt8 {
 // (v * b) * S does. Four f16 multiplies and eight f32 ones per 8 elements, where
 // multiplying in f32 took sixteen f32 multiplies (and e4m3_value's branches).
 struct CodeNvfp4 {
-    // The eight products (e2m1 / 64) * e4m3 as four f16x2 words, exact: ORDERED, element
-    // 2i in the low half of h[i], element 2i + 1 in the high; else the elements in the
-    // order 0, 2, 4, 6, 1, 3, 5, 7 (h = (0, 2), (4, 6), (1, 3), (5, 7): no byte permute;
-    // attn-f16's K, whose q is staged in the same order), the E4M3 bytes straight from q:
-    // the even (low) nibbles' sign to bit 7 and magnitude to bits 2-4, ((q << 4) & 0x80..)
-    // | ((q << 2) & 0x1C..); the odd (high) nibbles' sign is already at bit 7, (q & 0x80..)
-    // | ((q >> 2) & 0x1C..). (The same expressions in the ORDERED path measured 2 % slower
-    // in the decoding kernel on the H200, so that path keeps `remap`.)
+    // The eight values e2m1 / 64 as four f16x2 words, exact (the nibble (s e1 e0 m) as the
+    // E4M3 byte (s 0 0 e1 e0 m 0 0)): ORDERED, element 2i in the low half of h[i], element
+    // 2i + 1 in the high; else the elements in the order 0, 2, 4, 6, 1, 3, 5, 7 (h = (0, 2),
+    // (4, 6), (1, 3), (5, 7): no byte permute; attn-f16's K, whose q is staged in the same
+    // order), the E4M3 bytes straight from q: the even (low) nibbles' sign to bit 7 and
+    // magnitude to bits 2-4, ((q << 4) & 0x80..) | ((q << 2) & 0x1C..); the odd (high)
+    // nibbles' sign is already at bit 7, (q & 0x80..) | ((q >> 2) & 0x1C..). (The same
+    // expressions in the ORDERED path measured 2 % slower in the decoding kernel on the
+    // H200, so that path keeps `remap`.)
     template <bool ORDERED = true>
-    static __device__ __forceinline__ void h8(uint32_t q, uint32_t block, uint32_t h[4]) {
+    static __device__ __forceinline__ void codes8(uint32_t q, uint32_t h[4]) {
         uint32_t w0, w1;
         if constexpr (ORDERED) {
             auto remap = [](uint32_t x) { return ((x & 0x08080808u) << 4) | ((x & 0x07070707u) << 2); };
@@ -866,13 +867,22 @@ struct CodeNvfp4 {
             w0 = ((q << 4) & 0x80808080u) | ((q << 2) & 0x1C1C1C1Cu);  // elements 0, 2, 4, 6
             w1 = (q & 0x80808080u) | ((q >> 2) & 0x1C1C1C1Cu);         // elements 1, 3, 5, 7
         }
-        uint32_t b;
         asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h[0]) : "h"((unsigned short)(w0 & 0xFFFFu)));
         asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h[1]) : "h"((unsigned short)(w0 >> 16)));
         asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h[2]) : "h"((unsigned short)(w1 & 0xFFFFu)));
         asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h[3]) : "h"((unsigned short)(w1 >> 16)));
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(b) : "h"((unsigned short)((block & 0xFFu) * 0x101u)));  // (b, b)
-        const __half2 b2 = *reinterpret_cast<const __half2*>(&b);
+    }
+    // The E4M3 block scale's byte as the f16 pair (b, b), exact.
+    static __device__ __forceinline__ __half2 block_h2(uint32_t block) {
+        uint32_t b;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(b) : "h"((unsigned short)((block & 0xFFu) * 0x101u)));
+        return *reinterpret_cast<const __half2*>(&b);
+    }
+    // The eight products (e2m1 / 64) * e4m3 as four f16x2 words, exact, in codes8's order.
+    template <bool ORDERED = true>
+    static __device__ __forceinline__ void h8(uint32_t q, uint32_t block, uint32_t h[4]) {
+        codes8<ORDERED>(q, h);
+        const __half2 b2 = block_h2(block);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const __half2 p = __hmul2(*reinterpret_cast<const __half2*>(&h[i]), b2);

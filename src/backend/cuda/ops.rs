@@ -2003,11 +2003,12 @@ fn attn_v3_name(d_head: usize, kv: &str, out: &str) -> String {
 /// the stages of K and of V (BN x d_head bf16 each), 4 mbarriers per stage; a coded
 /// cache (`raw_row_bytes` = the stored rows' bytes, K's and V's) adds two raw stages
 /// of BN stored K rows and one of V rows, four mbarriers, and K's column factors (one
-/// f32 per key) for each bf16 K stage; `book` (vq2) the codebook's 256 x 4 f32.
+/// f32 per key) for each bf16 K stage; `book` (vq2) the codebook's replicated copies,
+/// 128 bytes per codeword (the kernel's BOOK_BYTES: 8 copies in f32, 16 in f16).
 fn attn_v3_smem_bytes(d_head: usize, raw_row_bytes: Option<(usize, usize)>, book: bool) -> usize {
     let st = attn_v3_stages(d_head);
     let raw = raw_row_bytes.map_or(0, |(kb, vb)| ATTN_V3_BN * (2 * kb + vb) + 4 * 8 + st * ATTN_V3_BN * 4);
-    let book_bytes = if book { crate::kv::vq::N_CODES * crate::kv::vq::DIM * 4 } else { 0 };
+    let book_bytes = if book { crate::kv::vq::N_CODES * 128 } else { 0 };
     1024 + ATTN_V3_BM * d_head * 2 + 2 * st * ATTN_V3_BN * d_head * 2 + 4 * st * 8 + raw + book_bytes
 }
 
@@ -2331,7 +2332,7 @@ pub fn attention_coded_int8_qk<O: OutElem>(
 /// [`FAST_PATH_ATTN_F16`] (`attn_wgmma_d<D>_<nvfp4|k4v2|vq2>f16_f32`): an nvfp4, k4v2 or
 /// vq2 cache at d_head 64 or 128 on sm_90a, the producer decoding K and V to f16 (each
 /// element code value * f16(scale * 2^-e), e a power of two per key tile; nvfp4's
-/// (e2m1 * e4m3) exact in f16 times f16(S * 2^-e); vq2's codewords from an f16 copy of
+/// (e2m1 * e4m3) exact in f16 times f16(S * 2^-e); vq2's codewords from f16 copies of
 /// the codebook), q in f16 times a power of two per row, S and P·V by f16 wgmma, K's
 /// power of two folded into S's columns, O rescaled between tiles as attn-int8-qk's
 /// (kernels/attention_sm90a.cu, "attn-f16"). f32 output only. Parity:
@@ -2432,9 +2433,12 @@ pub fn attn_int8_qk_covers(dev: &CudaDevice, format: KvFormat, d_head: usize) ->
 /// 237.7, vq2 244.8 / 228.8, nvfp4 238.3 / 244.0 (so nvfp4 at d 64 keeps the decoding
 /// kernel unless named). At ctx 512 d 128 the fast path is 0.4-5 % slower (nvfp4 147.6 /
 /// 154.8). Before prod56 (attn-f16, 14:37 UTC) k4v2 had measured no faster (d 128 286.6
-/// / 287.6) and was not on by default (docs/performance.md, "Issue 11: prod56").
+/// / 287.6) and was not on by default (docs/performance.md, "Issue 11: prod56"). Since
+/// vqbook (2026-12-03 20:05 UTC: vq2's codebook one copy per lane, no bank conflicts; mean
+/// of two rounds) vq2's decoding kernel is faster at d 64, 257.1 / 247.3, so d 64 keeps
+/// it; at d 128 the fast path still leads, 308.1 / 300.5 (8B 330.9 / 318.0).
 pub const ATTN_F16_DEFAULT_HEAD_DIMS: &[(KvFormat, &[usize])] =
-    &[(KvFormat::Nvfp4, &[128]), (KvFormat::K4v2, &[64, 128]), (KvFormat::Vq2, &[64, 128])];
+    &[(KvFormat::Nvfp4, &[128]), (KvFormat::K4v2, &[64, 128]), (KvFormat::Vq2, &[128])];
 
 /// Whether the default route runs [`FAST_PATH_ATTN_F16`] for `format` at `d_head`
 /// ([`ATTN_F16_DEFAULT_HEAD_DIMS`]).
