@@ -171,7 +171,7 @@
 // rotated K as v3 (q rotated before the scaling).
 // P·V under attn-int8-qk (FV; pv16, 2026-12-03): V's codes in f16 and P in f16 (the
 // f16 wgmma), where the other kernels use bf16. Per tile the producer takes the largest
-// scale field of the tile's BN V rows (tile_vexp: a warp max, then the four warps'), its
+// scale field of the tile's BN V rows (tile_vexp: each warp reads all BN rows'), its
 // exponent e (clamped to [1, 253]; 127 for a zero tile or a non-finite scale), and
 // writes each element as code * r, r = f16(scale * 2^(127 - e)) < 4, rounded to f16
 // (decode_tile DEC_F16: the code exact in f16 by a byte permute and one HSUB2 (int8), one
@@ -218,8 +218,7 @@
 // Not covered here (the launcher sends them to v2): d_head 96 and 256, misaligned q /
 // out.
 // attn-fp8-qk: raw K stages of BN * 16 bytes, 2 ST slots of K's factors (not ST), plus BM
-// f32 (qfac), plus 32 bytes (unused; attn-int8-qk: tile_vexp's warp maxima, V's exponent
-// per stage): d 128 190080 bytes, d 64 167616. attn-int8-qk: the coded cache's size
+// f32 (qfac), plus 32 bytes (unused; attn-int8-qk: V's exponent per stage): d 128 190080 bytes, d 64 167616. attn-int8-qk: the coded cache's size
 // below plus ST * 128 * 4 (the second ST slots of K's factors), BM f32 and those 32
 // bytes: int8 d 128 222848, d 64 184000; k8v4 d 128 214656, d 64 179904.
 // Launch: grid (min(n_items, n_SMs), 1, 1), n_items = ceil(n_tokens / 128) *
@@ -719,22 +718,23 @@ __device__ __forceinline__ void decode_tile(uint32_t raw, uint32_t dst, int tid,
     }
 }
 
-// DEC_F16's power of two for one tile of V rows (raw stage at `raw`), called by all 128
-// decoding threads together: thread tid takes row tid's largest scale field, the
-// block's largest over the tile's BN rows (a warp max of the bits, nonnegative floats
-// ordering as integers, then the 4 warps' through `slots` and a named barrier); its
-// exponent field e, taken as 127 when it is 0 (a zero or f32-subnormal tile) or 255 (an
-// infinite or NaN scale, which the decode then carries into NaN as src/kv does) and at
-// most 253. The tile's elements are code * scale * 2^(127 - e) (decode_tile DEC_F16's
-// rmul), below 4 in magnitude times the code, the P·V sums in units of 2^(e - 127).
+// DEC_F16's power of two for one tile of rows (raw stage at `raw`), computed by each
+// decoding warp on its own, no barrier among the four (vexpw, 2026-12-03; before, each
+// warp took the maximum of 32 rows and the four met at a named barrier): lane l takes the
+// largest scale field of rows l, l + 32, l + 64 and l + 96, the warp the largest of its
+// lanes' (a warp max of the bits, nonnegative floats ordering as integers), so every warp
+// has the tile's largest; its exponent field e, taken as 127 when it is 0 (a zero or
+// f32-subnormal tile) or 255 (an infinite or NaN scale, which the decode then carries into
+// NaN as src/kv does) and at most 253. The tile's elements are code * scale * 2^(127 - e)
+// (decode_tile DEC_F16's rmul), below 4 in magnitude times the code, the P·V sums in units
+// of 2^(e - 127).
 template <int D, typename RC>
-__device__ __forceinline__ int tile_vexp(uint32_t raw, uint32_t slots, int tid) {
-    const uint32_t m = __reduce_max_sync(0xffffffffu, RC::template smax_bits<D>(raw + tid * RC::bytes(D)));
-    if ((tid & 31) == 0) asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(slots + 4 * (tid >> 5)), "r"(m) : "memory");
-    asm volatile("bar.sync 3, 128;\n" ::: "memory");
-    uint32_t w[4];
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(slots) : "memory");
-    const int e = (int)(max(max(w[0], w[1]), max(w[2], w[3])) >> 23);
+__device__ __forceinline__ int tile_vexp(uint32_t raw, int tid) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int i = 0; i < BN / 32; ++i) m = max(m, RC::template smax_bits<D>(raw + ((tid & 31) + 32 * i) * RC::bytes(D)));
+    m = __reduce_max_sync(0xffffffffu, m);
+    const int e = (int)(m >> 23);
     return (e == 0 || e == 255) ? 127 : min(e, 253);
 }
 
@@ -830,10 +830,10 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     const uint32_t book = kfac + KFS * BN * 4;
     // attn-fp8-qk, attn-int8-qk: each query row's 1 / sq (BM f32), written when Q is staged.
     const uint32_t qfac = book + (CACHE::BOOK ? BOOK_BYTES : 0);
-    // attn-int8-qk (FV: P·V in f16 on V's codes, decode_tile DEC_F16): tile_vexp's 4
-    // warp maxima, then each V stage's exponent e (ST ints, written with the stage).
+    // attn-int8-qk (FV: P·V in f16 on V's codes, decode_tile DEC_F16): each V stage's
+    // exponent e (ST ints, written with the stage; 32 bytes reserved).
     constexpr bool FV = HS;
-    const uint32_t vslots = qfac + ((QK || HS) ? BM * 4 : 0), vexp = vslots + 16;
+    const uint32_t vexp = qfac + ((QK || HS) ? BM * 4 : 0);
     auto full_k = [&](int s) { return bars + 8 * s; };
     auto full_v = [&](int s) { return bars + 8 * (ST + s); };
     auto empty_k = [&](int s) { return bars + 8 * (2 * ST + s); };
@@ -973,7 +973,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                     // code * scale * 2^(127 - e) in f16, and the factor of all its columns,
                     // kmul * 2^(e - 127), at the start of slot g % 2 ST (attn-int8-qk's ring:
                     // one float, read by the consumers as one scalar per tile).
-                    const int e = tile_vexp<D, KRow>(rk + slot * RAW_K_BYTES, vslots, tid);
+                    const int e = tile_vexp<D, KRow>(rk + slot * RAW_K_BYTES, tid);
                     decode_tile<D, KRow, KRow::K_PERMUTED ? DEC_F16K : DEC_F16>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, tid, lbook,
                                                                                __uint_as_float((uint32_t)(254 - e) << 23));
                     if (tid == 0) st_shared_f32(kfac + (g % KFS) * BN * 4, __fmul_rn(kmul, __uint_as_float((uint32_t)e << 23)));
@@ -991,7 +991,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 mbar_wait(raw_full_v, g & 1);
                 mbar_wait(empty_v(s), ph);
                 if constexpr (FV) {
-                    const int e = tile_vexp<D, VRow>(rv, vslots, tid);
+                    const int e = tile_vexp<D, VRow>(rv, tid);
                     decode_tile<D, VRow, DEC_F16>(rv, sv + s * KV_BYTES, tid, lbook, __uint_as_float((uint32_t)(254 - e) << 23));
                     if (tid == 0) asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(vexp + 4 * s), "r"(e) : "memory");
                 } else {
