@@ -2332,8 +2332,8 @@ pub fn attention_coded_int8_qk<O: OutElem>(
 /// [`FAST_PATH_ATTN_F16`] (`attn_wgmma_d<D>_<nvfp4|k4v2|vq2>f16_f32`): an nvfp4, k4v2 or
 /// vq2 cache at d_head 64 or 128 on sm_90a, the producer decoding K and V to f16 (each
 /// element code value * f16(scale * 2^-e), e a power of two per key tile; nvfp4's
-/// (e2m1 * e4m3) exact in f16 times f16(S * 2^-e); vq2's codewords from f16 copies of
-/// the codebook), q in f16 times a power of two per row, S and P·V by f16 wgmma, K's
+/// e2m1 / 64 exact in f16 times f16(e4m3 * f16(S * 64 * 2^-e)) since c2; vq2's codewords
+/// from f16 copies of the codebook, one per lane a load serves, since vqbook), q in f16 times a power of two per row, S and P·V by f16 wgmma, K's
 /// power of two folded into S's columns, O rescaled between tiles as attn-int8-qk's
 /// (kernels/attention_sm90a.cu, "attn-f16"). f32 output only. Parity:
 /// tests/gpu_ops.rs `attention_v3_f16_against_cpu_backend`.
