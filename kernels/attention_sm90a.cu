@@ -76,8 +76,20 @@
 // A coded cache (every quantized format): the producer warpgroup is 128 decoding threads
 // (setmaxnreg 56 for them, 224 for the consumers, against 24 / 240 for a bf16 cache;
 // 40 / 232 under attn-fp8-qk and attn-int8-qk, and for every coded cache until prod56,
-// 2026-12-03: docs/performance.md). Thread 0 brings the stored K rows and V rows of the
-// tiles, as stored, by
+// 2026-12-03: docs/performance.md). wg2 (2026-12-04): vq2's decoding and attn-f16
+// kernels and the d 64 decoding kernels of int8 and k8v4 have a second producer
+// warpgroup, warpgroup 3 (512 threads, NPW = 2 in CacheCoded, the last argument of
+// ATTN_WGMMA_CODED / ATTN_WGMMA_QF, mirrored by ops::ATTN_V3_TWO_PRODUCERS): the 256
+// decoding threads split each tile's rows (decode_tile with NT = 256, 4 chunks in
+// flight), at setmaxnreg 32 against the consumers' 224 (2 x 128 x 32 + 2 x 128 x 224 =
+// 65,536, the 128 x 512 a block launches with); their arrivals count 256 and their named
+// barrier 256 threads; thread 0 of warpgroup 0 alone issues the TMA copies. H200, ctx
+// 4096, TFLOP/s, against one producer warpgroup in the same call: vq2 d 128 attn-f16
+// 323.9 / 313.0, decoding 310.4 / 297.9; d 64 decoding int8 262.5 / 253.5, k8v4 255.2 /
+// 246.0, vq2 263.4 / 257.4. The others keep one: fp8's decoding kernel and k4v2's
+// attn-f16 ran slower with two (351.8 / 358.5, 307.9 / 316.1 at d 128), nvfp4's kernels
+// within 1 % either way, and at ctx 512 d 128 every decoding kernel 3-5 % slower.
+// Thread 0 brings the stored K rows and V rows of the tiles, as stored, by
 // TMA (a 3-D byte map over the rows, box (row bytes, BN, 1), no swizzle, rows past
 // kv_len zero-filled) into raw stages: two for K (tile g in stage g % 2, so tile
 // g + 1's rows land while tile g decodes) and one for V (raw_k[2] / raw_v
@@ -222,7 +234,7 @@
 // below plus ST * 128 * 4 (the second ST slots of K's factors), BM f32 and those 32
 // bytes: int8 d 128 222848, d 64 184000; k8v4 d 128 214656, d 64 179904.
 // Launch: grid (min(n_items, n_SMs), 1, 1), n_items = ceil(n_tokens / 128) *
-// n_heads * n_seqs; block 384, dynamic
+// n_heads * n_seqs; block 384 (512 with two producer warpgroups), dynamic
 // shared memory 1024 (alignment slack) + 128 * D * 2 (Q) + 2 * ST * 128 * D * 2
 // (K, V) + 4 * ST * 8 (barriers): d 128 164928 bytes, d 64 148608; a coded
 // cache adds 128 * (2 * K row bytes + V row bytes) (raw K x 2, V) + 32 (their
@@ -238,7 +250,7 @@
 #include "sm90a.cuh"
 
 namespace attn3 {
-constexpr int THREADS = 384;
+constexpr int THREADS = 384;  // a producer and two consumer warpgroups; 128 * (2 + NPW) in general
 constexpr int BM = 128;     // queries per block (2 consumer warpgroups of 64)
 constexpr int BN = 128;     // keys per tile
 constexpr int BOX = 64;     // columns per TMA box (128 bytes: the swizzle span)
@@ -641,6 +653,7 @@ struct RowVq2 {
 // RowNvfp4 both; k4v2: RowInt4G32, RowInt2G32; vq2: RowVq2 both).
 struct CacheBf16 {
     static constexpr bool CODED = false, BOOK = false, QK = false, QH = false, QF = false;
+    static constexpr int NPW = 1;
     using KRow = RowBytes<CodeE4m3>;  // unused
     using VRow = RowBytes<CodeE4m3>;
 };
@@ -649,9 +662,12 @@ struct CacheBf16 {
 // attn-int8-qk (int8 K rows of int8 and k8v4, the producer writes the codes in f16,
 // f16 wgmma; QH), 3 attn-f16 (nvfp4, k4v2, vq2: K decoded to f16 times a power of two
 // per tile, S by f16 wgmma; QF).
-template <typename KROW, typename VROW, int QK_ = 0>
+// NPW_: producer warpgroups, 1 or 2 (wg2; attn-fp8-qk and attn-int8-qk: 1).
+template <typename KROW, typename VROW, int QK_ = 0, int NPW_ = 1>
 struct CacheCoded {
     static constexpr bool CODED = true, BOOK = KROW::BOOK || VROW::BOOK, QK = QK_ == 1, QH = QK_ == 2, QF = QK_ == 3;
+    static constexpr int NPW = NPW_;
+    static_assert(NPW == 1 || (NPW == 2 && !QK && !QH), "CacheCoded: two producer warpgroups for the decoding kernels and attn-f16 only");
     using KRow = KROW;
     using VRow = VROW;
 };
@@ -672,14 +688,16 @@ constexpr int DEC_CODES = 0, DEC_BF16 = 1, DEC_F16 = 2, DEC_HCODES = 3, DEC_F16K
 // lands them) into the 16-bit stage at `dst` in the layout the consumers read (the
 // 128-byte swizzle of a TMA box: box c / 8 of BN rows x 128 bytes, 16-byte chunk c % 8
 // of row r at ((c % 8) ^ (r % 8)) * 16), each element as MODE says. `book`: the shared
-// codebook (vq2); `rmul`: DEC_F16's power of two. 128 threads; thread tid takes
-// chunks tid + 128 k (8 elements each, consecutive threads along a row). Rows past the
+// codebook (vq2); `rmul`: DEC_F16's power of two. NT threads (128, or 256 under wg2);
+// thread tid takes chunks tid + NT k (8 elements each, consecutive threads along a row),
+// at most BMAX of them loaded before the first is converted. Rows past the
 // cached positions arrive as zeros (TMA's fill; scales 0): they decode to (signed) 0,
 // never NaN.
-template <int D, typename RC, int MODE>
+template <int D, typename RC, int MODE, int NT = 128, int BMAX = 8>
 __device__ __forceinline__ void decode_tile(uint32_t raw, uint32_t dst, int tid, uint32_t book, float rmul = 1.0f) {
-    constexpr int NT = 128, B = 8;  // decoding threads; chunks whose loads go out together
+    // B: chunks whose loads go out together
     constexpr int CH = D / 8, RB = RC::bytes(D), IT = BN * CH / NT;
+    constexpr int B = IT < BMAX ? IT : BMAX;
     constexpr bool SCALED = MODE == DEC_BF16 || MODE == DEC_F16 || MODE == DEC_F16K;
     static_assert(NT % CH == 0 && IT % B == 0, "decode_tile: a thread keeps one column chunk");
     const int c = tid % CH, r0 = tid / CH;  // rows r0 + (NT / CH) k
@@ -853,12 +871,17 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
         n = last - first + 1;
     };
     const int warpgroup = threadIdx.x / 128, tid = threadIdx.x % 128;
+    // Producer warpgroups: 0, and 3 under wg2 (NPW 2); ptid numbers their threads 0 .. NT - 1.
+    constexpr int NPW = CACHE::NPW, NT = 128 * NPW;
+    constexpr int PB = NPW == 2 ? 4 : 8;  // decode_tile's chunks in flight (32 registers under wg2)
+    const bool producer = warpgroup == 0 || warpgroup == 3;
+    const int ptid = warpgroup == 3 ? 128 + tid : tid;
 
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int s = 0; s < ST; ++s) {
             // bf16: the producer thread's expect_tx; coded: each of the 128 decoding threads.
-            const uint32_t n_arrive = CODED ? 128 : 1;
+            const uint32_t n_arrive = CODED ? NT : 1;
             mbar_init(full_k(s), n_arrive);
             mbar_init(full_v(s), n_arrive);
             mbar_init(empty_k(s), 8);  // one arrival per consumer warp
@@ -874,7 +897,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     __syncthreads();
 
     if constexpr (CODED) {
-        if (warpgroup == 0) {
+        if (producer) {
             // Producer of a coded cache: thread 0 brings tile g's stored K rows and V rows by
             // TMA (a 3-D box of the rows' bytes, zeros past kv_len) into the raw stages; all
             // 128 threads decode them into bf16 stage g % ST once the consumers released it,
@@ -882,6 +905,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             // full_v; after a named barrier (every thread done reading the raw stage) thread 0
             // fetches tile g + 1's rows into it, so that copy runs while the consumers work.
             if constexpr (QK || QH) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+            else if constexpr (NPW == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n");
             else asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
             if constexpr (CACHE::BOOK) {
                 // The codebook into shared memory (BOOK_BYTES, 16 bytes per thread and step,
@@ -891,7 +915,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 // decoding threads. attn-f16: in f16 (each value rounded to nearest even).
                 const float4* src = reinterpret_cast<const float4*>(book_src);
 #pragma unroll 4
-                for (int x = tid; x < BOOK_BYTES / 16; x += 128) {
+                for (int x = ptid; x < BOOK_BYTES / 16; x += NT) {
                     const float4 w = src[x / 8];
                     if constexpr (QF) {
                         const uint32_t lo = h2_bits(__floats2half2_rn(w.x, w.y)), hi = h2_bits(__floats2half2_rn(w.z, w.w));
@@ -901,7 +925,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                                      : "memory");
                     }
                 }
-                asm volatile("bar.sync 3, 128;\n" ::: "memory");
+                asm volatile("bar.sync 3, %0;\n" ::"n"(NT) : "memory");
             }
             // vq2: this lane's copy of the codebook (BOOK_BYTES).
             const uint32_t lbook = book + (QF ? 8 * (tid % 16) : 16 * (tid % 8));
@@ -944,7 +968,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
             seek(fk);
             Cursor fv = fk;
             Cursor fc = fk;  // attn-fp8-qk: the tile whose codes go into the next e4m3 K stage
-            if (tid == 0) {
+            if (ptid == 0) {
 #pragma unroll
                 for (int r = 0; r < 2; ++r)
                     if (fk.w < n_items) fetch(fk, &a.k, RAW_K_BYTES, rk + r * RAW_K_BYTES, raw_full_k + 8 * r);
@@ -974,33 +998,35 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                     // kmul * 2^(e - 127), at the start of slot g % 2 ST (attn-int8-qk's ring:
                     // one float, read by the consumers as one scalar per tile).
                     const int e = tile_vexp<D, KRow>(rk + slot * RAW_K_BYTES, tid);
-                    decode_tile<D, KRow, KRow::K_PERMUTED ? DEC_F16K : DEC_F16>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, tid, lbook,
-                                                                               __uint_as_float((uint32_t)(254 - e) << 23));
-                    if (tid == 0) st_shared_f32(kfac + (g % KFS) * BN * 4, __fmul_rn(kmul, __uint_as_float((uint32_t)e << 23)));
+                    decode_tile<D, KRow, KRow::K_PERMUTED ? DEC_F16K : DEC_F16, NT, PB>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, ptid, lbook,
+                                                                                        __uint_as_float((uint32_t)(254 - e) << 23));
+                    if (ptid == 0) st_shared_f32(kfac + (g % KFS) * BN * 4, __fmul_rn(kmul, __uint_as_float((uint32_t)e << 23)));
                     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                     mbar_arrive(full_k(s));
                 } else {
-                    decode_tile<D, KRow, QH ? DEC_HCODES : KF ? DEC_CODES : DEC_BF16>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, tid, lbook);
+                    decode_tile<D, KRow, QH ? DEC_HCODES : KF ? DEC_CODES : DEC_BF16, NT, PB>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, ptid, lbook);
                     // QH: tile g's factors in slot g % 2 ST, as attn-fp8-qk's (above).
-                    if constexpr (KF) store_kfac<D>(rk + slot * RAW_K_BYTES, kfac + (QH ? g % KFS : s) * BN * 4, tid, kmul);
+                    if constexpr (KF) {
+                        if (ptid < 128) store_kfac<D>(rk + slot * RAW_K_BYTES, kfac + (QH ? g % KFS : s) * BN * 4, tid, kmul);
+                    }
                     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                     mbar_arrive(full_k(s));
                 }
-                asm volatile("bar.sync 3, 128;\n" ::: "memory");
-                if (tid == 0 && fk.w < n_items) fetch(fk, &a.k, RAW_K_BYTES, rk + slot * RAW_K_BYTES, raw_full_k + 8 * slot);
+                asm volatile("bar.sync 3, %0;\n" ::"n"(NT) : "memory");
+                if (ptid == 0 && fk.w < n_items) fetch(fk, &a.k, RAW_K_BYTES, rk + slot * RAW_K_BYTES, raw_full_k + 8 * slot);
                 mbar_wait(raw_full_v, g & 1);
                 mbar_wait(empty_v(s), ph);
                 if constexpr (FV) {
                     const int e = tile_vexp<D, VRow>(rv, tid);
-                    decode_tile<D, VRow, DEC_F16>(rv, sv + s * KV_BYTES, tid, lbook, __uint_as_float((uint32_t)(254 - e) << 23));
-                    if (tid == 0) asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(vexp + 4 * s), "r"(e) : "memory");
+                    decode_tile<D, VRow, DEC_F16, NT, PB>(rv, sv + s * KV_BYTES, ptid, lbook, __uint_as_float((uint32_t)(254 - e) << 23));
+                    if (ptid == 0) asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(vexp + 4 * s), "r"(e) : "memory");
                 } else {
-                    decode_tile<D, VRow, DEC_BF16>(rv, sv + s * KV_BYTES, tid, lbook);
+                    decode_tile<D, VRow, DEC_BF16, NT, PB>(rv, sv + s * KV_BYTES, ptid, lbook);
                 }
                 asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                 mbar_arrive(full_v(s));
-                asm volatile("bar.sync 3, 128;\n" ::: "memory");
-                if (tid == 0 && fv.w < n_items) fetch(fv, &a.v, RAW_V_BYTES, rv, raw_full_v);
+                asm volatile("bar.sync 3, %0;\n" ::"n"(NT) : "memory");
+                if (ptid == 0 && fv.w < n_items) fetch(fv, &a.v, RAW_V_BYTES, rv, raw_full_v);
             }
             return;
         }
@@ -1517,25 +1543,25 @@ ATTN_WGMMA(128, bf16, bf16)
 // V rows of VROW): fp8 and int8 (K and V rows of one-byte codes and a row scale), k8v4
 // (K int8, V int4-g32), nvfp4, k4v2 (K int4-g32, V int2-g32), vq2 (the codebook in
 // a.book).
-#define ATTN_WGMMA_CODED(D, fmt, KROW, VROW, outn, OUT)                                                          \
-    extern "C" __global__ void __launch_bounds__(attn3::THREADS, 1) attn_wgmma_d##D##_##fmt##_##outn(            \
+#define ATTN_WGMMA_CODED(D, fmt, KROW, VROW, outn, OUT, NPW)                                                     \
+    extern "C" __global__ void __launch_bounds__(128 * (2 + NPW), 1) attn_wgmma_d##D##_##fmt##_##outn(           \
         const __grid_constant__ AttnWgmmaCodedArgs a) {                                                          \
-        attn3::attn_wgmma_impl<D, OUT, attn3::CacheCoded<KROW, VROW>>(a.a, a.rot, a.book, nullptr);              \
+        attn3::attn_wgmma_impl<D, OUT, attn3::CacheCoded<KROW, VROW, 0, NPW>>(a.a, a.rot, a.book, nullptr);      \
     }
-ATTN_WGMMA_CODED(64, fp8, attn3::RowBytes<CodeE4m3>, attn3::RowBytes<CodeE4m3>, f32, float)
-ATTN_WGMMA_CODED(64, fp8, attn3::RowBytes<CodeE4m3>, attn3::RowBytes<CodeE4m3>, bf16, bf16)
-ATTN_WGMMA_CODED(128, fp8, attn3::RowBytes<CodeE4m3>, attn3::RowBytes<CodeE4m3>, f32, float)
-ATTN_WGMMA_CODED(128, fp8, attn3::RowBytes<CodeE4m3>, attn3::RowBytes<CodeE4m3>, bf16, bf16)
-ATTN_WGMMA_CODED(64, int8, attn3::RowBytes<CodeInt8>, attn3::RowBytes<CodeInt8>, f32, float)
-ATTN_WGMMA_CODED(128, int8, attn3::RowBytes<CodeInt8>, attn3::RowBytes<CodeInt8>, f32, float)
-ATTN_WGMMA_CODED(64, k8v4, attn3::RowBytes<CodeInt8>, attn3::RowInt4G32, f32, float)
-ATTN_WGMMA_CODED(128, k8v4, attn3::RowBytes<CodeInt8>, attn3::RowInt4G32, f32, float)
-ATTN_WGMMA_CODED(64, nvfp4, attn3::RowNvfp4, attn3::RowNvfp4, f32, float)
-ATTN_WGMMA_CODED(128, nvfp4, attn3::RowNvfp4, attn3::RowNvfp4, f32, float)
-ATTN_WGMMA_CODED(64, k4v2, attn3::RowInt4G32, attn3::RowInt2G32, f32, float)
-ATTN_WGMMA_CODED(128, k4v2, attn3::RowInt4G32, attn3::RowInt2G32, f32, float)
-ATTN_WGMMA_CODED(64, vq2, attn3::RowVq2, attn3::RowVq2, f32, float)
-ATTN_WGMMA_CODED(128, vq2, attn3::RowVq2, attn3::RowVq2, f32, float)
+ATTN_WGMMA_CODED(64, fp8, attn3::RowBytes<CodeE4m3>, attn3::RowBytes<CodeE4m3>, f32, float, 1)
+ATTN_WGMMA_CODED(64, fp8, attn3::RowBytes<CodeE4m3>, attn3::RowBytes<CodeE4m3>, bf16, bf16, 1)
+ATTN_WGMMA_CODED(128, fp8, attn3::RowBytes<CodeE4m3>, attn3::RowBytes<CodeE4m3>, f32, float, 1)
+ATTN_WGMMA_CODED(128, fp8, attn3::RowBytes<CodeE4m3>, attn3::RowBytes<CodeE4m3>, bf16, bf16, 1)
+ATTN_WGMMA_CODED(64, int8, attn3::RowBytes<CodeInt8>, attn3::RowBytes<CodeInt8>, f32, float, 2)
+ATTN_WGMMA_CODED(128, int8, attn3::RowBytes<CodeInt8>, attn3::RowBytes<CodeInt8>, f32, float, 1)
+ATTN_WGMMA_CODED(64, k8v4, attn3::RowBytes<CodeInt8>, attn3::RowInt4G32, f32, float, 2)
+ATTN_WGMMA_CODED(128, k8v4, attn3::RowBytes<CodeInt8>, attn3::RowInt4G32, f32, float, 1)
+ATTN_WGMMA_CODED(64, nvfp4, attn3::RowNvfp4, attn3::RowNvfp4, f32, float, 1)
+ATTN_WGMMA_CODED(128, nvfp4, attn3::RowNvfp4, attn3::RowNvfp4, f32, float, 1)
+ATTN_WGMMA_CODED(64, k4v2, attn3::RowInt4G32, attn3::RowInt2G32, f32, float, 1)
+ATTN_WGMMA_CODED(128, k4v2, attn3::RowInt4G32, attn3::RowInt2G32, f32, float, 1)
+ATTN_WGMMA_CODED(64, vq2, attn3::RowVq2, attn3::RowVq2, f32, float, 2)
+ATTN_WGMMA_CODED(128, vq2, attn3::RowVq2, attn3::RowVq2, f32, float, 2)
 
 // attn_wgmma_d<D>_fp8qk_<out> (attn-fp8-qk): an fp8 cache with S = Q·Kᵀ on the stored
 // E4M3 codes (AttnWgmmaQkArgs: c.a.k the map of the rows' scale bytes, kc the codes'
@@ -1567,14 +1593,14 @@ ATTN_WGMMA_QKI(128, k8v4, attn3::RowInt4G32)
 // attn_wgmma_d<D>_<fmt>f16_f32 (attn-f16): an nvfp4, k4v2 or vq2 cache, K and V decoded
 // to f16 times a power of two per tile, q and P in f16, S and P·V by f16 wgmma
 // (AttnWgmmaCodedArgs, as the format's decoding kernel).
-#define ATTN_WGMMA_QF(D, fmt, KROW, VROW)                                                                        \
-    extern "C" __global__ void __launch_bounds__(attn3::THREADS, 1) attn_wgmma_d##D##_##fmt##f16_f32(            \
+#define ATTN_WGMMA_QF(D, fmt, KROW, VROW, NPW)                                                                   \
+    extern "C" __global__ void __launch_bounds__(128 * (2 + NPW), 1) attn_wgmma_d##D##_##fmt##f16_f32(           \
         const __grid_constant__ AttnWgmmaCodedArgs a) {                                                          \
-        attn3::attn_wgmma_impl<D, float, attn3::CacheCoded<KROW, VROW, 3>>(a.a, a.rot, a.book, nullptr);         \
+        attn3::attn_wgmma_impl<D, float, attn3::CacheCoded<KROW, VROW, 3, NPW>>(a.a, a.rot, a.book, nullptr);    \
     }
-ATTN_WGMMA_QF(64, nvfp4, attn3::RowNvfp4, attn3::RowNvfp4)
-ATTN_WGMMA_QF(128, nvfp4, attn3::RowNvfp4, attn3::RowNvfp4)
-ATTN_WGMMA_QF(64, k4v2, attn3::RowInt4G32, attn3::RowInt2G32)
-ATTN_WGMMA_QF(128, k4v2, attn3::RowInt4G32, attn3::RowInt2G32)
-ATTN_WGMMA_QF(64, vq2, attn3::RowVq2, attn3::RowVq2)
-ATTN_WGMMA_QF(128, vq2, attn3::RowVq2, attn3::RowVq2)
+ATTN_WGMMA_QF(64, nvfp4, attn3::RowNvfp4, attn3::RowNvfp4, 1)
+ATTN_WGMMA_QF(128, nvfp4, attn3::RowNvfp4, attn3::RowNvfp4, 1)
+ATTN_WGMMA_QF(64, k4v2, attn3::RowInt4G32, attn3::RowInt2G32, 1)
+ATTN_WGMMA_QF(128, k4v2, attn3::RowInt4G32, attn3::RowInt2G32, 1)
+ATTN_WGMMA_QF(64, vq2, attn3::RowVq2, attn3::RowVq2, 2)
+ATTN_WGMMA_QF(128, vq2, attn3::RowVq2, attn3::RowVq2, 2)

@@ -1992,8 +1992,23 @@ const ATTN_V3_BN: usize = 128;
 fn attn_v3_stages(d_head: usize) -> usize {
     if d_head <= 64 { 4 } else { 2 }
 }
-/// Threads per block of kernel v3 (a producer and two consumer warpgroups).
-const ATTN_V3_THREADS: u32 = 384;
+/// The (cache type, head size) pairs whose decoding kernel and attn-f16 kernel have two
+/// producer warpgroups (wg2, 2026-12-04: each decodes half of every tile's rows; the
+/// last argument of the kernels' `ATTN_WGMMA_CODED` / `ATTN_WGMMA_QF`). H200, causal,
+/// TFLOP/s, two against one in the same call (docs/performance.md, "wg2"): ctx 4096
+/// vq2 d 128 attn-f16 325.1 / 315.2, decoding 311.9 / 301.6, d 64 decoding 263.4 /
+/// 258.9; int8 d 64 decoding 264.8 / 255.8, k8v4 255.2 / 245.9. Not at d 128 for int8,
+/// k8v4 and nvfp4 (their decoding kernels 1-2 % slower at ctx 4096 and 3-5 % at ctx
+/// 512), nor for fp8 and k4v2 (slower).
+const ATTN_V3_TWO_PRODUCERS: &[(&str, usize)] = &[("int8", 64), ("k8v4", 64), ("vq2", 64), ("vq2", 128)];
+
+/// Threads per block of kernel v3 for cache type `kv` at `d_head` under `variant`: a
+/// producer and two consumer warpgroups, or, for [`ATTN_V3_TWO_PRODUCERS`]' decoding
+/// and attn-f16 kernels, two producers and two consumers.
+fn attn_v3_threads(kv: &str, d_head: usize, variant: V3Variant) -> u32 {
+    let two = matches!(variant, V3Variant::Decode | V3Variant::F16) && ATTN_V3_TWO_PRODUCERS.contains(&(kv, d_head));
+    if two { 512 } else { 384 }
+}
 
 fn attn_v3_name(d_head: usize, kv: &str, out: &str) -> String {
     format!("attn_wgmma_d{d_head}_{kv}_{out}")
@@ -2771,7 +2786,7 @@ fn attention_v3<O: OutElem>(dev: &CudaDevice, q: DevView<f32>, cache: &CacheRef,
     // (lengths checked by the callers, coded row bytes above); q and out checked by
     // attention_launch and above; a vq2 cache's codebook pointer checked by book_ptr (256
     // x 4 f32, 16-byte aligned); dynamic shared memory set to the kernel's need.
-    unsafe { b.launch(cfg(grid, ATTN_V3_THREADS, smem as u32)) }.map_err(|e| launch_err(&name, e))?;
+    unsafe { b.launch(cfg(grid, attn_v3_threads(cache.kv, d, variant), smem as u32)) }.map_err(|e| launch_err(&name, e))?;
     Ok(())
 }
 
@@ -3051,6 +3066,32 @@ pub fn lm_head_fused(
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// ATTN_V3_TWO_PRODUCERS mirrors the NPW argument of every coded kernel instantiated
+    /// in kernels/attention_sm90a.cu (a mismatch launches 384 threads where the kernel
+    /// waits on a second producer warpgroup, or 512 past a 384-thread launch bound).
+    #[test]
+    fn two_producer_table_mirrors_the_kernel_source() {
+        let src = include_str!("../../../kernels/attention_sm90a.cu");
+        let mut n_seen = 0;
+        for line in src.lines() {
+            let Some(args) = line.strip_prefix("ATTN_WGMMA_CODED(").or_else(|| line.strip_prefix("ATTN_WGMMA_QF(")) else { continue };
+            let args: Vec<&str> = args.trim_end_matches(')').split(',').map(str::trim).collect();
+            let (d, kv, npw): (usize, &str, &str) = (args[0].parse().unwrap(), args[1], args[args.len() - 1]);
+            let variant = if line.starts_with("ATTN_WGMMA_QF") { V3Variant::F16 } else { V3Variant::Decode };
+            let threads = if npw == "2" { 512 } else { 384 };
+            assert!(npw == "1" || npw == "2", "{line}");
+            assert_eq!(attn_v3_threads(kv, d, variant), threads, "{line}");
+            n_seen += 1;
+        }
+        assert_eq!(n_seen, 20, "the coded kernels' instantiations");
+        for (kv, d) in ATTN_V3_TWO_PRODUCERS {
+            assert!(src.lines().any(|l| l.starts_with(&format!("ATTN_WGMMA_CODED({d}, {kv},")) && l.ends_with(", 2)")), "{kv} d {d}");
+        }
+        // The fast paths with K's codes keep one producer warpgroup.
+        assert_eq!(attn_v3_threads("int8", 64, V3Variant::QkF16), 384);
+        assert_eq!(attn_v3_threads("fp8", 128, V3Variant::QkCodes), 384);
+    }
 
     #[test]
     fn lm_head_tiles_fill_the_scratch() {
