@@ -80,13 +80,15 @@
 // kernels and the d 64 decoding kernels of int8 and k8v4 have a second producer
 // warpgroup, warpgroup 3 (512 threads, NPW = 2 in CacheCoded, the last argument of
 // ATTN_WGMMA_CODED / ATTN_WGMMA_QF, mirrored by ops::ATTN_V3_TWO_PRODUCERS): the 256
-// decoding threads split each tile's rows (decode_tile with NT = 256, 4 chunks in
-// flight), at setmaxnreg 32 against the consumers' 224 (2 x 128 x 32 + 2 x 128 x 224 =
-// 65,536, the 128 x 512 a block launches with); their arrivals count 256 and their named
-// barrier 256 threads; thread 0 of warpgroup 0 alone issues the TMA copies. H200, ctx
-// 4096, TFLOP/s, against one producer warpgroup in the same call: vq2 d 128 attn-f16
-// 323.9 / 313.0, decoding 310.4 / 297.9; d 64 decoding int8 262.5 / 253.5, k8v4 255.2 /
-// 246.0, vq2 263.4 / 257.4. The others keep one: fp8's decoding kernel and k4v2's
+// decoding threads split each tile's rows (decode_tile with NT = 256: a thread's chunks
+// of a tile, 8 at d 128 and 4 at d 64, all loaded before the first is converted), at
+// setmaxnreg 32 against the consumers' 224 (2 x 128 x 32 + 2 x 128 x 224 = 65,536, the
+// 128 x 512 a block launches with); their arrivals count 256 and their named barrier 256
+// threads; thread 0 of warpgroup 0 alone issues the TMA copies. H200, ctx 4096, TFLOP/s,
+// against one producer warpgroup in the same call: vq2 d 128 attn-f16 325.9 / 314.1 with
+// 4 chunks in flight, then 335.6 with 8 against those 4's 325.4 (ctx 512: 142.9 / 147.9),
+// decoding 311.4 / 300.2; d 64 decoding int8 263.9 / 254.8, k8v4 255.1 / 246.1, vq2 263.2
+// / 259.8. The others keep one: fp8's decoding kernel and k4v2's
 // attn-f16 ran slower with two (351.8 / 358.5, 307.9 / 316.1 at d 128), nvfp4's kernels
 // within 1 % either way, and at ctx 512 d 128 every decoding kernel 3-5 % slower.
 // Thread 0 brings the stored K rows and V rows of the tiles, as stored, by
@@ -690,14 +692,15 @@ constexpr int DEC_CODES = 0, DEC_BF16 = 1, DEC_F16 = 2, DEC_HCODES = 3, DEC_F16K
 // of row r at ((c % 8) ^ (r % 8)) * 16), each element as MODE says. `book`: the shared
 // codebook (vq2); `rmul`: DEC_F16's power of two. NT threads (128, or 256 under wg2);
 // thread tid takes chunks tid + NT k (8 elements each, consecutive threads along a row),
-// at most BMAX of them loaded before the first is converted. Rows past the
+// up to 8 of them loaded before the first is converted (under wg2 4 measured 3.1 % slower
+// for vq2's attn-f16 at ctx 4096 d 128, 3.4 % faster at ctx 512). Rows past the
 // cached positions arrive as zeros (TMA's fill; scales 0): they decode to (signed) 0,
 // never NaN.
-template <int D, typename RC, int MODE, int NT = 128, int BMAX = 8>
+template <int D, typename RC, int MODE, int NT = 128>
 __device__ __forceinline__ void decode_tile(uint32_t raw, uint32_t dst, int tid, uint32_t book, float rmul = 1.0f) {
     // B: chunks whose loads go out together
     constexpr int CH = D / 8, RB = RC::bytes(D), IT = BN * CH / NT;
-    constexpr int B = IT < BMAX ? IT : BMAX;
+    constexpr int B = IT < 8 ? IT : 8;
     constexpr bool SCALED = MODE == DEC_BF16 || MODE == DEC_F16 || MODE == DEC_F16K;
     static_assert(NT % CH == 0 && IT % B == 0, "decode_tile: a thread keeps one column chunk");
     const int c = tid % CH, r0 = tid / CH;  // rows r0 + (NT / CH) k
@@ -873,7 +876,6 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     const int warpgroup = threadIdx.x / 128, tid = threadIdx.x % 128;
     // Producer warpgroups: 0, and 3 under wg2 (NPW 2); ptid numbers their threads 0 .. NT - 1.
     constexpr int NPW = CACHE::NPW, NT = 128 * NPW;
-    constexpr int PB = NPW == 2 ? 4 : 8;  // decode_tile's chunks in flight (32 registers under wg2)
     const bool producer = warpgroup == 0 || warpgroup == 3;
     const int ptid = warpgroup == 3 ? 128 + tid : tid;
 
@@ -998,13 +1000,13 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                     // kmul * 2^(e - 127), at the start of slot g % 2 ST (attn-int8-qk's ring:
                     // one float, read by the consumers as one scalar per tile).
                     const int e = tile_vexp<D, KRow>(rk + slot * RAW_K_BYTES, tid);
-                    decode_tile<D, KRow, KRow::K_PERMUTED ? DEC_F16K : DEC_F16, NT, PB>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, ptid, lbook,
+                    decode_tile<D, KRow, KRow::K_PERMUTED ? DEC_F16K : DEC_F16, NT>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, ptid, lbook,
                                                                                         __uint_as_float((uint32_t)(254 - e) << 23));
                     if (ptid == 0) st_shared_f32(kfac + (g % KFS) * BN * 4, __fmul_rn(kmul, __uint_as_float((uint32_t)e << 23)));
                     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                     mbar_arrive(full_k(s));
                 } else {
-                    decode_tile<D, KRow, QH ? DEC_HCODES : KF ? DEC_CODES : DEC_BF16, NT, PB>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, ptid, lbook);
+                    decode_tile<D, KRow, QH ? DEC_HCODES : KF ? DEC_CODES : DEC_BF16, NT>(rk + slot * RAW_K_BYTES, sk + s * KV_BYTES, ptid, lbook);
                     // QH: tile g's factors in slot g % 2 ST, as attn-fp8-qk's (above).
                     if constexpr (KF) {
                         if (ptid < 128) store_kfac<D>(rk + slot * RAW_K_BYTES, kfac + (QH ? g % KFS : s) * BN * 4, tid, kmul);
@@ -1018,10 +1020,10 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 mbar_wait(empty_v(s), ph);
                 if constexpr (FV) {
                     const int e = tile_vexp<D, VRow>(rv, tid);
-                    decode_tile<D, VRow, DEC_F16, NT, PB>(rv, sv + s * KV_BYTES, ptid, lbook, __uint_as_float((uint32_t)(254 - e) << 23));
+                    decode_tile<D, VRow, DEC_F16, NT>(rv, sv + s * KV_BYTES, ptid, lbook, __uint_as_float((uint32_t)(254 - e) << 23));
                     if (ptid == 0) asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(vexp + 4 * s), "r"(e) : "memory");
                 } else {
-                    decode_tile<D, VRow, DEC_BF16, NT, PB>(rv, sv + s * KV_BYTES, ptid, lbook);
+                    decode_tile<D, VRow, DEC_BF16, NT>(rv, sv + s * KV_BYTES, ptid, lbook);
                 }
                 asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                 mbar_arrive(full_v(s));

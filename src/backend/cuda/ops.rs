@@ -1996,8 +1996,9 @@ fn attn_v3_stages(d_head: usize) -> usize {
 /// producer warpgroups (wg2, 2026-12-04: each decodes half of every tile's rows; the
 /// last argument of the kernels' `ATTN_WGMMA_CODED` / `ATTN_WGMMA_QF`). H200, causal,
 /// TFLOP/s, two against one in the same call (docs/performance.md, "wg2"): ctx 4096
-/// vq2 d 128 attn-f16 325.1 / 315.2, decoding 311.9 / 301.6, d 64 decoding 263.4 /
-/// 258.9; int8 d 64 decoding 264.8 / 255.8, k8v4 255.2 / 245.9. Not at d 128 for int8,
+/// vq2 d 128 attn-f16 325.9 / 314.1 (335.6 since a decoding thread loads all 8 of its
+/// chunks first), decoding 311.4 / 300.2, d 64 decoding 263.2 / 259.8; int8 d 64
+/// decoding 263.9 / 254.8, k8v4 255.1 / 246.1. Not at d 128 for int8,
 /// k8v4 and nvfp4 (their decoding kernels 1-2 % slower at ctx 4096 and 3-5 % at ctx
 /// 512), nor for fp8 and k4v2 (slower).
 const ATTN_V3_TWO_PRODUCERS: &[(&str, usize)] = &[("int8", 64), ("k8v4", 64), ("vq2", 64), ("vq2", 128)];
