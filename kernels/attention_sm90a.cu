@@ -95,14 +95,15 @@
 // TMA (a 3-D byte map over the rows, box (row bytes, BN, 1), no swizzle, rows past
 // kv_len zero-filled) into raw stages: two for K (tile g in stage g % 2, so tile
 // g + 1's rows land while tile g decodes) and one for V (raw_k[2] / raw_v
-// mbarriers); all 128 threads wait for bf16 stage g % ST to be released (empty_k),
-// decode tile g into it (decode_tile, written in the same 128-byte swizzle the TMA
-// gives a bf16 tile, so the consumers read it unchanged; each thread keeps one
-// 8-column chunk and issues the shared loads of 8 rows' chunks back to back before
-// it converts and stores them, since its loads and stores are volatile asm that the
-// compiler keeps in order), issue fence.proxy.async.shared::cta (their st.shared
-// made visible to wgmma's async proxy) and arrive on full_k (count 128); after a
-// named barrier among the 128 (the raw stage read) thread 0 fetches tile g + 2's K
+// mbarriers); all NT decoding threads (128, or 256 under wg2) wait for bf16 stage g %
+// ST to be released (empty_k), decode tile g into it (decode_tile, written in the same
+// 128-byte swizzle the TMA gives a bf16 tile, so the consumers read it unchanged; each
+// thread keeps one column unit of RC::UNIT 8-column chunks that share their scale
+// fields (2 for nvfp4's 16-element blocks, else 1; unit, 2026-12-04) and issues the shared loads of 8 chunks back to
+// back before it converts and stores them, since its loads and stores are volatile asm
+// that the compiler keeps in order), issue fence.proxy.async.shared::cta (their
+// st.shared made visible to wgmma's async proxy) and arrive on full_k (count NT);
+// after a named barrier among the NT (the raw stage read) thread 0 fetches tile g + 2's K
 // rows into it; the same for V (tile g + 1). The decode of each format is kernel
 // v2's (attention.cu flash::Dec*: code value * scale in f32, nvfp4 (e2m1 * e4m3) * S,
 // vq2 codeword * rms), rounded to bf16; vq2's codebook is copied into shared
@@ -407,6 +408,11 @@ __device__ __forceinline__ uint2 ld_shared_v2(uint32_t addr) {
     asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
     return v;
 }
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+    return v;
+}
 __device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
     float v;
     asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
@@ -420,6 +426,20 @@ __device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
     uint32_t v;
     asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
     return v;
+}
+// N = 1, 2 or 4 consecutive 32-bit words from `addr` (aligned to 4 N bytes), one shared load.
+template <int N>
+__device__ __forceinline__ void ld_shared_words(uint32_t addr, uint32_t w[N]) {
+    static_assert(N == 1 || N == 2 || N == 4, "ld_shared_words: 1, 2 or 4 words");
+    if constexpr (N == 1) {
+        w[0] = ld_shared_u32(addr);
+    } else if constexpr (N == 2) {
+        const uint2 v = ld_shared_v2(addr);
+        w[0] = v.x, w[1] = v.y;
+    } else {
+        const uint4 v = ld_shared_v4(addr);
+        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+    }
 }
 
 __device__ __forceinline__ __half2 as_h2(uint32_t x) { return *reinterpret_cast<const __half2*>(&x); }
@@ -438,12 +458,15 @@ __host__ __device__ constexpr int coded_row_bytes(int d) { return (d + 4 + 15) /
 
 // The stored rows the producer decodes (src/kv/codec.rs), one struct per row codec
 // (kernel v2's flash::Dec* arithmetic, kernels/attention.cu): bytes(D) per row;
-// `load(row, c)` the codes of elements 8c .. 8c + 7 (row = the row's shared address);
+// `load<U>(row, c0, q)` the codes of elements 8c0 .. 8(c0 + U) - 1, chunk i (8 elements)
+// in q[i] (row = the row's shared address; c0 a multiple of U);
 // `scale<D>(row, c)` the scale fields they need, loaded as stored; `dec8(q, s, v, book)`
 // their decoded values, src/kv's decode (code value times scale, one __fmul_rn; nvfp4
 // (e2m1 * e4m3) * S, the inner product exact; vq2 codeword * rms, the codeword from the
 // block's shared copy of the codebook at `book`). ONE_SCALE: one f32 scale per row, the
-// code values exact in bf16 (`cvt8`, for FOLD_K); BOOK: the codebook is read.
+// code values exact in bf16 (`cvt8`, for FOLD_K); BOOK: the codebook is read; UNIT:
+// decode_tile's unit, consecutive chunks from a multiple of UNIT that share all their
+// scale fields (loaded, and their factor formed, once per unit).
 __device__ __forceinline__ uint32_t ld_shared_u16(uint32_t addr) {
     unsigned short v;
     asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(addr) : "memory");
@@ -485,10 +508,17 @@ __device__ __forceinline__ uint32_t smax_f32s(uint32_t addr) {
 template <typename CODE>
 struct RowBytes {
     static constexpr bool ONE_SCALE = true, BOOK = false, K_PERMUTED = false;
+    static constexpr int UNIT = 1;  // 2 measured 1.3-1.4 % slower (attn-int8-qk d 128, fp8 d 64)
     static __host__ __device__ constexpr int bytes(int d) { return coded_row_bytes(d); }
     using Raw = uint2;
     using Scale = float;
-    static __device__ __forceinline__ Raw load(uint32_t row, int c) { return ld_shared_v2(row + 8 * c); }
+    template <int U>
+    static __device__ __forceinline__ void load(uint32_t row, int c0, Raw q[U]) {
+        uint32_t w[2 * U];
+        ld_shared_words<2 * U>(row + 8 * c0, w);
+#pragma unroll
+        for (int i = 0; i < U; ++i) q[i] = make_uint2(w[2 * i], w[2 * i + 1]);
+    }
     template <int D>
     static __device__ __forceinline__ Scale scale(uint32_t row, int) { return ld_shared_f32(row + D); }
     static __device__ __forceinline__ void cvt8(Raw q, float v[8]) {
@@ -522,10 +552,12 @@ struct RowBytes {
 // float 2^23 + q exactly; subtracting 2^23 + 8 (exact) leaves q - 8.
 struct RowInt4G32 {
     static constexpr bool ONE_SCALE = false, BOOK = false, K_PERMUTED = false;
+    static constexpr int UNIT = 1;  // 4 (with int2-g32 at 4): k4v2 attn-f16 d 128 1.5 % slower, k8v4 +0.5-1 %
     static __host__ __device__ constexpr int bytes(int d) { return (d / 2 + 4 * (d / 32) + 15) / 16 * 16; }
     using Raw = uint32_t;
     using Scale = float;
-    static __device__ __forceinline__ Raw load(uint32_t row, int c) { return ld_shared_u32(row + 4 * c); }
+    template <int U>
+    static __device__ __forceinline__ void load(uint32_t row, int c0, Raw q[U]) { ld_shared_words<U>(row + 4 * c0, q); }
     template <int D>
     static __device__ __forceinline__ Scale scale(uint32_t row, int c) { return ld_shared_f32(row + D / 2 + 4 * (c / 4)); }
     static __device__ __forceinline__ void dec8(Raw q, Scale s, float v[8], uint32_t) {
@@ -555,10 +587,15 @@ struct RowInt4G32 {
 // 2^22 + 1.5 (exact) leaves q - 1.5.
 struct RowInt2G32 {
     static constexpr bool ONE_SCALE = false, BOOK = false, K_PERMUTED = false;
+    static constexpr int UNIT = 1;  // 4: see RowInt4G32
     static __host__ __device__ constexpr int bytes(int d) { return (d / 4 + 4 * (d / 32) + 15) / 16 * 16; }
     using Raw = uint32_t;
     using Scale = float;
-    static __device__ __forceinline__ Raw load(uint32_t row, int c) { return ld_shared_u16(row + 2 * c); }
+    template <int U>
+    static __device__ __forceinline__ void load(uint32_t row, int c0, Raw q[U]) {
+#pragma unroll
+        for (int i = 0; i < U; ++i) q[i] = ld_shared_u16(row + 2 * (c0 + i));
+    }
     template <int D>
     static __device__ __forceinline__ Scale scale(uint32_t row, int c) { return ld_shared_f32(row + D / 4 + 4 * (c / 4)); }
     static __device__ __forceinline__ void dec8(Raw q, Scale s, float v[8], uint32_t) {
@@ -593,13 +630,15 @@ struct RowInt2G32 {
 // (common.cuh CodeNvfp4, as kernel v2's DecNvfp4).
 struct RowNvfp4 {
     static constexpr bool ONE_SCALE = false, BOOK = false, K_PERMUTED = true;
+    static constexpr int UNIT = 2;  // one 16-element block: attn-f16 d 128 +2.1 %
     static __host__ __device__ constexpr int bytes(int d) { return (d / 2 + 4 + d / 16 + 15) / 16 * 16; }
     using Raw = uint32_t;
     struct Scale {
         uint32_t block;  // the E4M3 block scale's byte
         float row;       // S
     };
-    static __device__ __forceinline__ Raw load(uint32_t row, int c) { return ld_shared_u32(row + 4 * c); }
+    template <int U>
+    static __device__ __forceinline__ void load(uint32_t row, int c0, Raw q[U]) { ld_shared_words<U>(row + 4 * c0, q); }
     template <int D>
     static __device__ __forceinline__ Scale scale(uint32_t row, int c) {
         return Scale{ld_shared_u8(row + D / 2 + 4 + c / 2), ld_shared_f32(row + D / 2)};
@@ -623,10 +662,15 @@ struct RowNvfp4 {
 // RMS at byte D/4; value codeword * rms (DecVq2), each of the 4 elements one __fmul_rn.
 struct RowVq2 {
     static constexpr bool ONE_SCALE = false, BOOK = true, K_PERMUTED = false;
+    static constexpr int UNIT = 1;  // 2: within 1 % either way
     static __host__ __device__ constexpr int bytes(int d) { return (d / 4 + 4 + 15) / 16 * 16; }
     using Raw = uint32_t;
     using Scale = float;
-    static __device__ __forceinline__ Raw load(uint32_t row, int c) { return ld_shared_u16(row + 2 * c); }
+    template <int U>
+    static __device__ __forceinline__ void load(uint32_t row, int c0, Raw q[U]) {
+#pragma unroll
+        for (int i = 0; i < U; ++i) q[i] = ld_shared_u16(row + 2 * (c0 + i));
+    }
     template <int D>
     static __device__ __forceinline__ Scale scale(uint32_t row, int) { return ld_shared_f32(row + D / 4); }
     // `book`: this lane's copy of the codebook (BOOK_BYTES), codeword i at book + 128 i.
@@ -690,50 +734,71 @@ constexpr int DEC_CODES = 0, DEC_BF16 = 1, DEC_F16 = 2, DEC_HCODES = 3, DEC_F16K
 // lands them) into the 16-bit stage at `dst` in the layout the consumers read (the
 // 128-byte swizzle of a TMA box: box c / 8 of BN rows x 128 bytes, 16-byte chunk c % 8
 // of row r at ((c % 8) ^ (r % 8)) * 16), each element as MODE says. `book`: the shared
-// codebook (vq2); `rmul`: DEC_F16's power of two. NT threads (128, or 256 under wg2);
-// thread tid takes chunks tid + NT k (8 elements each, consecutive threads along a row),
-// up to 8 of them loaded before the first is converted (under wg2 4 measured 3.1 % slower
-// for vq2's attn-f16 at ctx 4096 d 128, 3.4 % faster at ctx 512). Rows past the
-// cached positions arrive as zeros (TMA's fill; scales 0): they decode to (signed) 0,
-// never NaN.
+// codebook (vq2); `rmul`: DEC_F16's power of two. NT threads (128, or 256 under wg2).
+// A thread decodes units of U consecutive chunks of a row (8 elements each; U =
+// RC::UNIT where elements are scaled, else 1), loading the unit's codes and scale fields
+// once (unit, 2026-12-04: nvfp4's 16-element block, its attn-f16 kernel 2.1 % faster at
+// ctx 4096 d 128), always the same column unit, in rows r0 + RPI k, up to 8 chunks
+// loaded before the first is converted (under wg2 4 measured 3.1 % slower for vq2's
+// attn-f16 at ctx 4096 d 128, 3.4 % faster at ctx 512). With U = 1 thread tid takes
+// chunk tid % CH of rows tid / CH + RPI k (consecutive threads along a row); with U > 1
+// eight consecutive threads take the 8 / U units of one 64-column box in U consecutive
+// rows from a multiple of U, so that one store instruction's 16-byte stores (every
+// unit's i-th chunk) fall in 8 different bank groups: in each row their offsets c % 8
+// are i + U x (x < 8 / U), and the U rows' XOR with r % 8 (U consecutive values from a
+// multiple of U) maps them onto disjoint sets.
+// Rows past the cached positions arrive as zeros (TMA's fill; scales 0): they decode
+// to (signed) 0, never NaN.
 template <int D, typename RC, int MODE, int NT = 128>
 __device__ __forceinline__ void decode_tile(uint32_t raw, uint32_t dst, int tid, uint32_t book, float rmul = 1.0f) {
-    // B: chunks whose loads go out together
-    constexpr int CH = D / 8, RB = RC::bytes(D), IT = BN * CH / NT;
-    constexpr int B = IT < 8 ? IT : 8;
     constexpr bool SCALED = MODE == DEC_BF16 || MODE == DEC_F16 || MODE == DEC_F16K;
-    static_assert(NT % CH == 0 && IT % B == 0, "decode_tile: a thread keeps one column chunk");
-    const int c = tid % CH, r0 = tid / CH;  // rows r0 + (NT / CH) k
+    // U: chunks per unit; UP: units per box row (8 threads' worth); CU: units per row;
+    // IT: units per thread; B: units whose loads go out together (8 chunks).
+    constexpr int CH = D / 8, RB = RC::bytes(D);
+    constexpr int U = SCALED ? RC::UNIT : 1;
+    constexpr int UP = 8 / U, CU = CH / U, RPI = NT / CU, IT = BN / RPI;
+    constexpr int B = IT < 8 / U ? IT : 8 / U;
+    static_assert(D % 64 == 0 && 8 % U == 0 && NT % CH == 0 && RPI % 8 == 0 && RPI % U == 0 && IT % B == 0, "decode_tile: a thread keeps one column unit");
+    const int g = tid / 8, w = tid % 8;
+    const int r0 = U == 1 ? tid / CH : (g / (CH / 8)) * U + w / UP;  // rows r0 + RPI k
+    const int c0 = U == 1 ? tid % CH : 8 * (g % (CH / 8)) + U * (w % UP);  // the unit's first chunk
     const uint32_t src = raw + r0 * RB;
-    const uint32_t out = dst + (c / 8) * (BN * 128) + r0 * 128;
-    // B chunks at a time: their shared loads issued back to back (the loads and stores
+    // Chunk c0 + i of row r = r0 + RPI k (r % 8 = r0 % 8) at 16 ((c0 + i) % 8 ^ r % 8) = 16
+    // ((c0 ^ r0) % 8 ^ i) in its 128-byte row (c0 % U = 0, i < U): one base per i.
+    uint32_t out[U];
+#pragma unroll
+    for (int i = 0; i < U; ++i) out[i] = dst + (c0 / 8) * (BN * 128) + r0 * 128 + ((((c0 ^ r0) & 7) ^ i) * 16);
+    // B units at a time: their shared loads issued back to back (the loads and stores
     // are volatile asm, so the compiler keeps their order: one chunk at a time would
     // wait out a load's latency per chunk), then converted and stored.
 #pragma unroll 1
     for (int k0 = 0; k0 < IT; k0 += B) {
-        typename RC::Raw q[B];
+        typename RC::Raw q[B][U];
         typename RC::Scale sc[B];
 #pragma unroll
         for (int b = 0; b < B; ++b) {
-            const uint32_t row = src + (k0 + b) * (NT / CH) * RB;
-            q[b] = RC::load(row, c);
-            if constexpr (SCALED) sc[b] = RC::template scale<D>(row, c);
+            const uint32_t row = src + (k0 + b) * RPI * RB;
+            RC::template load<U>(row, c0, q[b]);
+            if constexpr (SCALED) sc[b] = RC::template scale<D>(row, c0);
         }
 #pragma unroll
         for (int b = 0; b < B; ++b) {
-            const int r = r0 + (k0 + b) * (NT / CH);
-            const uint32_t at = out + (k0 + b) * (NT / CH) * 128 + (((c % 8) ^ (r & 7)) * 16);
-            if constexpr (MODE == DEC_F16K) {
-                st_shared_v4(at, RC::template dech8<false>(q[b], sc[b], rmul, book));
-            } else if constexpr (MODE == DEC_F16) {
-                st_shared_v4(at, RC::dech8(q[b], sc[b], rmul, book));
-            } else if constexpr (MODE == DEC_HCODES) {
-                st_shared_v4(at, RC::hcodes8(q[b]));
-            } else {
-                float v[8];
-                if constexpr (MODE == DEC_BF16) RC::dec8(q[b], sc[b], v, book);
-                else RC::cvt8(q[b], v);
-                st_shared_v4(at, pack_bf16x8(v));
+#pragma unroll
+            for (int i = 0; i < U; ++i) {
+                const uint32_t at = out[i] + (k0 + b) * RPI * 128;
+                // (A unit's chunks share sc[b]: the compiler forms their factor once.)
+                if constexpr (MODE == DEC_F16K) {
+                    st_shared_v4(at, RC::template dech8<false>(q[b][i], sc[b], rmul, book));
+                } else if constexpr (MODE == DEC_F16) {
+                    st_shared_v4(at, RC::dech8(q[b][i], sc[b], rmul, book));
+                } else if constexpr (MODE == DEC_HCODES) {
+                    st_shared_v4(at, RC::hcodes8(q[b][i]));
+                } else {
+                    float v[8];
+                    if constexpr (MODE == DEC_BF16) RC::dec8(q[b][i], sc[b], v, book);
+                    else RC::cvt8(q[b][i], v);
+                    st_shared_v4(at, pack_bf16x8(v));
+                }
             }
         }
     }
@@ -882,7 +947,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int s = 0; s < ST; ++s) {
-            // bf16: the producer thread's expect_tx; coded: each of the 128 decoding threads.
+            // bf16: the producer thread's expect_tx; coded: each of the NT decoding threads.
             const uint32_t n_arrive = CODED ? NT : 1;
             mbar_init(full_k(s), n_arrive);
             mbar_init(full_v(s), n_arrive);
@@ -902,7 +967,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
         if (producer) {
             // Producer of a coded cache: thread 0 brings tile g's stored K rows and V rows by
             // TMA (a 3-D box of the rows' bytes, zeros past kv_len) into the raw stages; all
-            // 128 threads decode them into bf16 stage g % ST once the consumers released it,
+            // NT threads decode them into bf16 stage g % ST once the consumers released it,
             // make their st.shared visible to wgmma (fence.proxy.async) and arrive on full_k /
             // full_v; after a named barrier (every thread done reading the raw stage) thread 0
             // fetches tile g + 1's rows into it, so that copy runs while the consumers work.
@@ -913,7 +978,7 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 // The codebook into shared memory (BOOK_BYTES, 16 bytes per thread and step,
                 // consecutive threads at consecutive addresses: 16-byte chunk x holds copy x %
                 // 8 of codeword x / 8 in f32, or copies 2 (x % 8) and 2 (x % 8) + 1 in f16);
-                // the named barrier before the first decode makes it visible to the 128
+                // the named barrier before the first decode makes it visible to the NT
                 // decoding threads. attn-f16: in f16 (each value rounded to nearest even).
                 const float4* src = reinterpret_cast<const float4*>(book_src);
 #pragma unroll 4
