@@ -797,14 +797,23 @@ __device__ __forceinline__ void hadamard_frag(float (&v)[D / 4], int lane) {
     }
 }
 
+// The four E4M3 bytes of w as two f16x2 words (bytes 0, 1 in lo, bytes 2, 3 in hi; byte
+// 2i in the low half), exact: cvt.rn.f16x2.e4m3x2 (sm_89+) on the word's 16-bit halves
+// split in PTX (mov.b32 {l, h}), so ptxas reads the high half in place (R.H1) where a
+// shift by 16 cost an instruction per word (2026-12-04, unit).
+__device__ __forceinline__ void e4m3x4_f16(uint32_t w, uint32_t& lo, uint32_t& hi) {
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+        : "=r"(lo), "=r"(hi)
+        : "r"(w));
+}
+
 // One-byte codes, four per 32-bit word (low byte first), to their exact f32 values.
-// E4M3: cvt.rn.f16x2.e4m3x2 (sm_89+, two codes per instruction): every E4M3 value is
+// E4M3: cvt.rn.f16x2.e4m3x2 (e4m3x4_f16, two codes per instruction): every E4M3 value is
 // an f16, so the conversion is exact and equals e4m3_value (0x7F / 0xFF give NaN).
 struct CodeE4m3 {
     static __device__ __forceinline__ void cvt4(uint32_t w, float v[4]) {
         uint32_t lo, hi;
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(lo) : "h"((unsigned short)(w & 0xFFFFu)));
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(hi) : "h"((unsigned short)(w >> 16)));
+        e4m3x4_f16(w, lo, hi);
         const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo)), b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
         v[0] = a.x;
         v[1] = a.y;
@@ -867,10 +876,8 @@ struct CodeNvfp4 {
             w0 = ((q << 4) & 0x80808080u) | ((q << 2) & 0x1C1C1C1Cu);  // elements 0, 2, 4, 6
             w1 = (q & 0x80808080u) | ((q >> 2) & 0x1C1C1C1Cu);         // elements 1, 3, 5, 7
         }
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h[0]) : "h"((unsigned short)(w0 & 0xFFFFu)));
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h[1]) : "h"((unsigned short)(w0 >> 16)));
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h[2]) : "h"((unsigned short)(w1 & 0xFFFFu)));
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h[3]) : "h"((unsigned short)(w1 >> 16)));
+        e4m3x4_f16(w0, h[0], h[1]);
+        e4m3x4_f16(w1, h[2], h[3]);
     }
     // The E4M3 block scale's byte as the f16 pair (b, b), exact.
     static __device__ __forceinline__ __half2 block_h2(uint32_t block) {
