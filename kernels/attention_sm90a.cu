@@ -190,13 +190,13 @@
 // exponent e (clamped to [1, 253]; 127 for a zero tile or a non-finite scale), and
 // writes each element as code * r, r = f16(scale * 2^(127 - e)) < 4, rounded to f16
 // (decode_tile DEC_F16: the code exact in f16 by a byte permute and one HSUB2 (int8), one
-// cvt per pair (E4M3), a permute, a mask and one HFMA2 per pair (int4); then one HMUL2 per
-// pair), and e per stage. The consumers keep O in units of 2^(e - 127) of the last tile
-// added: before tile i's P·V, O is rescaled by corr times 2^(e(i - 1) - e(i)) (exact),
-// and the output is O 2^(e - 127) / l. This moves V's decode from about 3.4 (E4M3) and 4.1
-// (int8) instructions an element (f32 convert, f32 multiply, bf16 pack) to about 1 to
-// 2.4, on the producer warps that share the SM sub-partitions' issue slots with the
-// consumers. H200, ctx 4096 d 128 (docs/performance.md, pv16): int8 321.2 -> 328.9
+// cvt per pair (E4M3), a permute, one LOP3 and one HADD2 per pair (int4, since hadd); then
+// one HMUL2 per pair), and e per stage. The consumers keep O in units of 2^(e - 127) of
+// the last tile added: before tile i's P·V, O is rescaled by corr times 2^(e(i - 1) -
+// e(i)) (exact), and the output is O 2^(e - 127) / l. This moves V's decode from about
+// 3.4 (E4M3) and 4.1 (int8) instructions an element (f32 convert, f32 multiply, bf16
+// pack) to about 1 to 2.4, on the producer warps that share the SM sub-partitions' issue
+// slots with the consumers. H200, ctx 4096 d 128 (docs/performance.md, pv16): int8 321.2 -> 328.9
 // TFLOP/s, k8v4 308.4 -> 322.8; the same P·V under attn-fp8-qk measured 363.8 against
 // 370.5 (its E4M3 decode was cheaper to begin with), so attn-fp8-qk keeps bf16. Numerics against v3's bf16 P·V: P to 2^-12 relative (f16, down to 2^-14;
 // then 2^-25 absolute) where v3 has 2^-9; V to 2^-11 + 2^-12 relative of each element
@@ -211,8 +211,8 @@
 // code value * f16(scale * 2^(127 - e)), e the exponent of the tile's largest scale
 // field, with nvfp4's e2m1 / 64 exact in f16 (CodeNvfp4::codes8) times f16(e4m3 * f16(S *
 // 64 * 2^(127 - e))) (one HMUL2 a block, one a pair; c2, 2026-12-03), int2's 2 (code -
-// 1.5) exact by a permute, a mask and one HFMA2 a pair times f16(scale * 2^(126 - e)),
-// vq2's codewords from f16 copies of the codebook (each value rounded to f16, written at
+// 1.5) exact by a shift, one LOP3 and one HADD2 a pair (hadd) times f16(scale * 2^(126 -
+// e)), vq2's codewords from f16 copies of the codebook (each value rounded to f16, written at
 // the kernel's start) times f16(rms * 2^(127 - e)); an nvfp4 K chunk in the order 0, 2,
 // 4, 6, 1, 3, 5, 7 (DEC_F16K: the E4M3 bytes of the even and the odd nibbles straight
 // from q, no byte permute), q's chunk staged alike. K's 2^(e - 127) times kmul is every
@@ -453,6 +453,21 @@ __device__ __forceinline__ uint4 mul_h8(const uint32_t h[4], __half2 r2) {
 }
 __device__ __forceinline__ uint4 mul_h8(const uint32_t h[4], float r) { return mul_h8(h, __float2half2_rn(r)); }
 
+// The f16 pair (1024, 1024) as bits, 0x64006400, from a volatile asm move: ptxas keeps it
+// in a register, so that and_or below is one LOP3 (given the constant itself, it split
+// the mask and the OR into two LOP3s with one immediate each; hadd, 2026-12-04).
+__device__ __forceinline__ uint32_t f16_exp_pair() {
+    uint32_t c;
+    asm volatile("mov.b32 %0, 0x64006400;\n" : "=r"(c));
+    return c;
+}
+// (a & M) | c, one LOP3.
+template <uint32_t M>
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t c) {
+    uint32_t x;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(x) : "r"(a), "n"(M), "r"(c));
+    return x;
+}
 // Bytes of one row of one-byte codes (src/kv: D codes, the f32 scale, zeros to a multiple of 16).
 __host__ __device__ constexpr int coded_row_bytes(int d) { return (d + 4 + 15) / 16 * 16; }
 
@@ -566,17 +581,21 @@ struct RowInt4G32 {
     }
     template <int D>
     static __device__ __forceinline__ uint32_t smax_bits(uint32_t row) { return smax_f32s<D / 32>(row + D / 2); }
-    // Byte i of q (elements 2i, 2i + 1) into both halves of an f16x2 under the exponent
-    // byte 0x64, the low nibble kept in the low half, the high one in the high half:
-    // (1024 + n0, 1024 + 16 n1); one HFMA2 by (1, 1/16) plus (-1032, -72) gives (n0 - 8,
-    // n1 - 8) exactly (the product by 1/16 and both sums are exact in f16).
+    // Byte i of q (elements 2i, 2i + 1) into the halves of an f16x2 under the exponent
+    // byte 0x64 (f16 1024, ulp 1): byte i of q to the low half, byte i of q >> 4 to the
+    // high (one permute), each masked to its low nibble n: 1024 + n; one HADD2 of -1032
+    // leaves n - 8 exactly. (hadd, 2026-12-04: before, an HFMA2 by (1, 1/16) with the high
+    // nibble kept in place, whose constants ptxas reloaded by a MOV per pair at the
+    // producer's 56 registers; with this and RowInt2G32's, k4v2's attn-f16 at ctx 4096 d 128
+    // 336.6 TFLOP/s against 320.0, 8B 32/8 357.2 / 341.1, k8v4's attn-int8-qk 340.7 / 336.8:
+    // docs/performance.md, "hadd".)
     static __device__ __forceinline__ uint4 dech8(Raw q, Scale s, float rmul, uint32_t) {
+        const uint32_t t = q >> 4, c = f16_exp_pair();
         uint32_t h[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const uint32_t x = __byte_perm(q, 0x64646464u, 0x4040u + 0x0101u * i) & 0xFFF0FF0Fu;
-            const __half2 v = __hfma2(as_h2(x), as_h2(0x2C003C00u), as_h2(0xD480E408u));
-            h[i] = h2_bits(v);
+            const uint32_t x = and_or<0x000F000Fu>(__byte_perm(q, t, 0x4400u + 0x1111u * i), c);
+            h[i] = h2_bits(__hadd2(as_h2(x), as_h2(0xE408E408u)));
         }
         return mul_h8(h, s * rmul);
     }
@@ -604,23 +623,22 @@ struct RowInt2G32 {
     }
     template <int D>
     static __device__ __forceinline__ uint32_t smax_bits(uint32_t row) { return smax_f32s<D / 32>(row + D / 4); }
-    // attn-f16: 2 (code - 1.5), exact in f16, times r = f16(scale * rmul / 2). Pair n
-    // (elements 2n, 2n + 1, bits 4n .. 4n + 3 of q) goes into the two halves of an f16x2
-    // under the exponent byte 0x64 (f16 1024, ulp 1), each half's low byte masked to its
-    // element's two bits at bit p: 1024 + 2^p c; one HFMA2 by 2^(1 - p) plus -(2^(11 - p)
-    // + 3) leaves 2c - 3 exactly (the product by a power of two is exact, and 2^(11 - p) +
-    // 3 is exact in f16 for p >= 1). The elements at p = 0 (4i, the low half of pair 2i)
-    // are taken from q << 1 (p = 1): pair 2i from byte i of q << 1 (low half, p = 1) and of
-    // q (high, p = 2), pair 2i + 1 from byte i of q (p = 4, 6).
+    // attn-f16: 2 (code - 1.5), exact in f16, times r = f16(scale * rmul / 2). w holds
+    // each code c_j (bits 2j, 2j + 1 of the 16-bit q) twice, at bit 2j + 1 (q << 1) and at
+    // bit 2j + 15 (q << 15); pair i (elements 2i, 2i + 1) is w >> 4i masked to bits 1-2
+    // (c_2i from q << 1; q << 15 is zero there) and 17-18 (c_2i+1 from q << 15; q << 1
+    // is zero there, q having 16 bits) under the exponent byte 0x64 (f16 1024, ulp 1):
+    // 1024 + 2c; one HADD2 of -1027 leaves 2c - 3 exactly (checked for every 16-bit q, and
+    // RowInt4G32's for every byte).
+    // (Before hadd, 2026-12-04: a permute per pair and an HFMA2 whose constants were
+    // reloaded by MOVs.)
     static __device__ __forceinline__ uint4 dech8(Raw q, Scale s, float rmul, uint32_t) {
-        const uint32_t q1 = q << 1;
+        const uint32_t w = (q << 1) | (q << 15), c = f16_exp_pair();
         uint32_t h[4];
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const uint32_t lo = (__byte_perm(q, q1, 0x0004u + 0x0101u * i) & 0x000C0006u) | 0x64006400u;
-            h[2 * i] = h2_bits(__hfma2(as_h2(lo), as_h2(0x38003C00u), as_h2(0xE006E403u)));
-            const uint32_t hi = __byte_perm(q, 0x64646464u, 0x4040u + 0x0101u * i) & 0xFFC0FF30u;
-            h[2 * i + 1] = h2_bits(__hfma2(as_h2(hi), as_h2(0x28003000u), as_h2(0xD060D818u)));
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t x = and_or<0x00060006u>(w >> (4 * i), c);
+            h[i] = h2_bits(__hadd2(as_h2(x), as_h2(0xE403E403u)));
         }
         return mul_h8(h, s * (rmul * 0.5f));
     }
