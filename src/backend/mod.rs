@@ -713,10 +713,10 @@ pub const FAST_PATH_LM_HEAD_FUSED: &str = "lm-head-fused";
 /// stored codes (q as two e4m3 terms times a per-row power of two, K's row
 /// scales folded into S's columns; kernels/attention_sm90a.cu
 /// `attn_wgmma_d<D>_fp8qk`): on by default on the CUDA default route at the head
-/// sizes of `cuda::ops::ATTN_FP8_QK_DEFAULT_HEAD_DIMS` (d 128, where the H200
-/// measured it faster than the decoding kernel and its parity cases closer to the
-/// CPU backend's op; docs/performance.md, qk9); naming it forces it at d 64 too;
-/// `--no-fast-path attn-fp8-qk` turns it off.
+/// sizes of `cuda::ops::ATTN_FP8_QK_DEFAULT_HEAD_DIMS` (d 128 from qk9, where the H200
+/// measured it faster than the decoding kernel, docs/performance.md, qk9; none since
+/// 2026-12-04, when the decoding kernel measured as fast or faster, "hadd"); naming it
+/// forces it at d 64 and 128; `--no-fast-path attn-fp8-qk` turns it off.
 pub const FAST_PATH_ATTN_FP8_QK: &str = "attn-fp8-qk";
 
 /// Kernel v3 with S = Q·Kᵀ by f16 wgmma on an int8 (or k8v4) cache's stored K codes,

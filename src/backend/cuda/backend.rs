@@ -752,6 +752,9 @@ impl CudaBackend {
             FastPathUse::Forced => "forced (--fast-path)",
         };
         let dims: Vec<usize> = ops::ATTN_V3_HEAD_DIMS.iter().copied().filter(|&d| self.fp8_qk_at(d).unwrap_or(false)).collect();
+        if dims.is_empty() {
+            return format!("{name} not on by default at any head size on this device (--fast-path {name} forces it): kernel v3's decoding fp8 kernel");
+        }
         format!(
             "{name} {how}, at d_head {dims:?} on this device: attn_wgmma_d<D>_fp8qk (kernel v3; S = Q·Kᵀ by e4m3 wgmma on K's \
              stored codes, q as e4m3 hi + lo times a per-row power of two, K's row scales folded into S's columns; V decoded \

@@ -2475,10 +2475,16 @@ fn fast_path_covers(dev: &CudaDevice, variant: V3Variant, format: KvFormat, d_he
 
 /// The head sizes at which the default route runs [`FAST_PATH_ATTN_FP8_QK`] for an fp8
 /// cache unless it is turned off: where the H200 measured it faster than kernel v3's
-/// decoding fp8 kernel (qk9, causal ctx 4096: d 128 372.3 against 329.7 TFLOP/s; at
-/// d 64 it was slower, 245.9 against 267.4, so d 64 keeps the decoding kernel unless
-/// the fast path is named).
-pub const ATTN_FP8_QK_DEFAULT_HEAD_DIMS: &[usize] = &[128];
+/// decoding fp8 kernel. None since 2026-12-04: qk9 had measured it faster at d 128
+/// (causal ctx 4096, 372.3 against 329.7 TFLOP/s; at d 64 slower, 245.9 against 267.4),
+/// but since e4m3 halves the decoding kernel is within 1.3 % of it at ctx 4096 d 128 b4
+/// h16 and faster at the other d 128 shapes. H200, TFLOP/s, decoding / fast path, three
+/// calls (2026-12-04 16:55, 17:29 and 17:36 UTC; six, three and two samples): ctx 4096 d
+/// 128 375.2 / 377.4, 375.1 / 377.1, 372.4 / 377.4; 8B 32/8 ctx 4096 400.1 / 395.6,
+/// 399.4 / 396.2, 399.0 / 396.0; ctx 512 d 128 193.9 / 184.8; d 64 273.4 / 250.6
+/// (docs/performance.md, "hadd"). `--fast-path attn-fp8-qk` still runs it at d 64 and
+/// 128.
+pub const ATTN_FP8_QK_DEFAULT_HEAD_DIMS: &[usize] = &[];
 
 /// Whether [`attention_coded_fp8_qk`] has a kernel for `d_head` on this device.
 pub fn attn_fp8_qk_covers(dev: &CudaDevice, d_head: usize) -> bool {
