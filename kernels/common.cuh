@@ -798,22 +798,32 @@ __device__ __forceinline__ void hadamard_frag(float (&v)[D / 4], int lane) {
 }
 
 // The four E4M3 bytes of w as two f16x2 words (bytes 0, 1 in lo, bytes 2, 3 in hi; byte
-// 2i in the low half), exact: cvt.rn.f16x2.e4m3x2 (sm_89+) on the word's 16-bit halves
-// split in PTX (mov.b32 {l, h}), so ptxas reads the high half in place (R.H1) where a
-// shift by 16 cost an instruction per word (2026-12-04, unit).
+// 2i in the low half), exact: cvt.rn.f16x2.e4m3x2 (sm_89+) on the word's 16-bit halves.
+// SPLIT: the halves split in PTX (mov.b32 {l, h}), so ptxas reads the high half in place
+// (R.H1) where a shift by 16 cost an instruction per word (e4m3 halves, 2026-12-04);
+// else the high half shifted down first (e4m3d64: CodeE4m3T).
+template <bool SPLIT = true>
 __device__ __forceinline__ void e4m3x4_f16(uint32_t w, uint32_t& lo, uint32_t& hi) {
-    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
-        : "=r"(lo), "=r"(hi)
-        : "r"(w));
+    if constexpr (SPLIT) {
+        asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+            : "=r"(lo), "=r"(hi)
+            : "r"(w));
+    } else {
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(lo) : "h"((unsigned short)(w & 0xFFFFu)));
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(hi) : "h"((unsigned short)(w >> 16)));
+    }
 }
 
 // One-byte codes, four per 32-bit word (low byte first), to their exact f32 values.
 // E4M3: cvt.rn.f16x2.e4m3x2 (e4m3x4_f16, two codes per instruction): every E4M3 value is
 // an f16, so the conversion is exact and equals e4m3_value (0x7F / 0xFF give NaN).
-struct CodeE4m3 {
+// SPLIT as e4m3x4_f16's: the same values either way; false only for kernel v3's d 64
+// decoding fp8 kernel, which measured 1.5 % slower with the split (e4m3d64, 2026-12-04).
+template <bool SPLIT = true>
+struct CodeE4m3T {
     static __device__ __forceinline__ void cvt4(uint32_t w, float v[4]) {
         uint32_t lo, hi;
-        e4m3x4_f16(w, lo, hi);
+        e4m3x4_f16<SPLIT>(w, lo, hi);
         const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo)), b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
         v[0] = a.x;
         v[1] = a.y;
@@ -821,6 +831,7 @@ struct CodeE4m3 {
         v[3] = b.y;
     }
 };
+using CodeE4m3 = CodeE4m3T<>;
 // int8: byte b ^ 0x80 as the low mantissa bits of 2^23 is the float 2^23 + 128 + b
 // exactly; subtracting 2^23 + 128 (exact) leaves b (a byte permute and an add, no I2F).
 struct CodeInt8 {
