@@ -715,8 +715,9 @@ pub const FAST_PATH_LM_HEAD_FUSED: &str = "lm-head-fused";
 /// `attn_wgmma_d<D>_fp8qk`): on by default on the CUDA default route at the head
 /// sizes of `cuda::ops::ATTN_FP8_QK_DEFAULT_HEAD_DIMS` (d 128 from qk9, where the H200
 /// measured it faster than the decoding kernel, docs/performance.md, qk9; none since
-/// 2026-12-04, when the decoding kernel measured as fast or faster, "hadd"); naming it
-/// forces it at d 64 and 128; `--no-fast-path attn-fp8-qk` turns it off.
+/// 2026-12-04, when the decoding kernel measured within 1.3 % of it at ctx 4096 d 128
+/// and faster on the 8B shape and at ctx 512, "hadd"); naming it forces it at d 64 and
+/// 128; `--no-fast-path attn-fp8-qk` turns it off.
 pub const FAST_PATH_ATTN_FP8_QK: &str = "attn-fp8-qk";
 
 /// Kernel v3 with S = Q·Kᵀ by f16 wgmma on an int8 (or k8v4) cache's stored K codes,
