@@ -60,7 +60,17 @@
 // cores while that P·V runs on the tensor cores (wait_group 1, then 0 before O
 // is rescaled and P repacked); one arrival per consumer warp releases the K
 // stage once S is done, the V stage once P·V is. Both warpgroups compute
-// every tile of the item (masking decides what counts).
+// every tile of the item (masking decides what counts). Ping-pong (FA3's
+// inter-warpgroup scheduling; pp, 2026-12-04): from an item's second tile on, a
+// warpgroup issues its S and P·V wgmmas only in its turn (named barrier 4 + c, 256
+// threads) and hands the turn to the other (bar.arrive 5 - c) once they are issued,
+// so one warpgroup's softmax runs while the other's products hold the tensor cores;
+// warpgroup 0 takes the first turn once per launch, and the two walk the same tiles,
+// so the turns pair up across items. H200, ctx 4096, TFLOP/s, against no ping-pong in
+// the same call (docs/performance.md, pp): bf16 d 128 455.5 / 423.8, 8B 32/8 501.8 /
+// 458.7, d 64 307.2 / 301.1; every coded kernel 0.5-4.6 % faster at d 128, the d 64
+// attn-int8-qk, attn-fp8-qk and attn-f16 kernels 3.6-12.1 %. Not for the d 64
+// decoding kernels of fp8, int8 and k8v4 (PINGPONG below), 0.8-1.8 % slower with it.
 // The softmax is straight-line code: the consumer's walk is compiled twice
 // (without and with the soft-cap, chosen once per launch) and each holds two
 // softmax bodies, one for tiles every key of which each row of the warp sees (no
@@ -907,6 +917,9 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
     constexpr int NS = BN / 8;            // 8-column accumulator chunks of S
     constexpr int NO = D / 8;             // of O
     constexpr bool KF = CODED && ((FOLD_K && CACHE::KRow::ONE_SCALE) || QK || HS);  // K's row scale folded into S's columns
+    // Ping-pong between the consumer warpgroups (see the top of this file): every kernel
+    // but the d 64 decoding kernels of one-byte codes (fp8, int8, k8v4), where it measured slower.
+    constexpr bool PINGPONG = !(D == 64 && CODED && !QK && !HS && CACHE::KRow::ONE_SCALE);
     constexpr int KQ = KF ? BN / 16 : 1;  // float4s of K factors per consumer lane and tile
     constexpr uint32_t Q_BYTES = BM * D * 2;
     constexpr uint32_t KV_BYTES = BN * D * 2;  // one stage of K (or of V)
@@ -1163,6 +1176,9 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
 
     // The consumer's whole walk, compiled once without and once with the soft-cap (a
     // uniform branch per launch, so the tile loop holds no tanh path it does not take).
+    if constexpr (PINGPONG) {
+        if (c == 0) asm volatile("bar.arrive 4, 256;\n" ::: "memory");  // warpgroup 0 takes the first turn
+    }
     auto consume = [&](auto cap_flag) {
         constexpr bool CAP = decltype(cap_flag)::value;
         float o[D / 2];
@@ -1545,10 +1561,12 @@ __device__ __forceinline__ void attn_wgmma_impl(const AttnWgmmaArgs& a, const in
                 const int j = gt + i;
                 const int s = j % ST, sp = (j - 1) % ST;
                 mbar_wait(full_k(s), (j / ST) & 1);
+                if constexpr (PINGPONG) asm volatile("bar.sync %0, 256;\n" ::"r"(4 + c) : "memory");  // our turn
                 issue_s(j);
                 mbar_wait(full_v(sp), ((j - 1) / ST) & 1);
                 to_units(vexp_of(sp));
                 issue_pv(j - 1);
+                if constexpr (PINGPONG) asm volatile("bar.arrive %0, 256;\n" ::"r"(5 - c) : "memory");  // the other's turn
                 load_kf(s);
                 wgmma_wait<1>();  // S of tile i done (groups retire in order); P·V of i - 1 may run
                 fence_regs(sc);

@@ -2425,8 +2425,13 @@ pub use crate::backend::FAST_PATH_ATTN_INT8_QK;
 /// named; at ctx 512 d 128 also slower, 137.7 / 147.0 and 136.1 / 144.6:
 /// docs/performance.md). Since qh (the f16 kernel, 2026-12-03 13:13 UTC): int8 d 128
 /// 339.5 / 306.2, k8v4 330.7 / 295.2; d 64 still slower (235.5 / 248.7, 233.3 / 242.6),
-/// ctx 512 d 128 too (144.0 / 149.8, 141.5 / 146.2).
-pub const ATTN_INT8_QK_DEFAULT_HEAD_DIMS: &[(KvFormat, &[usize])] = &[(KvFormat::Int8, &[128]), (KvFormat::K8v4, &[128])];
+/// ctx 512 d 128 too (144.0 / 149.8, 141.5 / 146.2). Since pp (2026-12-04: ping-pong
+/// between the consumer warpgroups in the fast path's kernels, not in the d 64 decoding
+/// kernels) k8v4 at d 64 runs it by default: ctx 4096 d 64 263.5 / 250.4 and 265.1 /
+/// 254.2 in two calls, ctx 512 d 64 126.1 / 125.2; int8 at d 64 measured level (262.6 /
+/// 260.8 and 265.8 / 262.8, ctx 512 124.6 / 124.2) and keeps the decoding kernel
+/// (docs/performance.md, "pp").
+pub const ATTN_INT8_QK_DEFAULT_HEAD_DIMS: &[(KvFormat, &[usize])] = &[(KvFormat::Int8, &[128]), (KvFormat::K8v4, &[64, 128])];
 
 /// Whether the default route runs [`FAST_PATH_ATTN_INT8_QK`] for `format` at `d_head`
 /// ([`ATTN_INT8_QK_DEFAULT_HEAD_DIMS`]).
@@ -2452,9 +2457,13 @@ pub fn attn_int8_qk_covers(dev: &CudaDevice, format: KvFormat, d_head: usize) ->
 /// / 287.6) and was not on by default (docs/performance.md, "Issue 11: prod56"). Since
 /// vqbook (2026-12-03 20:05 UTC: vq2's codebook one copy per lane, no bank conflicts; mean
 /// of two rounds) vq2's decoding kernel is faster at d 64, 257.1 / 247.3, so d 64 keeps
-/// it; at d 128 the fast path still leads, 308.1 / 300.5 (8B 330.9 / 318.0).
+/// it; at d 128 the fast path still leads, 308.1 / 300.5 (8B 330.9 / 318.0). Since pp
+/// (2026-12-04: ping-pong between the consumer warpgroups) nvfp4 at d 64 runs the fast
+/// path by default too: ctx 4096 d 64 267.5 / 256.8 and 269.4 / 258.2 in two calls (at
+/// ctx 512 d 64 slower, 125.8 / 129.4: the tool's default context decides, as at d 128);
+/// vq2 at d 64 still keeps the decoding kernel (266.1 / 249.9) (docs/performance.md, "pp").
 pub const ATTN_F16_DEFAULT_HEAD_DIMS: &[(KvFormat, &[usize])] =
-    &[(KvFormat::Nvfp4, &[128]), (KvFormat::K4v2, &[64, 128]), (KvFormat::Vq2, &[128])];
+    &[(KvFormat::Nvfp4, &[64, 128]), (KvFormat::K4v2, &[64, 128]), (KvFormat::Vq2, &[128])];
 
 /// Whether the default route runs [`FAST_PATH_ATTN_F16`] for `format` at `d_head`
 /// ([`ATTN_F16_DEFAULT_HEAD_DIMS`]).
