@@ -80,6 +80,25 @@ pub fn write_atomic(target: &Path, bytes: &[u8]) -> Result<()> {
     f.commit()
 }
 
+/// Reads a whole file of at most `max_bytes`, refusing a larger one before
+/// reading it (`what` names the flag or role in the message).
+pub fn read_bounded(path: &Path, max_bytes: u64, what: &str) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let file = File::open(path).with_context(|| format!("{what} {}: open", path.display()))?;
+    let n = file.metadata().with_context(|| format!("{what} {}: stat", path.display()))?.len();
+    let too_big = |n: u64| anyhow::anyhow!("{what} {}: {n} bytes, larger than the limit of {max_bytes} bytes", path.display());
+    if n > max_bytes {
+        return Err(too_big(n));
+    }
+    let mut bytes = Vec::with_capacity(n as usize);
+    // take(): a file that grows while read (or a special file reporting 0) stays bounded.
+    file.take(max_bytes + 1).read_to_end(&mut bytes).with_context(|| format!("{what} {}: read", path.display()))?;
+    if bytes.len() as u64 > max_bytes {
+        return Err(too_big(bytes.len() as u64));
+    }
+    Ok(bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -117,23 +136,16 @@ mod tests {
         assert_eq!(std::fs::read(&target).unwrap(), b"new");
         assert!(!tmp_path(&target).exists());
     }
-}
 
-/// Reads a whole file of at most `max_bytes`, refusing a larger one before
-/// reading it (`what` names the flag or role in the message).
-pub fn read_bounded(path: &Path, max_bytes: u64, what: &str) -> Result<Vec<u8>> {
-    use std::io::Read;
-    let file = File::open(path).with_context(|| format!("{what} {}: open", path.display()))?;
-    let n = file.metadata().with_context(|| format!("{what} {}: stat", path.display()))?.len();
-    let too_big = |n: u64| anyhow::anyhow!("{what} {}: {n} bytes, larger than the limit of {max_bytes} bytes", path.display());
-    if n > max_bytes {
-        return Err(too_big(n));
+    #[test]
+    fn read_bounded_refuses_a_file_over_the_limit_and_names_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.json");
+        std::fs::write(&path, b"0123456789").unwrap();
+        assert_eq!(read_bounded(&path, 10, "--x").unwrap(), b"0123456789");
+        let err = format!("{:#}", read_bounded(&path, 9, "--x").unwrap_err());
+        assert!(err.starts_with("--x ") && err.contains("m.json") && err.contains("10 bytes") && err.contains("9 bytes"), "{err}");
+        let err = format!("{:#}", read_bounded(&dir.path().join("absent"), 9, "--x").unwrap_err());
+        assert!(err.contains("absent: open"), "{err}");
     }
-    let mut bytes = Vec::with_capacity(n as usize);
-    // take(): a file that grows while read (or a special file reporting 0) stays bounded.
-    file.take(max_bytes + 1).read_to_end(&mut bytes).with_context(|| format!("{what} {}: read", path.display()))?;
-    if bytes.len() as u64 > max_bytes {
-        return Err(too_big(bytes.len() as u64));
-    }
-    Ok(bytes)
 }
